@@ -1,0 +1,1 @@
+"""Bundled example models and datasets (no download needed)."""

@@ -1,0 +1,248 @@
+"""The Plan: where the partitioner and the runtime meet.
+
+A :class:`Plan` is plain data (dataclasses of ints, floats, strings and lists), deterministic for
+a given model, example inputs and spec, and round-trips through JSON. The partitioner writes it;
+the runtime reads it. Neither package imports the other.
+
+Units throughout: seconds (``*_s``), bytes (``*_bytes``), floating-point operations (``*_flops``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+PLAN_FORMAT_VERSION = 1
+
+#: Producer-stage marker for values that are model inputs (fed from the data loader on every
+#: stage that needs them, never sent between ranks).
+MODEL_INPUT = -1
+
+
+@dataclass
+class ValueInfo:
+    """A tensor that crosses a stage boundary (an FX node's output).
+
+    Attributes:
+        name: FX node name of the producer (unique in the traced graph).
+        producer: index of the stage that computes it, or ``MODEL_INPUT`` (-1) for a model input.
+        consumers: indices of the stages that read it (sorted, producer excluded).
+        shape: shape for ONE micro-batch, e.g. ``[4, 128, 256]``.
+        dtype: torch dtype name without the ``torch.`` prefix, e.g. ``"float32"``, ``"int64"``.
+        nbytes: size in bytes for one micro-batch.
+    """
+
+    name: str
+    producer: int
+    consumers: list[int]
+    shape: list[int]
+    dtype: str
+    nbytes: int
+
+    @property
+    def requires_grad(self) -> bool:
+        """True for floating-point values (their gradient is sent back in the backward pass)."""
+        return self.dtype.startswith(("float", "bfloat", "complex"))
+
+
+@dataclass
+class StagePlan:
+    """One pipeline stage: a contiguous run of graph nodes (in topological order).
+
+    Attributes:
+        index: stage index ``0 .. num_stages-1`` (virtual stage index when ``virtual_stages > 1``).
+        nodes: FX node names computed by this stage, in execution order (placeholders, parameter
+            ``get_attr`` nodes and the output node excluded).
+        params: original parameter FQNs the stage uses (as in ``model.named_parameters()``).
+        buffers: original buffer FQNs the stage uses.
+        inputs: names of values the stage reads that it does not compute (see ``Plan.values``),
+            in the order of the stage module's positional arguments.
+        outputs: names of values the stage computes that a later stage or the loss reads, in the
+            order of the stage module's returned tuple.
+        fwd_flops / bwd_flops: forward and backward FLOPs for one micro-batch (backward includes
+            input- and weight-gradients; ``bwd_weight_flops`` is the weight-gradient part).
+        param_bytes: bytes of the parameters the stage holds (a tied parameter counted once).
+        activation_bytes: bytes of activations kept for backward per micro-batch in flight.
+        recv_bytes / send_bytes: bytes received / sent per micro-batch in the forward pass
+            (the backward pass moves the same float values the other way).
+        compute_time_s: predicted forward+backward compute seconds per micro-batch.
+        comm_time_s: predicted seconds per micro-batch spent receiving and sending activations
+            and their gradients.
+        time_s: ``compute_time_s + comm_time_s``; the planner minimises the largest of these.
+        memory_bytes: predicted peak bytes (parameters, gradients, optimizer state, activations
+            of the micro-batches the schedule keeps in flight on this stage).
+    """
+
+    index: int
+    nodes: list[str]
+    params: list[str]
+    buffers: list[str]
+    inputs: list[str]
+    outputs: list[str]
+    fwd_flops: float
+    bwd_flops: float
+    bwd_weight_flops: float
+    param_bytes: int
+    activation_bytes: int
+    recv_bytes: int
+    send_bytes: int
+    compute_time_s: float
+    comm_time_s: float
+    time_s: float
+    memory_bytes: int
+    fwd_time_s: float = 0.0
+    bwd_input_time_s: float = 0.0
+    bwd_weight_time_s: float = 0.0
+
+
+@dataclass
+class Predicted:
+    """Simulator's prediction for one training step (one global batch).
+
+    Attributes:
+        step_time_s: seconds per optimizer step.
+        bubble_fraction: idle fraction of the step averaged over pipeline ranks, in [0, 1).
+        peak_memory_bytes: predicted peak bytes per stage (index = stage).
+        peak_inflight: peak number of micro-batches whose activations are held, per stage.
+    """
+
+    step_time_s: float
+    bubble_fraction: float
+    peak_memory_bytes: list[int]
+    peak_inflight: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Plan:
+    """A partitioned model ready to run: stages, placement and schedule.
+
+    Attributes:
+        model: human-readable model name (class or factory).
+        num_stages: number of (virtual) stages, ``pipeline * virtual_stages``.
+        pipeline: pipeline-parallel degree (ranks per pipeline group).
+        dp: data-parallel degree (replicas of every stage).
+        microbatches: micro-batches per step per replica.
+        schedule: schedule name: ``gpipe``, ``1f1b``, ``interleaved``, ``zb-h1``, ``zb-v``.
+        virtual_stages: stages per pipeline rank (``v``); 1 unless interleaved / V-shaped.
+        microbatch_size: samples per micro-batch.
+        stages: the stages, in pipeline order.
+        values: every value that crosses a stage boundary or feeds the model, by name.
+        model_inputs: names of the model's input placeholders, in call order.
+        model_output: name of the value the loss reads (the model's output).
+        shared_params: parameter FQN -> stages that use it, for parameters used by several stages
+            (tied weights). Their gradients are summed across those stages every step.
+        param_aliases: alias FQN -> canonical FQN for tied parameters (e.g. ``wte.weight`` ->
+            ``head.weight``).
+        bottleneck_stage: index of the slowest stage.
+        lower_bound_s: total per-micro-batch compute time / num_stages (no plan can beat it).
+        predicted: simulator prediction, or None if not simulated.
+        explain: free-text lines explaining choices (auto search ranking, annotations honoured).
+        spec: the validated spec as a plain dict (so the runtime can rebuild the model).
+    """
+
+    model: str
+    num_stages: int
+    pipeline: int
+    dp: int
+    microbatches: int
+    schedule: str
+    virtual_stages: int
+    microbatch_size: int
+    stages: list[StagePlan]
+    values: dict[str, ValueInfo]
+    model_inputs: list[str]
+    model_output: str
+    shared_params: dict[str, list[int]] = field(default_factory=dict)
+    param_aliases: dict[str, str] = field(default_factory=dict)
+    bottleneck_stage: int = 0
+    lower_bound_s: float = 0.0
+    predicted: Predicted | None = None
+    explain: list[str] = field(default_factory=list)
+    spec: dict[str, Any] = field(default_factory=dict)
+
+    # ------------------------------------------------------------------ derived views
+    @property
+    def world_size(self) -> int:
+        """Number of ranks: ``pipeline * dp``."""
+        return self.pipeline * self.dp
+
+    def stage_of_node(self) -> dict[str, int]:
+        """Map FX node name -> stage index."""
+        return {n: s.index for s in self.stages for n in s.nodes}
+
+    # ------------------------------------------------------------------ serialisation
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-data view (JSON-serialisable)."""
+        d = dataclasses.asdict(self)
+        d["format_version"] = PLAN_FORMAT_VERSION
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Plan":
+        """Inverse of :meth:`to_dict`.
+
+        Raises:
+            ValueError: the dict is not a plan of this format version.
+        """
+        d = dict(d)
+        version = d.pop("format_version", None)
+        if version != PLAN_FORMAT_VERSION:
+            raise ValueError(
+                f"plan format version {version!r} is not supported (expected "
+                f"{PLAN_FORMAT_VERSION}); re-create the plan with `fxpipe plan SPEC`"
+            )
+        d["stages"] = [StagePlan(**s) for s in d["stages"]]
+        d["values"] = {k: ValueInfo(**v) for k, v in d["values"].items()}
+        if d.get("predicted") is not None:
+            d["predicted"] = Predicted(**d["predicted"])
+        return cls(**d)
+
+    def to_json(self) -> str:
+        """Deterministic JSON text (sorted keys, 2-space indent)."""
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    def save(self, path: str | Path) -> Path:
+        """Write the plan as JSON to ``path`` (parent folders created). Returns the path."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(self.to_json())
+        tmp.replace(path)  # atomic: an interrupted save never leaves a half-written plan
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Plan":
+        """Read a plan written by :meth:`save`.
+
+        Raises:
+            FileNotFoundError: no such file.
+            ValueError: the file is not valid plan JSON.
+        """
+        path = Path(path)
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not a plan JSON file ({e})") from None
+        if not isinstance(data, dict) or "stages" not in data:
+            raise ValueError(f"{path}: not a plan JSON file (no 'stages' key)")
+        return cls.from_dict(data)
+
+    def dump(self, out_dir: str | Path, graph: Any = None) -> list[Path]:
+        """Write ``plan.json``, ``partition.dot`` (+ ``partition.svg`` when Graphviz's ``dot`` is
+        installed) and ``summary.txt`` into ``out_dir``. ``graph`` is the priced networkx graph
+        (needed for the DOT dump; without it only the stage-level graph is drawn).
+
+        Returns the paths written.
+        """
+        from fxpipe.report import dump_plan  # local import: report depends on plan
+
+        return dump_plan(self, Path(out_dir), graph)
+
+    def summary(self) -> str:
+        """Readable table of the stages (what ``fxpipe plan`` prints)."""
+        from fxpipe.report import summary_table
+
+        return summary_table(self)

@@ -1,0 +1,147 @@
+"""Typed parallelism spec (``ParallelSpec``): the YAML file's sections as pydantic models.
+
+Sections: ``model``, ``data``, ``parallel``, ``cluster``, ``train``, ``output``. Unknown keys are
+rejected (``extra="forbid"``); sizes must be positive. Cross-section rules (pipeline x data ==
+world size, batch splits into micro-batches) live in :class:`ParallelSpec`'s validator.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
+
+Auto = Literal["auto"]
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSpec(_Section):
+    """``factory``: ``"package.module:Callable"`` returning an ``nn.Module``; ``args``: its
+    keyword arguments. ``tracer``: ``export`` (``torch.export``, default) or ``fx``
+    (``torch.fx.symbolic_trace``)."""
+
+    factory: str
+    args: dict[str, Any] = Field(default_factory=dict)
+    tracer: Literal["export", "fx"] = "export"
+
+
+class DataSpec(_Section):
+    """``dataset``: ``"package.module:callable"`` returning the corpus; ``batch_size``: the GLOBAL
+    batch (samples per optimizer step over all data-parallel replicas); ``seq_len``: tokens per
+    sample (language models)."""
+
+    dataset: str = "fxpipe.examples.data:python_source_text"
+    batch_size: PositiveInt = 32
+    seq_len: PositiveInt = 128
+
+
+class ParallelSpec_(_Section):
+    """``pipeline``: stages per pipeline (p); ``data``: replicas (dp); ``microbatches``: per
+    replica per step (m); ``schedule``; ``virtual_stages``: stages per rank (v). Any of them may be
+    ``auto`` (the planner searches)."""
+
+    pipeline: Union[PositiveInt, Auto] = 1
+    data: Union[PositiveInt, Auto] = 1
+    microbatches: Union[PositiveInt, Auto] = 1
+    schedule: Union[Literal[SCHEDULES], Auto] = "1f1b"  # type: ignore[valid-type]
+    virtual_stages: PositiveInt = 1
+
+
+class LinksSpec(_Section):
+    """Link bandwidths in GB/s (10^9 bytes per second, one direction) and latency in seconds.
+    ``intra_node_GBps``: e.g. NVLink 4 about 450 each way; ``inter_node_GBps``: e.g. NDR
+    InfiniBand about 50."""
+
+    intra_node_GBps: PositiveFloat = 450.0
+    inter_node_GBps: PositiveFloat = 50.0
+    latency_s: float = Field(default=5e-6, ge=0)
+
+
+class ClusterSpec(_Section):
+    """``nodes`` x ``devices_per_node`` devices (one rank each). ``device``: ``cpu`` (gloo) or
+    ``cuda`` (NCCL). ``memory_gb``: per device, 10^9 bytes. ``device_tflops``: sustained
+    10^12 FLOP/s per device used to turn FLOPs into seconds."""
+
+    nodes: PositiveInt = 1
+    devices_per_node: PositiveInt = 1
+    device: Literal["cpu", "cuda"] = "cpu"
+    memory_gb: PositiveFloat = 16.0
+    device_tflops: PositiveFloat = 0.05
+    links: LinksSpec = Field(default_factory=LinksSpec)
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.devices_per_node
+
+
+class CheckpointSpec(_Section):
+    """``dir``: checkpoint folder (relative to ``output.dir``); ``every``: steps between saves
+    (0: only the final one)."""
+
+    dir: str = "checkpoint"
+    every: int = Field(default=0, ge=0)
+
+
+class TrainSpec(_Section):
+    """Training loop settings. ``precision``: ``fp32`` | ``bf16`` | ``fp16`` (16-bit compute with
+    fp32 master weights). ``grad_compression``: ``none`` | ``fp16`` | ``bf16`` (all-reduce in 16
+    bits). ``updates``: ``sync`` (the only exact mode). ``timeout_s``: a peer silent for this long
+    is an error, not a hang."""
+
+    steps: PositiveInt = 200
+    optimizer: Literal["adamw", "sgd"] = "adamw"
+    lr: PositiveFloat = 3e-4
+    weight_decay: float = Field(default=0.0, ge=0)
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    seed: int = 0
+    loss: str = "cross_entropy"
+    grad_compression: Literal["none", "fp16", "bf16"] = "none"
+    updates: Literal["sync"] = "sync"
+    log_every: PositiveInt = 10
+    timeout_s: PositiveFloat = 300.0
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+
+
+class OutputSpec(_Section):
+    """``dir``: where plan dumps, losses, checkpoints and traces go."""
+
+    dir: str = "runs/default"
+
+
+class ParallelSpec(_Section):
+    """The whole validated spec. Build it with :func:`fxpipe.load_spec` (YAML) or directly."""
+
+    model: ModelSpec
+    data: DataSpec = Field(default_factory=DataSpec)
+    parallel: ParallelSpec_ = Field(default_factory=ParallelSpec_)
+    cluster: ClusterSpec = Field(default_factory=ClusterSpec)
+    train: TrainSpec = Field(default_factory=TrainSpec)
+    output: OutputSpec = Field(default_factory=OutputSpec)
+
+    @model_validator(mode="after")
+    def _cross_section(self) -> "ParallelSpec":
+        par, world = self.parallel, self.cluster.world_size
+        p, d, m = par.pipeline, par.data, par.microbatches
+        if isinstance(p, int) and isinstance(d, int) and p * d != world:
+            raise ValueError(
+                f"parallel.pipeline x parallel.data = {p} x {d} = {p * d}, but the cluster has "
+                f"{world} devices (cluster.nodes x cluster.devices_per_node); make them equal"
+            )
+        if isinstance(d, int) and isinstance(m, int):
+            if self.data.batch_size % (d * m):
+                raise ValueError(
+                    f"data.batch_size={self.data.batch_size} does not split into "
+                    f"parallel.data x parallel.microbatches = {d} x {m} = {d * m} equal "
+                    f"micro-batches; choose a batch size divisible by {d * m}"
+                )
+        v = par.virtual_stages
+        if v > 1 and par.schedule not in ("interleaved", "auto"):
+            raise ValueError(
+                f"parallel.virtual_stages={v} needs schedule 'interleaved' "
+                f"(schedule is {par.schedule!r}); zb-v always uses 2 stages per rank"
+            )
+        return self
