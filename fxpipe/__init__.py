@@ -9,20 +9,10 @@ See README.md for the CLI (``fxpipe plan|run|simulate|show``).
 """
 
 from fxpipe.annotations import annotate, pipe_split
-from fxpipe.plan import Plan
+from fxpipe.api import plan
+from fxpipe.plan_data import Plan
+from fxpipe.specs.loader import load_spec
 
 __all__ = ["Plan", "annotate", "load_spec", "pipe_split", "plan"]
 __version__ = "0.1.0"
 
-
-def __getattr__(name: str):
-    # Lazy: importing fxpipe must stay cheap (the CLI prints errors fast).
-    if name == "load_spec":
-        from fxpipe.specs.loader import load_spec
-
-        return load_spec
-    if name == "plan":
-        from fxpipe.api import plan
-
-        return plan
-    raise AttributeError(f"module 'fxpipe' has no attribute {name!r}")
