@@ -1,0 +1,24 @@
+"""Exceptions raised by fxpipe. Every message names the problem and the fix.
+
+The CLI catches :class:`FxpipeError` and prints its message without a traceback (exit code 2).
+"""
+
+
+class FxpipeError(Exception):
+    """Base class of all user-facing fxpipe errors."""
+
+
+class SpecError(FxpipeError, ValueError):
+    """The YAML spec is malformed or impossible (message gives file:line and the key path)."""
+
+
+class TraceError(FxpipeError):
+    """The model could not be traced (message names the construct that failed and what to do)."""
+
+
+class PlanError(FxpipeError):
+    """No valid partition exists (e.g. a stage cannot fit its device memory) or a plan file is bad."""
+
+
+class RuntimeFailure(FxpipeError):
+    """A pipeline run failed: a peer timed out, shapes disagreed with the plan, a rank died."""
