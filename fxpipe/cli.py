@@ -1,0 +1,129 @@
+"""Command line: ``fxpipe plan|run|simulate|show``.
+
+Every user error (a bad spec, an untraceable model, an impossible plan, a failed run) is printed
+as one clear message on stderr with exit code 2, never as a traceback. ``FXPIPE_DEBUG=1`` shows
+the traceback too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from fxpipe.errors import FxpipeError
+
+DEFAULT_SPEC = "gpt-char"
+
+
+def _add_spec_arg(p: argparse.ArgumentParser, required: bool = False) -> None:
+    p.add_argument(
+        "spec", nargs=None if required else "?", default=None if required else DEFAULT_SPEC,
+        help=f"YAML spec path or bundled spec name (default: {DEFAULT_SPEC})",
+    )
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="fxpipe",
+        description="Declarative pipeline- and data-parallel compiler for PyTorch.",
+    )
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("plan", help="trace, price and partition a model; print the stage table")
+    _add_spec_arg(p)
+    p.add_argument("--out", help="write plan.json, partition.dot and summary.txt here")
+
+    r = sub.add_parser("run", help="plan, then train with torchrun (default: the bundled GPT)")
+    _add_spec_arg(r)
+    r.add_argument("--out", help="output directory (default: the spec's output.dir)")
+    r.add_argument("--steps", type=int, help="override train.steps")
+    r.add_argument("--overwrite", action="store_true",
+                   help="if the output directory holds an earlier run, move it aside "
+                        "(renamed, never deleted) instead of stopping")
+    r.add_argument("--nnodes", default="1", help="torchrun --nnodes (multi-node: e.g. 2)")
+    r.add_argument("--node-rank", type=int, default=None, help="torchrun --node-rank")
+    r.add_argument("--rdzv-endpoint", default=None,
+                   help="host:port of the rendezvous (multi-node); default: loopback, free port")
+    r.add_argument("--rdzv-id", default="fxpipe", help="torchrun --rdzv-id")
+
+    s = sub.add_parser("simulate", help="predicted step time, bubble and memory per schedule")
+    _add_spec_arg(s)
+    s.add_argument("--out", help="write simulated timelines (Chrome trace JSON) here")
+
+    w = sub.add_parser("show", help="print the summary of a saved plan.json")
+    w.add_argument("plan_json", help="path to plan.json (or a folder holding one)")
+
+    sub.add_parser("specs", help="list the bundled example specs")
+    return ap
+
+
+def _cmd_plan(args) -> int:
+    from fxpipe.api import plan_from_spec
+
+    plan, graph = plan_from_spec(args.spec)
+    print(plan.summary())
+    if args.out:
+        for path in plan.dump(args.out, graph):
+            print(f"wrote {path}")
+    return 0
+
+
+def _cmd_simulate(args) -> int:
+    from fxpipe.api import simulate_spec
+
+    print(simulate_spec(args.spec, out_dir=args.out))
+    return 0
+
+
+def _cmd_show(args) -> int:
+    from fxpipe.plan_data import Plan
+
+    path = Path(args.plan_json)
+    if path.is_dir():
+        path = path / "plan.json"
+    if not path.exists():
+        raise FxpipeError(f"{path}: no such plan file; create one with `fxpipe plan SPEC --out DIR`")
+    try:
+        plan = Plan.load(path)
+    except (ValueError, TypeError, KeyError) as e:
+        raise FxpipeError(f"{path}: cannot read this plan ({e}); re-create it with `fxpipe plan`")
+    print(plan.summary())
+    return 0
+
+
+def _cmd_run(args) -> int:
+    from fxpipe.launch import run
+
+    return run(args)
+
+
+def _cmd_specs(args) -> int:
+    from fxpipe.specs.loader import list_bundled_specs
+
+    print("\n".join(list_bundled_specs()))
+    return 0
+
+
+COMMANDS = {"plan": _cmd_plan, "run": _cmd_run, "simulate": _cmd_simulate, "show": _cmd_show,
+            "specs": _cmd_specs}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``fxpipe`` console script. Returns the process exit code."""
+    args = _parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except FxpipeError as e:
+        if os.environ.get("FXPIPE_DEBUG"):
+            raise
+        print(f"fxpipe: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("fxpipe: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,123 @@
+"""The per-rank training worker started by ``fxpipe run`` (through torchrun).
+
+``python -m fxpipe.train --plan OUT/plan.json --out OUT`` on every rank:
+rebuild the model from the plan's spec (same seed everywhere), re-trace it, keep this rank's
+stages, and train with the plan's schedule. Rank 0 prints progress (step, loss, tokens/s) and
+writes ``losses.csv``; all ranks write checkpoints (torch.distributed.checkpoint, keyed by the
+original parameter FQNs) and rank 0 writes the measured timeline (Chrome trace JSON, one track per
+rank).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from fxpipe.errors import FxpipeError
+
+
+def _optimizer(spec, params):
+    t = spec.train
+    if t.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=t.lr, weight_decay=t.weight_decay)
+    return torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay)
+
+
+def train(plan_path: Path, out: Path) -> None:
+    """Train one rank's share of the plan at ``plan_path``; outputs go to ``out``.
+
+    Raises:
+        FxpipeError: bad plan, a peer timed out, or shapes disagree with the plan.
+    """
+    from fxpipe.api import materialize_stages
+    from fxpipe.checkpoint import save_checkpoint
+    from fxpipe.data_loading import as_tuple, make_batches
+    from fxpipe.losses import resolve_loss
+    from fxpipe.plan_data import Plan
+    from fxpipe.runtime.execute import PipelineExecutor
+    from fxpipe.runtime.mesh import Mesh, init_distributed
+    from fxpipe.runtime.schedules import schedule_for_plan
+    from fxpipe.runtime.timeline import write_chrome_trace
+    from fxpipe.specs.loader import build_model, load_spec
+
+    plan = Plan.load(plan_path)
+    spec = load_spec(plan.spec)
+    torch.set_num_threads(1)
+    init_distributed(spec.cluster.device, spec.train.timeout_s)
+    rank = dist.get_rank()
+    mesh = Mesh(plan.pipeline, plan.dp)
+    pipe_rank, dp_rank = mesh.coords(rank)
+
+    model = build_model(spec)
+    batches = make_batches(spec)
+    schedule = schedule_for_plan(plan)
+    my_stages = schedule.stages_of_rank(pipe_rank)
+    stages = materialize_stages(plan, model, my_stages)
+    params = list({id(p): p for m in stages.values() for p in m.parameters()}.values())
+    optimizer = _optimizer(spec, params)
+    executor = PipelineExecutor(plan, schedule, stages, mesh, resolve_loss(spec.train.loss),
+                                optimizer, timeout_s=spec.train.timeout_s)
+
+    per_replica = spec.data.batch_size // plan.dp
+    tokens_per_step = spec.data.batch_size * (spec.data.seq_len if plan.model_inputs else 1)
+    losses_path = out / "losses.csv"
+    writer = None
+    if rank == 0:
+        fh = open(losses_path, "w", newline="")
+        writer = csv.writer(fh)
+        writer.writerow(["step", "loss", "step_time_s", "tokens_per_s"])
+    t_start = time.perf_counter()
+    for step in range(spec.train.steps):
+        inputs, target = batches.get(step, "train")
+        lo, hi = dp_rank * per_replica, (dp_rank + 1) * per_replica
+        mine = {name: t[lo:hi] for name, t in zip(plan.model_inputs, as_tuple(inputs))}
+        t0 = time.perf_counter()
+        loss = executor.step(mine, target[lo:hi])
+        dt = time.perf_counter() - t0
+        if writer is not None:
+            writer.writerow([step, f"{loss:.6f}", f"{dt:.4f}", f"{tokens_per_step / dt:.1f}"])
+            if step % spec.train.log_every == 0 or step == spec.train.steps - 1:
+                fh.flush()
+                print(f"step {step:5d}/{spec.train.steps}  loss {loss:.4f}  "
+                      f"{tokens_per_step / dt:9.0f} tokens/s  {dt * 1e3:7.1f} ms/step", flush=True)
+        every = spec.train.checkpoint.every
+        if every and (step + 1) % every == 0 and step + 1 < spec.train.steps:
+            save_checkpoint(stages, out / spec.train.checkpoint.dir, step + 1)
+    save_checkpoint(stages, out / spec.train.checkpoint.dir, spec.train.steps)
+    wall = time.perf_counter() - t_start
+    events = [None] * dist.get_world_size()
+    dist.all_gather_object(events, executor.events)
+    peaks = [None] * dist.get_world_size()
+    dist.all_gather_object(peaks, executor.peak_inflight)
+    if rank == 0:
+        fh.close()
+        write_chrome_trace([e for evs in events for e in evs], out / "timeline.json",
+                           process_name="fxpipe measured")
+        print(f"trained {spec.train.steps} steps in {wall:.1f} s; peak micro-batches in flight "
+              f"per rank: {peaks}", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m fxpipe.train")
+    ap.add_argument("--plan", required=True, type=Path)
+    ap.add_argument("--out", required=True, type=Path)
+    args = ap.parse_args(argv)
+    try:
+        train(args.plan, args.out)
+    except FxpipeError as e:
+        rank = dist.get_rank() if dist.is_initialized() else "?"
+        print(f"fxpipe: error on rank {rank}: {e}", file=sys.stderr, flush=True)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
