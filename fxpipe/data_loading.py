@@ -35,7 +35,7 @@ def make_batches(spec) -> Batches:
     """
     from fxpipe.specs.loader import resolve_callable
 
-    fn = resolve_callable(spec.data.dataset, "data.dataset")
+    fn = resolve_callable(spec.data.dataset, "data.dataset", spec=spec)
     params = inspect.signature(fn).parameters
     offered = {"batch_size": spec.data.batch_size, "seq_len": spec.data.seq_len,
                "seed": spec.train.seed}

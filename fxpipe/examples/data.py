@@ -59,3 +59,33 @@ class ByteBatches:
         idx = starts[:, None] + torch.arange(self.seq_len + 1)[None, :]
         chunk = data[idx]
         return chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()
+
+
+class ImageBatches:
+    """Deterministic labelled images for the CNN examples: class ``k`` is a fixed random template
+    (the same for every seed, so the task never changes) plus Gaussian noise of std ``noise``.
+
+    ``get(step, split)`` returns ``(x, y)``: ``x`` float32 ``[batch_size, channels, image_size,
+    image_size]``, ``y`` int64 ``[batch_size]`` in ``[0, num_classes)``. Batch ``k`` is the same
+    on every rank (seeded by ``seed`` and ``step``); ``split="val"`` draws from another stream.
+    """
+
+    def __init__(self, batch_size: int, seed: int = 0, num_classes: int = 10, channels: int = 1,
+                 image_size: int = 8, noise: float = 0.5):
+        g = torch.Generator().manual_seed(20240601)
+        self.templates = torch.randn(num_classes, channels, image_size, image_size, generator=g)
+        self.batch_size, self.seed, self.noise = batch_size, seed, noise
+
+    def get(self, step: int, split: str = "train") -> tuple[torch.Tensor, torch.Tensor]:
+        stream = 0 if split == "train" else 1  # even seeds: train, odd: validation
+        g = torch.Generator().manual_seed(2 * (self.seed * 1_000_003 + step) + stream)
+        y = torch.randint(0, self.templates.shape[0], (self.batch_size,), generator=g)
+        x = self.templates[y] + self.noise * torch.randn(
+            (self.batch_size, *self.templates.shape[1:]), generator=g)
+        return x, y
+
+
+def synthetic_images(batch_size: int = 32, seed: int = 0) -> ImageBatches:
+    """1-channel 8x8 images in 10 classes (the shapes of ``SkipCNN``'s defaults); see
+    :class:`ImageBatches`."""
+    return ImageBatches(batch_size, seed=seed)

@@ -2,14 +2,17 @@
 
 Sections: ``model``, ``data``, ``parallel``, ``cluster``, ``train``, ``output``. Unknown keys are
 rejected (``extra="forbid"``); sizes must be positive. Cross-section rules (pipeline x data ==
-world size, batch splits into micro-batches) live in :class:`ParallelSpec`'s validator.
+world size, batch splits into micro-batches) live in :func:`cross_section_problems`, which
+:class:`ParallelSpec`'s validator runs; it raises :class:`CrossSectionError` carrying the key path
+of every problem so :func:`fxpipe.specs.loader.load_spec` can point at the YAML line.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, ValidationInfo,
+                      field_validator, model_validator)
 
 Auto = Literal["auto"]
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
@@ -17,6 +20,16 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_booleans(cls, value: Any, info: ValidationInfo) -> Any:
+        # pydantic would read true as 1; YAML 1.1 also reads yes/no/on/off as booleans
+        annotation = cls.model_fields[info.field_name].annotation
+        if isinstance(value, bool) and "bool" not in str(annotation):
+            raise ValueError(f"got {str(value).lower()} (a boolean); YAML reads true/false/yes/no/"
+                             "on/off as booleans: write the value itself, quoted if it is text")
+        return value
 
 
 class ModelSpec(_Section):
@@ -124,24 +137,65 @@ class ParallelSpec(_Section):
 
     @model_validator(mode="after")
     def _cross_section(self) -> "ParallelSpec":
-        par, world = self.parallel, self.cluster.world_size
-        p, d, m = par.pipeline, par.data, par.microbatches
-        if isinstance(p, int) and isinstance(d, int) and p * d != world:
-            raise ValueError(
-                f"parallel.pipeline x parallel.data = {p} x {d} = {p * d}, but the cluster has "
-                f"{world} devices (cluster.nodes x cluster.devices_per_node); make them equal"
-            )
-        if isinstance(d, int) and isinstance(m, int):
-            if self.data.batch_size % (d * m):
-                raise ValueError(
-                    f"data.batch_size={self.data.batch_size} does not split into "
-                    f"parallel.data x parallel.microbatches = {d} x {m} = {d * m} equal "
-                    f"micro-batches; choose a batch size divisible by {d * m}"
-                )
-        v = par.virtual_stages
-        if v > 1 and par.schedule not in ("interleaved", "auto"):
-            raise ValueError(
-                f"parallel.virtual_stages={v} needs schedule 'interleaved' "
-                f"(schedule is {par.schedule!r}); zb-v always uses 2 stages per rank"
-            )
+        problems = cross_section_problems(self)
+        if problems:
+            raise CrossSectionError(problems)
         return self
+
+
+class CrossSectionError(ValueError):
+    """Rules between sections that :class:`ParallelSpec` violates.
+
+    ``problems``: list of ``(key_path, message)``; ``key_path`` is a tuple such as
+    ``("parallel", "pipeline")`` naming the key the message is about (the loader turns it into a
+    ``FILE:LINE``). The ``str()`` lists them one per line.
+    """
+
+    def __init__(self, problems: list[tuple[tuple[str, ...], str]]):
+        self.problems = list(problems)
+        super().__init__("\n".join(f"{'.'.join(p)}: {m}" for p, m in self.problems))
+
+
+def cross_section_problems(spec: ParallelSpec) -> list[tuple[tuple[str, ...], str]]:
+    """Every cross-section rule ``spec`` breaks, as ``(key_path, message)`` pairs (empty: valid).
+
+    Rules: pipeline x data == world size (``cluster.nodes x cluster.devices_per_node``; with one
+    side ``auto`` the other must divide it); the global ``data.batch_size`` splits into
+    ``data x microbatches`` equal micro-batches (with ``microbatches: auto``, at least into
+    ``data`` replicas); ``virtual_stages > 1`` only with the ``interleaved`` schedule.
+    """
+    out: list[tuple[tuple[str, ...], str]] = []
+    par, world = spec.parallel, spec.cluster.world_size
+    p, d, m = par.pipeline, par.data, par.microbatches
+    fixed = lambda x: isinstance(x, int)  # noqa: E731  (not 'auto')
+    if fixed(p) and fixed(d) and p * d != world:
+        out.append((("parallel", "pipeline"),
+                    f"pipeline x data = {p} x {d} = {p * d} ranks, but the cluster has {world} "
+                    f"devices (cluster.nodes x cluster.devices_per_node = "
+                    f"{spec.cluster.nodes} x {spec.cluster.devices_per_node}); make "
+                    "parallel.pipeline x parallel.data equal the device count, or set one of "
+                    "them to 'auto'"))
+    for name, k in (("pipeline", p), ("data", d)):
+        other = "data" if name == "pipeline" else "pipeline"
+        if fixed(k) and not fixed(getattr(par, other)) and world % k:
+            out.append((("parallel", name),
+                        f"{name}={k} does not divide the {world} devices of the cluster "
+                        f"(cluster.nodes x cluster.devices_per_node), so no parallel.{other} "
+                        f"fits; choose a divisor of {world}"))
+    b = spec.data.batch_size
+    if fixed(d) and fixed(m) and b % (d * m):
+        out.append((("data", "batch_size"),
+                    f"batch_size={b} (the global batch) does not split into parallel.data x "
+                    f"parallel.microbatches = {d} x {m} = {d * m} equal micro-batches; choose a "
+                    f"batch size divisible by {d * m} (e.g. {d * m * max(1, round(b / (d * m)))})"))
+    elif fixed(d) and b % d:
+        out.append((("data", "batch_size"),
+                    f"batch_size={b} (the global batch) does not split over parallel.data={d} "
+                    f"replicas; choose a batch size divisible by {d}"))
+    v = par.virtual_stages
+    if v > 1 and par.schedule not in ("interleaved", "auto"):
+        out.append((("parallel", "virtual_stages"),
+                    f"virtual_stages={v} needs schedule 'interleaved' (schedule is "
+                    f"{par.schedule!r}); set parallel.schedule: interleaved, or virtual_stages: 1 "
+                    "(zb-v always uses 2 stages per rank by itself)"))
+    return out
