@@ -22,3 +22,8 @@ class PlanError(FxpipeError):
 
 class RuntimeFailure(FxpipeError):
     """A pipeline run failed: a peer timed out, shapes disagreed with the plan, a rank died."""
+
+
+class SplitError(PlanError, ValueError):
+    """A stage assignment cannot be split into stage modules (a tuple or non-tensor value crosses a
+    boundary, stages do not follow data dependencies, shape metadata is missing)."""
