@@ -1,0 +1,271 @@
+"""Schedule generators, add_communication and the validator (pure Python, no torch)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from fxpipe.errors import PlanError
+from fxpipe.runtime.actions import COMM_OPS, Action, Op, Schedule
+from fxpipe.runtime.schedules import (
+    SCHEDULE_NAMES,
+    add_communication,
+    build_schedule,
+    compute_schedule,
+    linear_edges,
+    v_placement,
+)
+from fxpipe.runtime.validate import ScheduleError, validate
+
+
+def _v(name: str) -> list[int]:
+    return {"interleaved": [2, 3], "zb-v": [2]}.get(name, [1])
+
+
+def _cases():
+    for name in SCHEDULE_NAMES:
+        for p in range(1, 5):
+            for m in range(1, 9):
+                for v in _v(name):
+                    yield name, p, m, v
+
+
+def _comm_between(sched: Schedule, a: int, b: int) -> bool:
+    return any(
+        x.op in COMM_OPS and {x.stage, x.peer} == {a, b} for acts in sched.actions for x in acts
+    )
+
+
+def _find(sched: Schedule, text: str) -> tuple[int, int]:
+    for r, acts in enumerate(sched.actions):
+        for k, a in enumerate(acts):
+            if str(a) == text:
+                return r, k
+    raise AssertionError(f"{text} not in schedule")
+
+
+# ----------------------------------------------------------------------------- generators
+def test_every_generated_schedule_validates_or_explains_its_constraint():
+    built = 0
+    for name, p, m, v in _cases():
+        if name == "interleaved" and m % p:
+            with pytest.raises(ScheduleError, match=f"divisible by pipeline size: m={m}, p={p}"):
+                build_schedule(name, p, m, v)
+            continue
+        comp = compute_schedule(name, p, m, v)
+        validate(comp)  # compute-only lists: dependency-driven deadlock check
+        full = build_schedule(name, p, m, v)
+        validate(full)
+        assert full.num_stages == p * v
+        assert full.split_backward == (name in ("zb-h1", "zb-v"))
+        built += 1
+    assert built > 150
+
+
+def test_single_rank_needs_no_communication():
+    for name in SCHEDULE_NAMES:
+        for v in _v(name):
+            s = build_schedule(name, 1, 4, v)
+            ops = [a.op for a in s.actions[0]]
+            assert not any(op in COMM_OPS for op in ops)
+            assert ops[-1] is Op.STEP and ops.count(Op.ALLREDUCE) == s.num_stages
+
+
+def test_gpipe_and_1f1b_orders():
+    g = compute_schedule("gpipe", 3, 4)
+    want = [f"1F{i}" for i in range(4)] + [f"1B{i}" for i in range(4)]
+    assert [str(a) for a in g.actions[1]] == want
+    s = compute_schedule("1f1b", 3, 4)
+    # rank r: p-1-r warm-up forwards, then alternate
+    assert [str(a) for a in s.actions[0]] == "0F0 0F1 0F2 0B0 0F3 0B1 0B2 0B3".split()
+    assert [str(a) for a in s.actions[2]] == "2F0 2B0 2F1 2B1 2F2 2B2 2F3 2B3".split()
+
+
+def test_interleaved_loop_placement_and_group_order():
+    s = compute_schedule("interleaved", 2, 4, 2)
+    assert s.stage_to_rank == [0, 1, 0, 1]
+    fwd = [str(a) for a in s.actions[0] if a.op is Op.F]
+    # groups of p=2 micro-batches go through chunk 0 then chunk 1
+    assert fwd == "0F0 0F1 2F0 2F1 0F2 0F3 2F2 2F3".split()
+
+
+def test_zb_h1_delays_w_by_rank():
+    s = compute_schedule("zb-h1", 4, 8)
+    assert s.split_backward
+    for r, acts in enumerate(s.actions):
+        assert sum(a.op is Op.W for a in acts) == 8
+        # the last r actions of rank r are its delayed W's (rank 0 ends with B7 W7)
+        tail = acts[-(r + 1):]
+        assert all(a.op is Op.W for a in tail)
+    assert [str(a) for a in s.actions[0][:7]] == "0F0 0F1 0F2 0F3 0B0 0W0 0F4".split()
+
+
+def test_zb_v_placement_and_memory_bound():
+    assert v_placement(3) == [0, 1, 2, 2, 1, 0]
+    for p in (2, 3, 4):
+        for m in (1, 3, 8):
+            s = compute_schedule("zb-v", p, m, 2)
+            assert s.num_stages == 2 * p and s.stage_to_rank == v_placement(p)
+            for acts in s.actions:  # at most 2p stage micro-batches (F done, W not) per rank
+                held = peak = 0
+                for a in acts:
+                    held += {Op.F: 1, Op.W: -1}.get(a.op, 0)
+                    peak = max(peak, held)
+                assert peak <= 2 * p
+
+
+def test_parameter_errors_are_explained():
+    with pytest.raises(ScheduleError, match="m=6, p=4.*use m = 4 or 8"):
+        build_schedule("interleaved", 4, 6, 2)
+    with pytest.raises(ScheduleError, match="virtual_stages=2.*set virtual_stages: 1"):
+        build_schedule("1f1b", 2, 4, 2)
+    with pytest.raises(ScheduleError, match="set virtual_stages: 2"):
+        build_schedule("zb-v", 2, 4, 3)
+    with pytest.raises(ScheduleError, match="unknown schedule 'pipedream'.*gpipe"):
+        build_schedule("pipedream", 2, 4)
+    with pytest.raises(ScheduleError, match="micro-batches must be a positive integer"):
+        build_schedule("gpipe", 2, 0)
+    assert issubclass(ScheduleError, PlanError)
+
+
+# ----------------------------------------------------------------------------- communication
+def test_skip_edge_is_sent_directly_and_gradients_flow_back():
+    edges = {(0, 1), (1, 2), (0, 2)}
+    for name in ("gpipe", "1f1b", "zb-h1"):
+        s = build_schedule(name, 3, 4, edges=edges)
+        validate(s, edges)
+        for i in range(4):
+            r, k = _find(s, f"0F{i}")
+            assert [str(a) for a in s.actions[0][k + 1:k + 3]] == [f"0SEND_F{i}@1", f"0SEND_F{i}@2"]
+            r, k = _find(s, f"2F{i}")
+            assert [str(a) for a in s.actions[2][k - 2:k]] == [f"2RECV_F{i}@0", f"2RECV_F{i}@1"]
+            r, k = _find(s, f"2B{i}")
+            assert [str(a) for a in s.actions[2][k + 1:k + 3]] == [f"2SEND_B{i}@0", f"2SEND_B{i}@1"]
+            r, k = _find(s, f"0B{i}")
+            assert [str(a) for a in s.actions[0][k - 2:k]] == [f"0RECV_B{i}@1", f"0RECV_B{i}@2"]
+        # checked against the chain alone, the skip edge's messages are flagged as unexpected
+        with pytest.raises(ScheduleError, match="no edge between stages 0 and 2"):
+            validate(s, linear_edges(3))
+
+
+def test_skip_edge_every_schedule_p3():
+    for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-v", 2)):
+        n = 3 * v
+        edges = linear_edges(n) | {(0, 2)}
+        validate(build_schedule(name, 3, 6, v, edges=edges), edges)
+
+
+def test_same_rank_stages_hand_over_locally():
+    # interleaved p=2, v=2: stages 0 and 2 on rank 0 -> the skip edge (0, 2) needs no action
+    edges = linear_edges(4) | {(0, 2)}
+    s = build_schedule("interleaved", 2, 4, 2, edges=edges)
+    assert not _comm_between(s, 0, 2)
+    validate(s, edges)
+    # zb-v p=2: stages 1 and 2 both on rank 1 -> no comm between them
+    z = build_schedule("zb-v", 2, 4, 2)
+    assert not _comm_between(z, 1, 2)
+    assert any(str(a) == "3RECV_F0@2" for a in z.actions[0])
+
+
+def test_gradient_free_edge_has_no_backward_messages():
+    edges = {(0, 1), (1, 2), (0, 2)}
+    s = build_schedule("1f1b", 3, 3, edges=edges, grad_edges={(0, 1), (1, 2)})
+    assert not any(a.op in (Op.SEND_B, Op.RECV_B) and {a.stage, a.peer} == {0, 2}
+                   for acts in s.actions for a in acts)
+    validate(s, edges, {(0, 1), (1, 2)})
+    with pytest.raises(ScheduleError, match="missing 0RECV_B0@2"):
+        validate(s, edges)  # treating (0, 2) as a gradient edge: receives are missing
+
+
+def test_allreduce_after_last_backward_and_step_last():
+    for name, v in (("1f1b", 1), ("zb-h1", 1), ("interleaved", 2)):
+        s = build_schedule(name, 2, 4, v)
+        last = Op.W if s.split_backward else Op.B
+        for acts in s.actions:
+            assert acts[-1].op is Op.STEP
+            for st in {a.stage for a in acts if a.op is Op.F}:
+                ar = [k for k, a in enumerate(acts) if a.op is Op.ALLREDUCE and a.stage == st]
+                lb = max(k for k, a in enumerate(acts) if a.op is last and a.stage == st)
+                assert len(ar) == 1 and ar[0] > lb
+                # nothing but this stage's own sends between its last backward and the all-reduce
+                assert all(a.op is Op.SEND_B and a.stage == st for a in acts[lb + 1:ar[0]])
+
+
+def test_add_communication_rejects_bad_edges():
+    s = compute_schedule("1f1b", 2, 2)
+    with pytest.raises(ScheduleError, match="does not go forward"):
+        add_communication(s, {(1, 0)})
+    with pytest.raises(ScheduleError, match="outside 0..1"):
+        add_communication(s, {(0, 5)})
+    with pytest.raises(ScheduleError, match="compute-only"):
+        add_communication(build_schedule("1f1b", 2, 2), {(0, 1)})
+    # model inputs (producer -1) are ignored
+    assert add_communication(s, {(-1, 1), (0, 1)}).format() == build_schedule("1f1b", 2, 2).format()
+
+
+# ----------------------------------------------------------------------------- validator
+def _broken(text_pred) -> Schedule:
+    s = build_schedule("1f1b", 2, 3)
+    b = copy.deepcopy(s)
+    b.actions = [[a for a in acts if not text_pred(str(a))] for acts in b.actions]
+    return b
+
+
+def test_validator_missing_backward():
+    with pytest.raises(ScheduleError, match=r"missing 1B2: stage 1 micro-batch 2 has no B"):
+        validate(_broken(lambda t: t == "1B2"))
+
+
+def test_validator_unmatched_send():
+    with pytest.raises(ScheduleError) as e:
+        validate(_broken(lambda t: t == "0RECV_B1@1"))
+    msg = str(e.value)
+    assert "unmatched send: rank 1 has 1SEND_B1@0 but rank 0 has no 0RECV_B1@1" in msg
+
+
+def test_validator_deadlock_by_swapped_order():
+    s = build_schedule("1f1b", 2, 3)
+    acts = s.actions[0]
+    k = [str(a) for a in acts].index("0RECV_B0@1")
+    acts.insert(0, acts.pop(k))  # rank 0 now waits for a gradient before sending any forward
+    with pytest.raises(ScheduleError) as e:
+        validate(s)
+    msg = str(e.value)
+    assert "deadlock: rank 0 waits at 0RECV_B0@1" in msg
+    assert "rank 1 waits at 1RECV_F0@0" in msg
+
+
+def test_validator_deadlock_in_compute_only_lists():
+    s = compute_schedule("1f1b", 2, 2)
+    # rank 1 wants micro-batch 1 before 0, rank 0 waits for B0 before F1
+    s.actions[0] = [Action(Op.F, 0, 0), Action(Op.B, 0, 0), Action(Op.F, 0, 1), Action(Op.B, 0, 1)]
+    s.actions[1] = [Action(Op.F, 1, 1), Action(Op.B, 1, 1), Action(Op.F, 1, 0), Action(Op.B, 1, 0)]
+    with pytest.raises(ScheduleError, match=r"deadlock: rank 0 waits at 0B0.*rank 1 waits at 1F1"):
+        validate(s)
+
+
+def test_validator_other_rules():
+    s = build_schedule("1f1b", 2, 2)
+    b = copy.deepcopy(s)
+    b.actions[0].insert(0, Action(Op.F, 1, 0))
+    with pytest.raises(ScheduleError, match="1F0 is on rank 0 but stage 1 is placed on rank 1"):
+        validate(b)
+    b = copy.deepcopy(s)
+    b.actions[1].insert(2, Action(Op.W, 1, 0))
+    with pytest.raises(ScheduleError, match="split_backward is False"):
+        validate(b)
+    b = copy.deepcopy(s)
+    b.actions[0] = [a for a in b.actions[0] if a.op is not Op.ALLREDUCE]
+    with pytest.raises(ScheduleError, match="stage 0 has 0 ALLREDUCE"):
+        validate(b)
+    b = copy.deepcopy(s)
+    b.actions[1].append(Action(Op.F, 1, 1))
+    with pytest.raises(ScheduleError, match="1F1 appears 2 times"):
+        validate(b)
+    # communication between two stages on the same rank is flagged
+    i = build_schedule("interleaved", 2, 2, 2, edges=linear_edges(4) | {(0, 2)})
+    k = [str(a) for a in i.actions[0]].index("0F0")
+    i.actions[0].insert(k + 1, Action(Op.SEND_F, 0, 0, 2))
+    with pytest.raises(ScheduleError, match="both on rank 0: the value is handed over locally"):
+        validate(i, linear_edges(4) | {(0, 2)})
