@@ -8,9 +8,11 @@
 See README.md for the CLI (``fxpipe plan|run|simulate|show``).
 """
 
+from fxpipe.annotations import annotate, pipe_split
+from fxpipe.api import plan
 from fxpipe.plan_data import Plan
+from fxpipe.specs.loader import load_spec
 
-# INTEGRATION-PENDING: the lead adds annotate, pipe_split, plan, load_spec exports here.
-__all__ = ["Plan"]
+__all__ = ["Plan", "annotate", "load_spec", "pipe_split", "plan"]
 __version__ = "0.1.0"
 

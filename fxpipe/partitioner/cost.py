@@ -1,0 +1,383 @@
+"""Price every node of a traced graph: FLOPs (forward, backward), output, parameter and saved bytes.
+
+Everything runs on fake tensors (``torch._subclasses.FakeTensorMode``): no real compute, no weight
+memory, so a model built on the meta device can be priced.
+
+Method (per FX compute node, in graph order, through a ``torch.fx.Interpreter``):
+
+* **Forward FLOPs**: ``torch.utils.flop_counter.FlopCounterMode`` stacked above the fake mode; the
+  node's count is the counter's increase while the node runs. Like the counter, only matmul-like
+  work is counted (mm/addmm/bmm/conv/attention: 2 FLOPs per multiply-accumulate); element-wise
+  ops, norms and softmax count 0. Formulas the counter lacks in torch 2.13 are added
+  (:data:`EXTRA_FORMULAS`): the CPU fused attention kernel
+  ``aten._scaled_dot_product_flash_attention_for_cpu`` (+ backward), and the fused inference fast
+  paths ``aten._native_multi_head_attention`` and ``aten._transformer_encoder_layer_fwd``.
+  Tracing and pricing also run with grad enabled, which keeps ``nn.MultiheadAttention`` /
+  ``nn.TransformerEncoderLayer`` off those fast paths in the first place.
+* **Backward FLOPs** (source ``"autograd"``): for each node with forward FLOPs, the counter
+  measures ``torch.autograd.grad`` of the node's output with respect to (a) its activation inputs
+  that require grad -> input-gradient FLOPs (the ``B`` pass of zero-bubble schedules), and (b) its
+  parameters -> weight-gradient FLOPs (``W``). Only that node's backward runs (autograd executes
+  just the graph between the output and the requested inputs). When autograd cannot differentiate
+  the op (source ``"ratio"``), backward = ``backward_ratio`` x forward, split 1:1 between input and
+  weight gradients when the node has parameters (the usual 2x-forward rule for matmul layers,
+  Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
+  Megatron-LM", SC 2021).
+* **Saved bytes**: the tensors autograd saves for backward while the node runs (recorded with
+  ``torch.autograd.graph.saved_tensors_hooks``), counted by storage, each storage once overall
+  (first node that saves it), parameters and buffers excluded. An estimate of the activation
+  memory a micro-batch keeps alive between its forward and backward.
+* **Parameter bytes**: each parameter (by canonical FQN, tied tensors deduplicated) is charged
+  once, to the first node in graph order that reads it.
+
+All counts are for the example inputs the model was traced with (one micro-batch).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
+
+from fxpipe.partitioner.trace import COMPUTE_OPS, FakeInterpreter, TracedModel
+
+__all__ = ["NodeCost", "price", "seconds", "transfer_seconds", "value_bytes", "EXTRA_FORMULAS"]
+
+aten = torch.ops.aten
+
+
+@dataclass
+class NodeCost:
+    """Cost of one FX node for one micro-batch.
+
+    Attributes:
+        fwd_flops: forward FLOPs (matmul-like work, 2 per multiply-accumulate).
+        bwd_flops: backward FLOPs, input-gradient plus weight-gradient.
+        bwd_weight_flops: the weight-gradient part of ``bwd_flops``.
+        out_bytes: bytes of the node's output value(s) (a tuple output summed; 0 for non-tensors).
+        param_bytes: bytes of parameters charged to this node (each parameter once overall, to
+            its first user).
+        saved_bytes: bytes of activations autograd keeps for backward (estimate, see module doc).
+        buffer_bytes: bytes of buffers charged to this node (first user), e.g. BatchNorm stats.
+        bwd_source: ``"autograd"`` (measured), ``"ratio"`` (backward_ratio x forward) or
+            ``"none"`` (no forward FLOPs, so no backward FLOPs counted).
+    """
+
+    fwd_flops: int = 0
+    bwd_flops: int = 0
+    bwd_weight_flops: int = 0
+    out_bytes: int = 0
+    param_bytes: int = 0
+    saved_bytes: int = 0
+    buffer_bytes: int = 0
+    bwd_source: str = "none"
+
+    @property
+    def bwd_input_flops(self) -> int:
+        """Input-gradient FLOPs: ``bwd_flops - bwd_weight_flops``."""
+        return self.bwd_flops - self.bwd_weight_flops
+
+
+# ---------------------------------------------------------------------------------------------
+# formulas missing from torch 2.13's FlopCounterMode (arguments arrive as shapes)
+
+
+def _sdpa_cpu_flop(query, key, value, *args, out_shape=None, **kwargs) -> int:
+    return sdpa_flop_count(query, key, value)
+
+
+def _sdpa_cpu_backward_flop(grad_out, query, key, value, *args, out_shape=None, **kwargs) -> int:
+    return sdpa_backward_flop_count(grad_out, query, key, value)
+
+
+def _mha_flops(b: int, t: int, s: int, e: int) -> int:
+    """Multi-head attention with in/out projections: query length t, key length s, width e."""
+    proj = 2 * b * t * e * e + 2 * 2 * b * s * e * e + 2 * b * t * e * e  # q, k+v, out
+    attn = 2 * b * t * s * e * 2  # scores q@k^T and probabilities@v, summed over heads
+    return proj + attn
+
+
+def _btc(shape) -> tuple[int, int]:
+    """(batch, length) of a [B, T, E] or [T, E] shape."""
+    return (shape[0], shape[1]) if len(shape) == 3 else (1, shape[0])
+
+
+def _native_mha_flop(query, key, value, embed_dim, num_head, *args, out_shape=None,
+                     **kwargs) -> int:
+    b, t = _btc(query)
+    _, s = _btc(key)
+    return _mha_flops(b, t, s, int(embed_dim))
+
+
+def _encoder_layer_fwd_flop(src, embed_dim, num_heads, qkv_weight, qkv_bias, proj_weight,
+                            proj_bias, use_gelu, norm_first, eps, norm_weight_1, norm_bias_1,
+                            norm_weight_2, norm_bias_2, ffn_weight_1, *args, out_shape=None,
+                            **kwargs) -> int:
+    b, t = _btc(src)
+    e = int(embed_dim)
+    ffn = int(ffn_weight_1[0])
+    return _mha_flops(b, t, t, e) + 2 * (2 * b * t * e * ffn)
+
+
+#: op packet -> formula (shape arguments), passed to ``FlopCounterMode(custom_mapping=...)``.
+EXTRA_FORMULAS: dict[Any, Any] = {
+    aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_cpu_flop,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward: _sdpa_cpu_backward_flop,
+    aten._native_multi_head_attention: _native_mha_flop,
+    aten._transformer_encoder_layer_fwd: _encoder_layer_fwd_flop,
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+
+
+def value_bytes(v: Any) -> int:
+    """Bytes of a value: a tensor's ``numel * element_size``, tuples/lists/dicts summed, else 0."""
+    total = 0
+    for leaf in pytree.tree_leaves(v):
+        if isinstance(leaf, torch.Tensor):
+            total += int(leaf.numel()) * leaf.element_size()
+    return total
+
+
+def seconds(flops: float, device_tflops: float, efficiency: float = 1.0) -> float:
+    """Compute time in seconds: ``flops / (device_tflops * 1e12 * efficiency)``.
+
+    Args:
+        flops: floating-point operations.
+        device_tflops: the device's peak rate in TFLOP/s (e.g. 989 for H100 dense BF16).
+        efficiency: achieved fraction of peak, in (0, 1].
+
+    Raises:
+        ValueError: non-positive rate or efficiency outside (0, 1], negative flops.
+    """
+    if not device_tflops > 0:
+        raise ValueError(f"device_tflops={device_tflops!r} must be > 0 (TFLOP/s of one device)")
+    if not 0 < efficiency <= 1:
+        raise ValueError(f"efficiency={efficiency!r} must be in (0, 1] (fraction of peak)")
+    if flops < 0:
+        raise ValueError(f"flops={flops!r} must be >= 0")
+    return float(flops) / (device_tflops * 1e12 * efficiency)
+
+
+def transfer_seconds(nbytes: float, GBps: float, latency_s: float = 0.0) -> float:  # noqa: N803
+    """Point-to-point transfer time in seconds: ``latency_s + nbytes / (GBps * 1e9)``.
+
+    No bytes means no message: 0 bytes take 0 s (no latency charged).
+
+    Args:
+        nbytes: bytes sent.
+        GBps: link bandwidth in GB/s (10^9 bytes per second), one direction.
+        latency_s: fixed per-message latency in seconds.
+
+    Raises:
+        ValueError: non-positive bandwidth, negative bytes or latency.
+    """
+    if not GBps > 0:
+        raise ValueError(f"GBps={GBps!r} must be > 0 (link bandwidth in GB/s)")
+    if nbytes < 0 or latency_s < 0:
+        raise ValueError(f"nbytes={nbytes!r} and latency_s={latency_s!r} must be >= 0")
+    if nbytes == 0:
+        return 0.0
+    return latency_s + float(nbytes) / (GBps * 1e9)
+
+
+# ---------------------------------------------------------------------------------------------
+# the pricing interpreter
+
+
+class _Pricer(FakeInterpreter):
+    def __init__(self, traced: TracedModel, counter: FlopCounterMode, backward_ratio: float):
+        super().__init__(traced.gm, enter_fake_mode=False)
+        self.traced = traced
+        self.counter = counter
+        self.ratio = backward_ratio
+        self.costs: dict[str, NodeCost] = {}
+        self._param_storages: set[int] = set()
+        self._seen_storages: set[int] = set()
+        self._current: NodeCost | None = None
+        self._saved_keep: list[torch.Tensor] = []
+
+    # fake copies of parameters/buffers: remember their storages so they are not "saved bytes"
+    def to_fake(self, t: Any) -> Any:
+        f = super().to_fake(t)
+        if isinstance(f, torch.Tensor):
+            self._param_storages.add(_storage_key(f))
+        return f
+
+    def _node_params(self, n: torch.fx.Node) -> list[torch.Tensor]:
+        """Fake trainable parameters the node reads (leaves requiring grad)."""
+        if n.op == "call_module":
+            sub = self.fetch_attr(n.target)
+            ps = [self.to_fake(p) for p in sub.parameters()]
+        else:  # get_attr inputs, wherever they sit in args (lists included); memoised fakes
+            ps = [self.to_fake(self.fetch_attr(a.target)) for a in n.all_input_nodes
+                  if a.op == "get_attr"]
+        out, seen = [], set()
+        for p in ps:
+            if isinstance(p, torch.Tensor) and p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
+        return out
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        if self._current is not None and isinstance(t, torch.Tensor):
+            key = _storage_key(t)
+            if key not in self._param_storages and key not in self._seen_storages:
+                self._seen_storages.add(key)
+                self._current.saved_bytes += _storage_nbytes(t)
+                self._saved_keep.append(t)  # keep the storage alive: keys stay unique
+        return t
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        if n.op not in COMPUTE_OPS:
+            return super().run_node(n)
+        cost = NodeCost()
+        self.costs[n.name] = cost
+        args, kwargs = self.fetch_args_kwargs_from_env(n)
+        params = self._node_params(n)
+        pids = {id(p) for p in params}
+        acts, seen = [], set()
+        for v in pytree.tree_leaves((args, kwargs)):
+            if (isinstance(v, torch.Tensor) and v.requires_grad and id(v) not in pids
+                    and id(v) not in seen):
+                seen.add(id(v))
+                acts.append(v)
+
+        before = self.counter.get_total_flops()
+        self._current = cost
+        try:
+            out = getattr(self, n.op)(n.target, args, kwargs)
+        finally:
+            self._current = None
+        cost.fwd_flops = self.counter.get_total_flops() - before
+        val = n.meta.get("val", None)
+        cost.out_bytes = value_bytes(val if val is not None else out)
+        if cost.fwd_flops > 0:
+            self._backward(n, cost, args, kwargs, acts, params)
+        return out
+
+    def _backward(self, n: torch.fx.Node, cost: NodeCost, args, kwargs, acts: list,
+                  params: list) -> None:
+        """Count this node's backward alone: re-run it on detached activation inputs (so
+        autograd cannot reach earlier nodes, e.g. through a tied weight), then differentiate."""
+        outs: list[torch.Tensor] = []
+        local: list[torch.Tensor] = []
+        if acts or params:
+            swap = {id(a): a.detach().requires_grad_(True) for a in acts}
+            local = list(swap.values())
+            l_args, l_kwargs = pytree.tree_map(
+                lambda v: swap.get(id(v), v) if isinstance(v, torch.Tensor) else v,
+                (args, kwargs))
+            try:
+                out = getattr(self, n.op)(n.target, l_args, l_kwargs)
+                outs = [o for o in pytree.tree_leaves(out)
+                        if isinstance(o, torch.Tensor) and o.requires_grad]
+            except Exception:  # pragma: no cover - it ran a moment ago with the same shapes
+                outs = []
+        acts = local
+        if outs:
+            try:
+                grads_out = [torch.empty_like(o) for o in outs]
+                # torch.autograd.backward(inputs=...) rather than autograd.grad: the counter's
+                # module tracker installs hooks that autograd.grad rejects on call_module nodes.
+                c0 = self.counter.get_total_flops()
+                if acts:
+                    torch.autograd.backward(outs, grads_out, retain_graph=True, inputs=acts)
+                c1 = self.counter.get_total_flops()
+                if params:
+                    saved_grads = [p.grad for p in params]
+                    try:
+                        torch.autograd.backward(outs, grads_out, retain_graph=True,
+                                                inputs=params)
+                    finally:
+                        for p, g in zip(params, saved_grads):
+                            p.grad = g
+                c2 = self.counter.get_total_flops()
+                cost.bwd_flops = (c1 - c0) + (c2 - c1)
+                cost.bwd_weight_flops = c2 - c1
+                cost.bwd_source = "autograd"
+                return
+            except (RuntimeError, NotImplementedError):
+                pass  # no derivative for this op: fall back to the ratio rule
+        if acts or params:
+            cost.bwd_flops = int(round(self.ratio * cost.fwd_flops))
+            cost.bwd_weight_flops = cost.bwd_flops // 2 if params else 0
+            cost.bwd_source = "ratio"
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    try:
+        return t.untyped_storage()._cdata
+    except Exception:  # a tensor without storage (e.g. some subclasses): fall back to identity
+        return id(t)
+
+
+def _storage_nbytes(t: torch.Tensor) -> int:
+    try:
+        return int(t.untyped_storage().nbytes())
+    except Exception:
+        return int(t.numel()) * t.element_size()
+
+
+def price(traced: TracedModel, *, backward_ratio: float = 2.0) -> dict[str, NodeCost]:
+    """Price every compute node (call_function / call_method / call_module) of ``traced``.
+
+    Args:
+        traced: the output of :func:`fxpipe.partitioner.trace.trace`.
+        backward_ratio: backward/forward FLOP ratio used only where autograd cannot price a
+            node's backward (see module doc); 2.0 is the usual matmul rule.
+
+    Returns:
+        FX node name -> :class:`NodeCost`, in graph order, for one micro-batch (the example
+        inputs' batch). Placeholders, ``get_attr`` and the output node are not priced.
+
+    Raises:
+        ValueError: ``backward_ratio`` negative or not finite.
+        TraceError: the graph cannot be run on fake tensors (message names the node).
+    """
+    from fxpipe.errors import TraceError
+
+    if not (isinstance(backward_ratio, (int, float)) and math.isfinite(backward_ratio)
+            and backward_ratio >= 0):
+        raise ValueError(f"backward_ratio={backward_ratio!r} must be a finite number >= 0 "
+                         f"(2.0: backward costs twice the forward)")
+    counter = FlopCounterMode(display=False, custom_mapping=EXTRA_FORMULAS)
+    pricer = _Pricer(traced, counter, float(backward_ratio))
+    inputs = pricer.fake_inputs_from_meta()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            with torch.enable_grad(), pricer.fake_mode, counter, \
+                    torch.autograd.graph.saved_tensors_hooks(pricer.pack, lambda t: t):
+                pricer.run(*inputs, enable_io_processing=False)
+        except Exception as e:
+            bad = next(reversed(pricer.costs), "<before the first node>")
+            raise TraceError(
+                f"could not price {traced.model_name or 'the model'} on fake tensors: node "
+                f"{bad!r} failed with {type(e).__name__}: {str(e).strip()[:400]}; "
+                f"an operator may lack a fake/meta kernel (register one with "
+                f"torch.library.register_fake) or depend on tensor values") from e
+
+    # parameters and buffers: charge each (canonical FQN) once, to its first user
+    charged: set[str] = set()
+    for n in traced.gm.graph.nodes:
+        if n.name not in pricer.costs:
+            continue
+        cost = pricer.costs[n.name]
+        for fqn in traced.node_params(n):
+            if fqn in charged:
+                continue
+            charged.add(fqn)
+            nbytes = traced.param_shapes.get(fqn, (None, None, 0))[2]
+            if fqn in traced.buffer_fqns:
+                cost.buffer_bytes += nbytes
+            else:
+                cost.param_bytes += nbytes
+    return pricer.costs
