@@ -343,10 +343,12 @@ def plan_from_spec(spec: Any) -> tuple[Plan, "nx.DiGraph"]:
     return plan_with_graph(model, spec, inputs)
 
 
-def materialize_stages(plan: Plan, model: nn.Module, stage_ids: list[int]) -> dict[int, nn.Module]:
+def materialize_stages(plan: Plan, model: nn.Module, stage_ids: list[int],
+                       device: torch.device | str = "cpu") -> dict[int, nn.Module]:
     """Rebuild the stage modules ``stage_ids`` of ``plan`` from ``model`` (a worker's step 1).
 
-    The model is traced again with zero inputs of the plan's micro-batch shapes; the plan's node
+    The model (already on ``device``) is traced again with zero inputs of the plan's micro-batch
+    shapes on ``device``, so device-dependent constants land on the right device; the plan's node
     assignment is applied and the boundaries are checked against the plan.
 
     Returns stage index -> GraphModule (``forward(*inputs) -> tuple(outputs)``, parameters are the
@@ -361,7 +363,7 @@ def materialize_stages(plan: Plan, model: nn.Module, stage_ids: list[int]) -> di
     inputs = []
     for name in plan.model_inputs:
         v = plan.values[name]
-        inputs.append(torch.zeros(v.shape, dtype=getattr(torch, v.dtype)))
+        inputs.append(torch.zeros(v.shape, dtype=getattr(torch, v.dtype), device=device))
     traced = trace(model, tuple(inputs), spec.model.tracer)
     node_stage = plan.stage_of_node()
     computed = {n.name for n in traced.compute_nodes()} - {"_guards_fn"}

@@ -49,20 +49,21 @@ def train(plan_path: Path, out: Path) -> None:
     plan = Plan.load(plan_path)
     spec = load_spec(plan.spec)
     torch.set_num_threads(1)
-    init_distributed(spec.cluster.device, spec.train.timeout_s)
+    device = init_distributed(spec.cluster.device, spec.train.timeout_s)
     rank = dist.get_rank()
-    mesh = Mesh(plan.pipeline, plan.dp)
-    pipe_rank, dp_rank = mesh.coords(rank)
+    mesh = Mesh(plan.pipeline, plan.dp, device=device, timeout_s=spec.train.timeout_s)
+    pipe_rank, dp_rank = mesh.pipe_rank, mesh.dp_rank
 
-    model = build_model(spec)
+    model = build_model(spec).to(device)
     batches = make_batches(spec)
     schedule = schedule_for_plan(plan)
     my_stages = schedule.stages_of_rank(pipe_rank)
-    stages = materialize_stages(plan, model, my_stages)
+    stages = materialize_stages(plan, model, my_stages, device)
     params = list({id(p): p for m in stages.values() for p in m.parameters()}.values())
     optimizer = _optimizer(spec, params)
     executor = PipelineExecutor(plan, schedule, stages, mesh, resolve_loss(spec.train.loss),
-                                optimizer, timeout_s=spec.train.timeout_s)
+                                optimizer, timeout_s=spec.train.timeout_s,
+                                grad_compression=spec.train.grad_compression)
 
     per_replica = spec.data.batch_size // plan.dp
     tokens_per_step = spec.data.batch_size * (spec.data.seq_len if plan.model_inputs else 1)
@@ -76,9 +77,9 @@ def train(plan_path: Path, out: Path) -> None:
     for step in range(spec.train.steps):
         inputs, target = batches.get(step, "train")
         lo, hi = dp_rank * per_replica, (dp_rank + 1) * per_replica
-        mine = {name: t[lo:hi] for name, t in zip(plan.model_inputs, as_tuple(inputs))}
+        mine = {name: t[lo:hi].to(device) for name, t in zip(plan.model_inputs, as_tuple(inputs))}
         t0 = time.perf_counter()
-        loss = executor.step(mine, target[lo:hi])
+        loss = executor.step(mine, target[lo:hi].to(device))
         dt = time.perf_counter() - t0
         if writer is not None:
             writer.writerow([step, f"{loss:.6f}", f"{dt:.4f}", f"{tokens_per_step / dt:.1f}"])
