@@ -1,0 +1,109 @@
+"""The CLI: clear errors without tracebacks, and a small end-to-end `fxpipe run`."""
+
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fxpipe.checkpoint import load_into_model
+from fxpipe.examples.gpt import CharGPT
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def fxpipe_cli(*args, cwd=None, timeout=240):
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    env.pop("FXPIPE_DEBUG", None)
+    return subprocess.run([sys.executable, "-m", "fxpipe", *args], capture_output=True,
+                          text=True, cwd=cwd or REPO, env=env, timeout=timeout)
+
+
+TINY = """
+model:
+  factory: "fxpipe.examples.gpt:CharGPT"
+  args: {vocab_size: 256, block_size: 32, n_layer: 2, n_head: 2, n_embd: 32}
+data: {batch_size: 8, seq_len: 32}
+parallel: {pipeline: 2, data: 2, microbatches: 2, schedule: 1f1b}
+cluster: {devices_per_node: 4, memory_gb: 2}
+train: {steps: 3, optimizer: adamw, lr: 1.0e-3, seed: 0, log_every: 1, timeout_s: 60}
+output: {dir: tiny-run}
+"""
+
+
+def test_bad_spec_exits_2_with_file_line_and_no_traceback(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(TINY.replace("microbatches: 2", "microbatchs: 2"))
+    r = fxpipe_cli("plan", str(bad))
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr
+    assert f"{bad}:" in r.stderr and "did you mean 'microbatches'" in r.stderr
+
+
+def test_batch_that_does_not_split_is_rejected(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(TINY.replace("batch_size: 8", "batch_size: 6"))
+    r = fxpipe_cli("plan", str(bad))
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "data.batch_size" in r.stderr and "divisible" in r.stderr
+
+
+def test_show_missing_plan_is_a_clear_error(tmp_path):
+    r = fxpipe_cli("show", str(tmp_path / "nope.json"))
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "fxpipe plan" in r.stderr
+    junk = tmp_path / "junk.json"
+    junk.write_text("{not json")
+    r = fxpipe_cli("show", str(junk))
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+
+
+def test_plan_then_show(tmp_path):
+    spec = tmp_path / "tiny.yaml"
+    spec.write_text(TINY)
+    r = fxpipe_cli("plan", str(spec), "--out", str(tmp_path / "p"))
+    assert r.returncode == 0, r.stderr
+    for f in ("plan.json", "partition.dot", "summary.txt"):
+        assert (tmp_path / "p" / f).exists()
+    r2 = fxpipe_cli("show", str(tmp_path / "p"))
+    assert r2.returncode == 0 and "bottleneck" in r2.stdout
+
+
+def test_simulate_prints_every_schedule(tmp_path):
+    spec = tmp_path / "tiny.yaml"
+    spec.write_text(TINY)
+    r = fxpipe_cli("simulate", str(spec), "--out", str(tmp_path / "sim"))
+    assert r.returncode == 0, r.stderr
+    for name in ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"):
+        assert name in r.stdout
+    assert (tmp_path / "sim" / "simulated_1f1b.json").exists()
+
+
+@pytest.mark.distributed
+def test_run_end_to_end_and_never_overwrites(tmp_path):
+    spec = tmp_path / "tiny.yaml"
+    spec.write_text(TINY)
+    out = tmp_path / "run"
+    r = fxpipe_cli("run", str(spec), "--out", str(out))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "tokens/s" in r.stdout
+    rows = list(csv.DictReader(open(out / "losses.csv")))
+    assert [int(x["step"]) for x in rows] == [0, 1, 2]
+    assert (out / "timeline.json").exists() and (out / "plan.json").exists()
+    # the DCP checkpoint is keyed by the original FQNs: it loads into the plain model
+    torch.manual_seed(123)
+    model = CharGPT(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=32)
+    before = model.h[0].fc.weight.detach().clone()
+    keys = load_into_model(model, out / "checkpoint")
+    assert "h.0.fc.weight" in keys
+    assert not torch.equal(before, model.h[0].fc.weight)
+    # a second run into the same folder refuses and keeps the first run's files
+    stamp = (out / "losses.csv").read_text()
+    r2 = fxpipe_cli("run", str(spec), "--out", str(out))
+    assert r2.returncode == 2 and "Traceback" not in r2.stderr
+    assert "--overwrite" in r2.stderr
+    assert (out / "losses.csv").read_text() == stamp
