@@ -1,0 +1,684 @@
+"""Exact pipeline-stage partitioning: minimise the slowest stage, subject to memory and placement.
+
+Given a :class:`~fxpipe.partitioner.chain.CutProblem` (units in a fixed topological order, the
+values between them, per-stage memory and links), :func:`optimal_partition` finds the cut into
+``k`` contiguous non-empty stages whose largest stage cost (compute + communication, seconds per
+micro-batch) is the smallest possible, with every stage fitting its device memory, every pinned
+unit in its stage and every forced cut honoured. The result is exact for the given order (up to
+float rounding), not greedy; tests check it against brute-force enumeration.
+
+Algorithms (chains-on-chains partitioning, Pinar & Aykanat, JPDC 2004; the same recurrence as
+PipeDream's planner, Narayanan et al., SOSP 2019):
+
+* ``dp`` (any DAG, skip connections included): ``dp[j][b] = min_a max(dp[j-1][a], cost_j(a, b))``.
+  Distinct values received / sent by ``[a, b)`` are not separable in ``a`` and ``b`` once a value
+  has several users, so for each end ``b`` the receive and send sums of all starts ``a`` are kept
+  in difference arrays updated by O(1) events per (value, user) and read with one cumulative sum;
+  each end costs O(k * b) numpy work: O(k n^2) in all, O(n) memory besides the ``k x n`` tables.
+* ``chain`` (every value read only by the next unit): ``cost_j(a, b) = F_j(b) - G_j(a)`` is
+  separable, so "is bottleneck <= B feasible?" is a sweep with prefix maxima (sparse-table range
+  maxima when memory or forced cuts bound the start) in O(k n) numpy work, and a parametric search
+  over ``B`` (bisection, snapping to attained stage costs, then a certificate one float below the
+  answer) finds the exact optimum in a few dozen sweeps.
+
+Baselines for benchmarks, priced by the same :func:`~fxpipe.partitioner.chain.evaluate`:
+:func:`equal_layers_partition` (equal unit or block counts per stage) and
+:func:`param_balanced_partition` (DeepSpeed ``PipelineModule(partition_method='parameters')``
+style: balance parameter bytes). :func:`brute_force_partition` enumerates every cut set (tests).
+
+Pure Python + numpy; no torch.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from fxpipe.errors import PlanError
+from fxpipe.partitioner.chain import (
+    CutProblem,
+    PartitionResult,
+    Value,
+    ValueTable,
+    comm_seconds,
+    evaluate,
+    format_bytes,
+    inflight_1f1b,
+    inflight_gpipe,
+    node_boundary_bandwidths,
+    stage_memory,
+)
+
+__all__ = [
+    "CutProblem",
+    "Value",
+    "ValueTable",
+    "PartitionResult",
+    "evaluate",
+    "optimal_partition",
+    "brute_force_partition",
+    "equal_layers_partition",
+    "param_balanced_partition",
+    "inflight_1f1b",
+    "inflight_gpipe",
+    "node_boundary_bandwidths",
+]
+
+_NEG = -np.inf
+
+
+# ---------------------------------------------------------------------------------------------
+# Placement constraints (pins, forced cuts) as index bounds
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Bounds:
+    """Index bounds shared by the solvers, for ``n`` units and ``k`` stages.
+
+    ``start_min[b]``: smallest start ``a`` of a stage ending at ``b`` allowed by forced cuts.
+    ``pin_lo[j]``: stage ``j`` must start at or before this (its first pinned unit; ``n`` if none).
+    ``end_lo[j]`` / ``end_hi[j]``: allowed ends ``b`` of stage ``j`` (pins, non-empty stages).
+    """
+
+    n: int
+    k: int
+    start_min: np.ndarray
+    pin_lo: np.ndarray
+    end_lo: np.ndarray
+    end_hi: np.ndarray
+
+
+def _bounds(n: int, k: int, forced: np.ndarray, pin_units: np.ndarray, pin_stages: np.ndarray) -> _Bounds:
+    marker = np.full(n + 1, -1, dtype=np.int64)
+    if forced.size:
+        marker[forced + 2] = forced  # a stage ending at b > f+1 must start after f
+    start_min = np.maximum.accumulate(marker) + 1
+    pin_lo = np.full(k, n, dtype=np.int64)
+    pin_hi = np.full(k, -1, dtype=np.int64)
+    for u, s in zip(pin_units.tolist(), pin_stages.tolist()):
+        pin_lo[s] = min(pin_lo[s], u)
+        pin_hi[s] = max(pin_hi[s], u)
+    j = np.arange(k)
+    end_lo = np.maximum(j + 1, pin_hi + 1)
+    end_hi = n - (k - 1 - j)
+    return _Bounds(n, k, start_min, pin_lo, end_lo, end_hi)
+
+
+def _check_structure(problem: CutProblem) -> None:
+    """Raise PlanError, naming the conflict and the fix, when stage count, pins and forced cuts
+    cannot all hold (memory aside). Passing this check means some partition satisfies them."""
+    n, k = problem.n, problem.num_stages
+    if k > n:
+        raise PlanError(
+            f"cannot cut {n} units into {k} stages: every stage needs at least one unit; use at most "
+            f"{n} pipeline stages or price the model at a finer granularity"
+        )
+    forced = problem.forced
+    if forced.size > k - 1:
+        raise PlanError(
+            f"{forced.size} forced cuts (pipe_split) make at least {forced.size + 1} stages but only {k} "
+            f"were requested; use at least {forced.size + 1} pipeline stages or remove forced cuts"
+        )
+
+    def n_forced(lo: int, hi: int) -> int:  # forced cuts after units lo..hi-1
+        return int(np.searchsorted(forced, hi, "left") - np.searchsorted(forced, lo, "left"))
+
+    pu, ps = problem.pin_units.tolist(), problem.pin_stages.tolist()
+    if not pu:
+        return
+    u0, s0 = pu[0], ps[0]
+    if s0 > u0:
+        raise PlanError(
+            f"{problem.unit_label(u0)} is pinned to stage {s0} but only {u0} units come before it, too few "
+            f"to fill stages 0..{s0 - 1}; pin it to stage {u0} or earlier"
+        )
+    if n_forced(0, u0) > s0:
+        raise PlanError(
+            f"{problem.unit_label(u0)} is pinned to stage {s0} but {n_forced(0, u0)} forced cuts come before "
+            f"it, which puts it in stage {n_forced(0, u0)} or later; move the pin or the forced cuts"
+        )
+    for (u, s), (v, t) in zip(zip(pu, ps), zip(pu[1:], ps[1:])):
+        if t < s:
+            raise PlanError(
+                f"{problem.unit_label(v)} is pinned to stage {t} but comes after {problem.unit_label(u)} "
+                f"pinned to stage {s}; stages follow the unit order, so fix one of the two pins"
+            )
+        if t - s > v - u:
+            raise PlanError(
+                f"{problem.unit_label(u)} (stage {s}) and {problem.unit_label(v)} (stage {t}) are {v - u} "
+                f"units apart, too few for the {t - s - 1} stages between them; fix one of the pins"
+            )
+        f = n_forced(u, v)
+        if f > t - s:
+            raise PlanError(
+                f"{f} forced cuts lie between {problem.unit_label(u)} (pinned to stage {s}) and "
+                f"{problem.unit_label(v)} (pinned to stage {t}), more than the {t - s} stage boundaries "
+                f"between them; remove forced cuts or change the pins"
+            )
+    ul, sl = pu[-1], ps[-1]
+    if k - 1 - sl > n - 1 - ul:
+        raise PlanError(
+            f"{problem.unit_label(ul)} is pinned to stage {sl} but only {n - 1 - ul} units follow it, too "
+            f"few for stages {sl + 1}..{k - 1}; pin it to a later stage or use fewer stages"
+        )
+    if n_forced(ul, n) > k - 1 - sl:
+        raise PlanError(
+            f"{problem.unit_label(ul)} is pinned to stage {sl} but {n_forced(ul, n)} forced cuts follow it, "
+            f"more than the {k - 1 - sl} later stages; move the pin or remove forced cuts"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# General DP (any DAG)
+# ---------------------------------------------------------------------------------------------
+
+
+def _group(e: np.ndarray, *cols: np.ndarray, n: int) -> tuple[np.ndarray, list[np.ndarray]]:
+    order = np.argsort(e, kind="stable")
+    ptr = np.searchsorted(e[order], np.arange(n + 2))
+    return ptr, [c[order] for c in cols]
+
+
+def _solve_dp(problem: CutProblem, bd: _Bounds) -> list[int] | None:
+    """Exact O(k n^2) DP for any value structure. Returns stage starts, or None if infeasible."""
+    n, k = problem.n, problem.num_stages
+    T, P, A = problem.T, problem.P, problem.A
+    vt = problem.table
+    w = 1.0 + vt.grad
+    wb = w * vt.nbytes
+    counts = np.diff(vt.user_ptr)
+    owner = np.repeat(np.arange(len(vt)), counts)
+
+    # Receive events: when unit u (a user of v) joins the stage ([a, u+1)), v becomes received for
+    # starts a in (max(producer, previous user of v), u]: +w*bytes on that range of a.
+    first = np.zeros(vt.users.shape[0], dtype=bool)
+    first[vt.user_ptr[:-1][counts > 0]] = True
+    prev = np.where(first, vt.producer[owner], np.concatenate([[0], vt.users[:-1]]))
+    r_end = np.concatenate([vt.users + 1, vt.users + 1])
+    r_pos = np.concatenate([prev + 1, vt.users + 1])
+    r_wb = np.concatenate([wb[owner], -wb[owner]])
+    r_w = np.concatenate([w[owner], -w[owner]])
+    r_ptr, (r_pos, r_wb, r_w) = _group(r_end, r_pos, r_wb, r_w, n=n)
+    # Send events: v is sent by [a, b) iff a <= producer < b <= last user. Stored at position
+    # producer (summed over a <= producer by a suffix sum); active for ends producer+1..last user.
+    last = vt.users[vt.user_ptr[1:] - 1] if len(vt) else np.zeros(0, dtype=np.int64)
+    s_end = np.concatenate([vt.producer + 1, last + 1])
+    s_pos = np.concatenate([vt.producer, vt.producer])
+    s_wb = np.concatenate([wb, -wb])
+    s_w = np.concatenate([w, -w])
+    s_ptr, (s_pos, s_wb, s_w) = _group(s_end, s_pos, s_wb, s_w, n=n)
+
+    DR = np.zeros((2, n + 2))
+    DS = np.zeros((2, n + 2))
+    lat = float(problem.latency_s)
+    mult = float(problem.param_multiplier)
+    inv_in = problem.inv_bw_in[:, None]
+    inv_out = problem.inv_bw_out[:, None]
+    inflight = problem.inflight_arr[:, None]
+    cap = None if problem.cap is None else problem.cap[:, None]
+    rows = np.arange(k)
+    # row j may end at b only inside [end_lo[j], end_hi[j]]; row 0 may only start at 0
+    dp = np.full((k, n + 1), np.inf)
+    arg = np.zeros((k, n + 1), dtype=np.int64)
+    prev_rows = np.full((k, n + 1), np.inf)
+    prev_rows[0, 0] = 0.0
+    pin_lo = bd.pin_lo[:, None]
+
+    for e in range(1, n + 1):
+        for D, ptr, pos, vb, vw in ((DR, r_ptr, r_pos, r_wb, r_w), (DS, s_ptr, s_pos, s_wb, s_w)):
+            lo, hi = ptr[e], ptr[e + 1]
+            if hi > lo:
+                np.add.at(D[0], pos[lo:hi], vb[lo:hi])
+                np.add.at(D[1], pos[lo:hi], vw[lo:hi])
+        a0 = int(bd.start_min[e])
+        active = (bd.end_lo <= e) & (e <= bd.end_hi)
+        if a0 >= e or not active.any():
+            continue
+        R = np.cumsum(DR[:, :e], axis=1)[:, a0:]
+        S = np.cumsum(DS[:, e - 1 :: -1], axis=1)[:, ::-1][:, a0:]  # suffix sums over a
+        comm = comm_seconds(R[0], R[1], S[0], S[1], inv_in, inv_out, lat)  # (k, e - a0)
+        cost = (T[e] - T[a0:e]) + comm
+        if cap is not None:
+            mem = stage_memory(mult, P[e] - P[a0:e], inflight, A[e] - A[a0:e])
+            cost[mem > cap * 1.01] = np.inf
+        cand = np.maximum(prev_rows[:, a0:e], cost)
+        cand[np.arange(a0, e)[None, :] > pin_lo] = np.inf
+        idx = np.argmin(cand, axis=1)
+        best = cand[rows, idx]
+        best[~active] = np.inf
+        dp[:, e] = best
+        arg[:, e] = idx + a0
+        if e < n:
+            prev_rows[1:, e] = best[:-1]
+
+    if not math.isfinite(dp[k - 1, n]):
+        return None
+    cuts = [0] * k
+    b = n
+    for j in range(k - 1, 0, -1):
+        b = int(arg[j, b])
+        cuts[j] = b
+    return cuts
+
+
+# ---------------------------------------------------------------------------------------------
+# Separable solver: cost_j(a, b) = F_j[b] - G_j[a]  (chains, memory, parameter counts)
+# ---------------------------------------------------------------------------------------------
+
+
+def _f2k(x: float) -> int:
+    """Order-preserving map from float64 to int (adjacent floats -> adjacent ints)."""
+    i = int(np.float64(x).view(np.int64))
+    return i if i >= 0 else -(i + (1 << 63))
+
+
+class _Separable:
+    """Minimise ``max_j F[j][b_j] - G[j][a_j]`` over partitions (stage j = [a_j, b_j)).
+
+    ``F``/``G``: per stage float64 ``(n+1,)`` arrays with ``F[j][b] >= G[j][a]`` for ``a < b``.
+    ``start_lo``: per stage int ``(n+1,)`` smallest allowed start for each end (memory and forced
+    cuts), or None when only the stage count and pins bound the start.
+    ``base``: optional nondecreasing ``(n+1,)`` array with ``base[b] - base[a] <= cost_j(a, b)``
+    for every stage (the compute prefix sums for the time objective). A sweep at bound ``B`` then
+    only visits ends ``b`` with ``base[b] <= (j+1) B`` and ``base[n] - base[b] <= (k-1-j) B``: a band
+    around ``(j+1) n / k`` that is narrow near the optimum.
+
+    The feasibility sweep at bound ``B`` keeps, per stage, the ends ``b`` reachable with all
+    stages so far costing ``<= B``: ``reach_j(b) = max{G_j[a] : a in window(b), reach_{j-1}(a)}``
+    compared with ``F_j[b] - B`` (prefix maxima, or sparse-table range maxima when the start is
+    bounded below). A stage cost is compared as ``F[b] - max G <= B``, the same float expression
+    :meth:`trace` reports, so the search's answer is an attained bottleneck.
+    """
+
+    def __init__(
+        self,
+        bd: _Bounds,
+        F: list[np.ndarray],
+        G: list[np.ndarray],
+        start_lo: list[np.ndarray | None],
+        base: np.ndarray | None = None,
+    ):
+        n, k = bd.n, bd.k
+        self.n, self.k, self.F, self.G, self.base = n, k, F, G, base
+        b = np.arange(n + 1)
+        self.valid: list[np.ndarray] = []
+        self.lo: list[np.ndarray | None] = []
+        self.hi: list[np.ndarray] = []
+        for j in range(k):
+            valid = (b >= bd.end_lo[j]) & (b <= bd.end_hi[j])
+            hi = np.clip(np.minimum(b - 1, bd.pin_lo[j]), 0, None)
+            lo = start_lo[j]
+            if j == 0:
+                if lo is not None:
+                    valid &= lo == 0
+                lo = None
+            elif lo is not None:
+                valid &= lo <= hi
+            self.valid.append(valid)
+            self.hi.append(hi)
+            self.lo.append(lo)
+        self.end_lo, self.end_hi = bd.end_lo, bd.end_hi
+
+    def _bands(self, B: float) -> tuple[np.ndarray, np.ndarray]:
+        k, n = self.k, self.n
+        lo = self.end_lo.copy()
+        hi = self.end_hi.copy()
+        if self.base is not None and math.isfinite(B):
+            W = self.base
+            Bm = B * (1 + 1e-9) + 1e-300  # conservative: never prunes a feasible end
+            j = np.arange(k)
+            hi = np.minimum(hi, np.searchsorted(W, (j + 1) * Bm, "right") - 1)
+            lo = np.maximum(lo, np.searchsorted(W, W[n] - (k - 1 - j) * Bm, "left"))
+        return lo, hi
+
+    @staticmethod
+    def _range_max(Gm: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+        """``max(Gm[lo[i] : hi[i] + 1])`` for every i (-inf where empty), via a sparse table."""
+        length = hi - lo + 1
+        ok = length >= 1
+        out = np.full(lo.shape[0], _NEG)
+        if not ok.any():
+            return out
+        lo, hi, length = lo[ok], hi[ok], length[ok]
+        lev = np.frexp(length.astype(np.float64))[1].astype(np.int64) - 1  # floor(log2(length))
+        m = Gm.shape[0]
+        tab = [Gm]
+        for L in range(1, int(lev.max()) + 1):
+            h = 1 << (L - 1)
+            prev = tab[-1]
+            cur = prev.copy()
+            np.maximum(prev[: m - h], prev[h:], out=cur[: m - h])
+            tab.append(cur)
+        flat = np.concatenate(tab)
+        out[ok] = np.maximum(flat[lev * m + lo], flat[lev * m + hi - (1 << lev) + 1])
+        return out
+
+    def feasible(self, B: float) -> list[tuple[int, np.ndarray]] | None:
+        """Per stage ``(offset, reach)``: ``reach[i]`` is True when stages 0..j can end at
+        ``offset + i`` with every cost ``<= B``; None when the whole partition cannot."""
+        n, k = self.n, self.k
+        inf = math.isinf(B)
+        blo, bhi = self._bands(B)
+        s, e = int(blo[0]), int(bhi[0])
+        if e < s:
+            return None
+        reach = self.valid[0][s : e + 1] & ((self.F[0][s : e + 1] - self.G[0][0]) <= B)
+        out = [(s, reach)]
+        if k == 1:
+            return out if (s <= n <= e and reach[n - s]) else None
+        for j in range(1, k):
+            o, r = out[-1]
+            nz = np.flatnonzero(r)
+            if nz.size == 0:
+                return None
+            o, r = o + int(nz[0]), r[nz[0] : nz[-1] + 1]
+            out[-1] = (o, r)
+            L = r.shape[0]
+            Gm = np.where(r, self.G[j][o : o + L], _NEG)
+            if j == k - 1:
+                if not self.valid[j][n]:
+                    return None
+                lo = o if self.lo[j] is None else max(o, int(self.lo[j][n]))
+                hi = min(int(self.hi[j][n]), o + L - 1)
+                if hi < lo:
+                    return None
+                M = Gm[lo - o : hi - o + 1].max()
+                if not (M > _NEG if inf else (self.F[j][n] - M) <= B):
+                    return None
+                out.append((n, np.ones(1, dtype=bool)))
+                break
+            s, e = max(int(blo[j]), o + 1), int(bhi[j])
+            if e < s:
+                return None
+            hi = np.minimum(self.hi[j][s : e + 1], o + L - 1) - o
+            if self.lo[j] is None:
+                pm = np.maximum.accumulate(Gm)
+                M = np.where(hi >= 0, pm[np.clip(hi, 0, None)], _NEG)
+            else:
+                lo = np.maximum(self.lo[j][s : e + 1], o) - o
+                M = self._range_max(Gm, lo, hi)
+            reach = self.valid[j][s : e + 1] & ((M > _NEG) if inf else ((self.F[j][s : e + 1] - M) <= B))
+            out.append((s, reach))
+        return out
+
+    def trace(self, reach: list[tuple[int, np.ndarray]]) -> tuple[list[int], float]:
+        """Cuts of a partition witnessed by ``reach`` and its bottleneck (max of F - G)."""
+        k = self.k
+        cuts = [0] * k
+        b = self.n
+        worst = -math.inf
+        for j in range(k - 1, 0, -1):
+            o, r = reach[j - 1]
+            lo = o if self.lo[j] is None else max(o, int(self.lo[j][b]))
+            hi = min(int(self.hi[j][b]), o + r.shape[0] - 1)
+            seg = np.where(r[lo - o : hi - o + 1], self.G[j][lo : hi + 1], _NEG)
+            a = lo + int(np.argmax(seg))
+            worst = max(worst, float(self.F[j][b] - self.G[j][a]))
+            cuts[j] = a
+            b = a
+        worst = max(worst, float(self.F[0][b] - self.G[0][0]))
+        return cuts, worst
+
+    def solve(self, lower_bound: float = 0.0) -> list[int] | None:
+        """Exact minimiser by parametric search. ``lower_bound``: a value no partition beats."""
+        r = self.feasible(math.inf)
+        if r is None:
+            return None
+        best, hi = self.trace(r)
+        lo = min(float(lower_bound), hi)
+        r = self.feasible(lo)
+        if r is not None:
+            return self.trace(r)[0]
+        # invariant: feasible(hi) (hi is an attained bottleneck), not feasible(lo)
+        while _f2k(hi) - _f2k(lo) > 1:
+            if hi - lo > 1e-9 * abs(hi):
+                mid = lo + (hi - lo) / 2
+            else:  # narrow: try one float below the incumbent (a certificate), else bisect bits
+                below = float(np.nextafter(hi, -np.inf))
+                r = self.feasible(below)
+                if r is None:
+                    break
+                best, hi = self.trace(r)
+                if _f2k(hi) - _f2k(lo) <= 1:
+                    break
+                kl, kh = _f2k(lo), _f2k(hi)
+                km = (kl + kh) // 2
+                mid = float(np.int64(km if km >= 0 else -km - (1 << 63)).view(np.float64))
+            r = self.feasible(mid)
+            if r is None:
+                lo = mid
+            else:
+                best, hi = self.trace(r)
+        return best
+
+
+def _memory_start_lo(problem: CutProblem, j: int) -> np.ndarray:
+    """Smallest start a with memory_j(a, b) <= capacity_j, for every end b (int64 ``(n+1,)``);
+    uses the exact :func:`stage_memory` formula that :func:`evaluate` uses."""
+    P, A, n = problem.P, problem.A, problem.n
+    mult, inf, cap = float(problem.param_multiplier), float(problem.inflight_arr[j]), float(problem.cap[j])
+    d = stage_memory(mult, P, inf, A)
+    b = np.arange(n + 1)
+    lo = np.clip(np.searchsorted(d, d - cap, "left"), 0, b)
+
+    def mem(a):
+        return stage_memory(mult, P[b] - P[a], inf, A[b] - A[a])
+
+    while True:
+        bad = mem(lo) > cap
+        if not bad.any():
+            break
+        lo = lo + bad
+    while True:
+        can = (lo > 0) & (mem(np.maximum(lo - 1, 0)) <= cap)
+        if not can.any():
+            break
+        lo = lo - can
+    return lo
+
+
+def _start_lo(problem: CutProblem, bd: _Bounds, use_memory: bool) -> list[np.ndarray | None]:
+    k = problem.num_stages
+    forced = problem.forced.size > 0
+    out: list[np.ndarray | None] = []
+    cache: dict[tuple[float, float], np.ndarray] = {}
+    for j in range(k):
+        lo = bd.start_min if forced else None
+        if use_memory and problem.cap is not None:
+            key = (float(problem.inflight_arr[j]), float(problem.cap[j]))
+            if key not in cache:
+                cache[key] = _memory_start_lo(problem, j)
+            m = cache[key]
+            lo = m if lo is None else np.maximum(lo, m)
+        out.append(lo)
+    return out
+
+
+def _solve_chain(problem: CutProblem, bd: _Bounds) -> list[int] | None:
+    """Exact parametric search for chains (every value read only by the next unit)."""
+    k, T = problem.num_stages, problem.T
+    wb, wc, _ = problem.boundary_comm()
+    lat = float(problem.latency_s)
+    F, G = [], []
+    cache: dict[tuple[float, float], tuple[np.ndarray, np.ndarray]] = {}
+    for j in range(k):
+        key = (float(problem.inv_bw_in[j]), float(problem.inv_bw_out[j]))
+        if key not in cache:
+            recv = comm_seconds(wb, wc, 0.0, 0.0, key[0], 0.0, lat)
+            send = comm_seconds(0.0, 0.0, wb, wc, 0.0, key[1], lat)
+            cache[key] = (T + send, T - recv)
+        F.append(cache[key][0])
+        G.append(cache[key][1])
+    solver = _Separable(bd, F, G, _start_lo(problem, bd, use_memory=True), base=T)
+    t = np.diff(T)
+    lb = max(problem.lower_bound_s, float(t.max())) * (1 - 1e-12)
+    return solver.solve(lb)
+
+
+# ---------------------------------------------------------------------------------------------
+# Public API
+# ---------------------------------------------------------------------------------------------
+
+
+def optimal_partition(problem: CutProblem, method: str = "auto") -> PartitionResult:
+    """Exact min-max (bottleneck) partition of the units into ``problem.num_stages`` stages.
+
+    Args:
+        problem: the cut problem (units, values, links, memory, pins, forced cuts).
+        method: ``"auto"`` (``chain`` when every value is read only by the next unit, else
+            ``dp``), ``"dp"`` (any DAG, O(k n^2) time, O(k n) memory) or ``"chain"`` (chains only,
+            O(k n) per sweep times a few dozen sweeps).
+
+    Returns:
+        :class:`PartitionResult` from :func:`evaluate` on the optimal cuts (``violations`` empty).
+
+    Raises:
+        PlanError: no partition exists (more stages than units; pins and forced cuts that
+            conflict; no split fits device memory, with the stage, the bytes needed and the fix).
+    """
+    if method not in ("auto", "dp", "chain"):
+        raise PlanError(f"unknown planner method {method!r}; use 'auto', 'dp' or 'chain'")
+    _check_structure(problem)
+    bd = _bounds(problem.n, problem.num_stages, problem.forced, problem.pin_units, problem.pin_stages)
+    if method == "auto":
+        method = "chain" if problem.is_chain else "dp"
+    if method == "chain" and not problem.is_chain:
+        raise PlanError(
+            "method='chain' needs every value to be read only by the next unit, but this problem has "
+            "skip connections or multi-user values; use method='dp' (or 'auto')"
+        )
+    cuts = _solve_chain(problem, bd) if method == "chain" else _solve_dp(problem, bd)
+    if cuts is None:
+        raise _infeasible(problem, bd)
+    result = evaluate(problem, cuts, method=method)
+    if result.violations:  # the solvers and evaluate share formulas; this would be a bug
+        raise PlanError(f"internal planner error, plan violates {result.violations}; please report it")
+    return result
+
+
+def _infeasible(problem: CutProblem, bd: _Bounds) -> PlanError:
+    """Explain why no partition exists (after :func:`_check_structure` passed)."""
+    n, k = problem.n, problem.num_stages
+    if problem.cap is None:
+        return PlanError(
+            f"no partition of {n} units into {k} stages satisfies the pins and forced cuts; "
+            f"check fxpipe.annotate() stages and pipe_split() positions"
+        )
+    # The split needing the least memory (relative to each stage's capacity) still does not fit.
+    mult = float(problem.param_multiplier)
+    F = [stage_memory(mult, problem.P, float(problem.inflight_arr[j]), problem.A) / float(problem.cap[j]) for j in range(k)]
+    solver = _Separable(bd, F, F, _start_lo(problem, bd, use_memory=False))
+    cuts = solver.solve(0.0)
+    if cuts is None:
+        return PlanError(
+            f"no partition of {n} units into {k} stages satisfies the pins and forced cuts; "
+            f"check fxpipe.annotate() stages and pipe_split() positions"
+        )
+    res = evaluate(problem, cuts)
+    ratio = np.asarray(res.memory_bytes) / np.asarray(problem.cap)
+    j = int(np.argmax(ratio))
+    a, b = res.stage_ranges[j]
+    what = problem.unit_label(a) + " alone" if b - a == 1 else f"units {a}..{b - 1}"
+    m = float(problem.inflight_arr[j])
+    return PlanError(
+        f"no split of {n} units into {k} stages fits device memory: even the split that needs the least "
+        f"memory puts {format_bytes(res.memory_bytes[j])} on stage {j} ({what}: "
+        f"{format_bytes(res.param_bytes[j])} of parameters x {mult:g} for weights, gradients and "
+        f"optimizer state, plus {m:g} micro-batch{'' if m == 1 else 'es'} in flight x "
+        f"{format_bytes(res.saved_bytes[j])} of activations) but the device has "
+        f"{format_bytes(problem.cap[j])}; use more pipeline stages, fewer micro-batches in flight "
+        f"(1F1B instead of GPipe, or fewer micro-batches), or a device with more memory"
+    )
+
+
+def brute_force_partition(problem: CutProblem, max_candidates: int = 1_000_000) -> PartitionResult:
+    """Optimal partition by enumerating every cut set (for tests and tiny problems).
+
+    Prices each of the C(n-1, k-1) cut sets with :func:`evaluate` and keeps the feasible one with
+    the smallest bottleneck (first found on ties).
+
+    Raises:
+        PlanError: no cut set satisfies the constraints, or there are more than
+            ``max_candidates`` cut sets (use :func:`optimal_partition`).
+    """
+    n, k = problem.n, problem.num_stages
+    if k > n:
+        raise PlanError(f"cannot cut {n} units into {k} stages; use at most {n} stages")
+    if math.comb(n - 1, k - 1) > max_candidates:
+        raise PlanError(
+            f"{math.comb(n - 1, k - 1)} cut sets are too many to enumerate; use optimal_partition()"
+        )
+    best: PartitionResult | None = None
+    for rest in itertools.combinations(range(1, n), k - 1):
+        r = evaluate(problem, (0, *rest), method="brute_force")
+        if r.violations:
+            continue
+        if best is None or r.bottleneck_s < best.bottleneck_s:
+            best = r
+    if best is None:
+        raise PlanError(f"no partition of {n} units into {k} stages satisfies memory, pins and forced cuts")
+    return best
+
+
+def _blocks(problem: CutProblem, block_starts: Sequence[int] | None) -> np.ndarray:
+    n, k = problem.n, problem.num_stages
+    if block_starts is None:
+        bs = np.arange(n, dtype=np.int64)
+    else:
+        bs = np.unique(np.asarray(list(block_starts), dtype=np.int64))
+        if bs.size == 0 or bs[0] != 0 or bs[-1] >= n:
+            raise PlanError(
+                f"block_starts must start at 0 and stay below {n} (one entry per block's first unit); "
+                f"got {list(block_starts)[:8]}"
+            )
+    if bs.size < k:
+        raise PlanError(
+            f"{bs.size} blocks cannot fill {k} stages; use at most {bs.size} stages or finer blocks"
+        )
+    return bs
+
+
+def equal_layers_partition(problem: CutProblem, block_starts: Sequence[int] | None = None) -> PartitionResult:
+    """Baseline: the same number of units (or of blocks, e.g. transformer layers) per stage.
+
+    Stage ``j`` starts at block ``round(j * nblocks / k)``. Pins, forced cuts and memory are not
+    honoured; breaches are listed in the result's ``violations``.
+
+    Args:
+        block_starts: first unit of every block (sorted, starting at 0); None = one unit per block.
+
+    Raises:
+        PlanError: fewer blocks than stages, or malformed ``block_starts``.
+    """
+    bs = _blocks(problem, block_starts)
+    k, nb = problem.num_stages, bs.size
+    idx = [int(math.floor(j * nb / k + 0.5)) for j in range(k)]
+    return evaluate(problem, [int(bs[i]) for i in idx], method="equal_layers")
+
+
+def param_balanced_partition(problem: CutProblem, block_starts: Sequence[int] | None = None) -> PartitionResult:
+    """Baseline: balance parameter bytes per stage, as DeepSpeed's
+    ``PipelineModule(partition_method='parameters')`` does (min-max of per-stage parameter bytes
+    over contiguous splits of the blocks; exact, via the separable solver).
+
+    Pins, forced cuts, compute, communication and memory limits are ignored for the choice (priced
+    afterwards by :func:`evaluate`; breaches are listed in ``violations``).
+
+    Args:
+        block_starts: first unit of every block (sorted, starting at 0); None = one unit per block.
+
+    Raises:
+        PlanError: fewer blocks than stages, or malformed ``block_starts``.
+    """
+    bs = _blocks(problem, block_starts)
+    k, nb = problem.num_stages, bs.size
+    Pb = problem.P[np.append(bs, problem.n)]  # (nb+1,) parameter bytes before each block boundary
+    bd = _bounds(nb, k, np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
+    cuts = _Separable(bd, [Pb] * k, [Pb] * k, [None] * k, base=Pb).solve(0.0)
+    assert cuts is not None  # nb >= k: always feasible without constraints
+    return evaluate(problem, [int(bs[i]) for i in cuts], method="param_balanced")

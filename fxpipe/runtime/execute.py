@@ -1,0 +1,674 @@
+"""The pipeline executor: runs this rank's action list over torch.distributed, exactly.
+
+Every rank holds the stage modules its pipeline rank owns (``schedule.stages_of_rank``) and runs
+its action list from the :class:`~fxpipe.runtime.actions.Schedule` once per training step:
+
+* ``F`` - forward of one micro-batch; the stage that produces ``plan.model_output`` also computes
+  ``loss_fn(output, target_mb) / m`` (so gradients accumulated over the ``m`` micro-batches equal
+  those of the mean loss over the whole batch).
+* ``SEND_F``/``RECV_F``/``SEND_B``/``RECV_B`` - point-to-point transfer of the values on the edge
+  between two stages (activations forward, their gradients backward), one tensor per value, each
+  bounded by the timeout (:mod:`fxpipe.runtime.p2p`). Values that flow between two stages held by
+  the same rank (interleaved / V placements) are handed over in memory; comm actions between them
+  are no-ops.
+* ``B`` - backward. Full (input and weight gradients) unless ``schedule.split_backward``; then
+  ``B`` computes input gradients only (``torch.autograd.grad(..., retain_graph=True)``) and ``W``
+  the weight gradients (``torch.autograd.backward(..., inputs=params)``), as in Zero Bubble
+  Pipeline Parallelism (Qi et al., 2023). A value read by several stages receives the SUM of
+  their gradients before its producer's backward.
+* ``ALLREDUCE`` - start the asynchronous data-parallel all-reduce of the stage's gradients
+  (:mod:`fxpipe.runtime.data_parallel`; tied parameters summed across the stages holding them).
+* ``STEP`` - wait for the all-reduces and outstanding sends, ``optimizer.step()``, clear gradients.
+
+Activations of a micro-batch are released after its last backward (``B``, or ``W`` when split).
+The executor counts the micro-batches whose activations are held per stage (peak in flight) and
+records one wall-clock event per action for Chrome traces. The schedule format and per-rank action
+lists follow torch.distributed.pipelining's ``_Action`` IR; no DDP is used (see data_parallel).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from fxpipe.errors import FxpipeError, RuntimeFailure
+from fxpipe.plan_data import MODEL_INPUT, Plan
+from fxpipe.runtime import p2p
+from fxpipe.runtime.actions import Action, Op, Schedule
+from fxpipe.runtime.data_parallel import GradSynchronizer
+from fxpipe.runtime.mesh import Mesh
+from fxpipe.runtime.timeline import TimelineEvent, action_label
+
+try:  # the validator module owns the schedule error type; fall back if it is not there yet
+    from fxpipe.runtime.validate import ScheduleError
+except ImportError:  # pragma: no cover
+    from fxpipe.errors import PlanError as ScheduleError
+
+#: one wall-clock event per executed action: ``TimelineEvent(global rank, action_label(action),
+#: start_s, end_s, "compute")`` (a tuple, the format of :mod:`fxpipe.runtime.timeline` and the
+#: simulator); seconds since the epoch (monotonic within a process), comparable across the ranks
+#: of one host. Receives are blocking, so a RECV event spans the wait for the peer.
+Event = TimelineEvent
+
+
+def stage_edges(plan: Plan) -> dict[tuple[int, int], list[str]]:
+    """Values flowing between stages: ``(producer, consumer) -> value names``.
+
+    Derived from every stage's ``inputs`` (the order of the consumer module's arguments); model
+    inputs (producer ``MODEL_INPUT``) are not edges. This is what a schedule's send/receive actions
+    must cover (``fxpipe.runtime.schedules.schedule_for_plan`` builds them from the plan).
+
+    Raises:
+        RuntimeFailure: a stage reads a value the plan does not describe, or a value produced by a
+            later stage (not a pipeline).
+    """
+    edges: dict[tuple[int, int], list[str]] = {}
+    for sp in plan.stages:
+        for name in sp.inputs:
+            info = plan.values.get(name)
+            if info is None:
+                raise RuntimeFailure(
+                    f"stage {sp.index} reads {name!r}, which plan.values does not describe; "
+                    "re-create the plan with `fxpipe plan SPEC`")
+            if info.producer == MODEL_INPUT:
+                continue
+            if info.producer >= sp.index:
+                raise RuntimeFailure(
+                    f"stage {sp.index} reads {name!r} produced by stage {info.producer}, which "
+                    "is not an earlier stage; the plan's stages are not a pipeline - re-create the plan")
+            edges.setdefault((info.producer, sp.index), []).append(name)
+    return edges
+
+
+def _is_float(dtype: torch.dtype) -> bool:
+    return dtype.is_floating_point or dtype.is_complex
+
+
+@dataclass
+class _Fwd:
+    """Saved state of one (stage, micro-batch) between its forward and its last backward."""
+
+    leaves: list[tuple[str, torch.Tensor]]  # received float inputs (autograd leaves)
+    outs: dict[str, torch.Tensor]
+    loss: torch.Tensor | None
+    pending_w: tuple[list[torch.Tensor], list] | None = None  # after a split B
+
+
+@dataclass
+class _StepState:
+    chunks: dict[str, tuple[torch.Tensor, ...]]
+    target: tuple[torch.Tensor, ...] | None
+    inputs: dict[tuple[int, int], dict[str, torch.Tensor]] = field(default_factory=dict)
+    fwd: dict[tuple[int, int], _Fwd] = field(default_factory=dict)
+    grads: dict[tuple[int, int], dict[str, torch.Tensor]] = field(default_factory=dict)
+    grad_counts: dict[tuple[int, int], dict[str, int]] = field(default_factory=dict)
+    send_grads: dict[tuple[int, int], dict[str, torch.Tensor]] = field(default_factory=dict)
+    sends: list[tuple[p2p.Pending, str]] = field(default_factory=list)
+    inflight: dict[int, int] = field(default_factory=dict)
+    peak: dict[int, int] = field(default_factory=dict)
+    loss_sum: torch.Tensor | None = None
+    stepped: bool = False
+
+
+class PipelineExecutor:
+    """Runs a :class:`Schedule` for this rank's stages over torch.distributed.
+
+    Args:
+        plan: the Plan (stages' ``inputs``/``outputs``, ``values`` with per-micro-batch shapes and
+            dtypes, ``model_inputs``, ``model_output``, ``shared_params``, ``param_aliases``,
+            ``pipeline``, ``dp``, ``microbatches``).
+        schedule: per-pipeline-rank action lists including communication actions
+            (``add_communication``); ``num_ranks == plan.pipeline``.
+        stage_modules: stage index -> module for exactly the stages of this rank
+            (``schedule.stages_of_rank(mesh.pipe_rank)``). ``module(*inputs)`` takes the values
+            named by ``StagePlan.inputs`` in order and returns a tuple in ``StagePlan.outputs``
+            order (a bare tensor is accepted for one output); parameters are named by their
+            original FQNs (stages of one rank share tied Parameter objects).
+        mesh: this rank's :class:`~fxpipe.runtime.mesh.Mesh` (``pipeline``/``dp`` as the plan).
+        loss_fn: ``loss_fn(output, target) -> scalar tensor``, mean-reduced over the micro-batch
+            (e.g. cross entropy). Called on the stage that produces ``plan.model_output``.
+        optimizer: optimizer over this rank's parameters, or ``None`` (then ``STEP`` only
+            synchronises gradients and leaves them in ``.grad``).
+        timeout_s: seconds any single wait (receive, send, all-reduce) may take.
+        grad_compression: ``"none"`` (exact), ``"fp16"`` or ``"bf16"`` all-reduce payloads.
+
+    Attributes:
+        events: one :data:`Event` ``(rank, label, start_s, end_s, lane)`` per executed action,
+            all steps; ``fxpipe.runtime.timeline.write_chrome_trace(ex.events, path)`` dumps them.
+        peak_inflight: stage -> peak micro-batches with activations held, over all steps.
+        last_peak_inflight: the same for the last step.
+        step_times_s: wall-clock seconds of each :meth:`step`.
+        step_starts_s: start of each step, same clock as ``events``.
+
+    Raises:
+        ScheduleError: the schedule does not match the plan (ranks, stages, micro-batches) or lacks
+            a forward/backward/send/receive this rank needs.
+        RuntimeFailure: mismatch between plan, mesh and modules (the message says which).
+    """
+
+    def __init__(self, plan: Plan, schedule: Schedule, stage_modules: dict[int, nn.Module],
+                 mesh: Mesh, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                 optimizer: torch.optim.Optimizer | None, timeout_s: float = 300.0, *,
+                 grad_compression: str = "none"):
+        self.plan, self.schedule, self.mesh = plan, schedule, mesh
+        self.loss_fn, self.optimizer, self.timeout_s = loss_fn, optimizer, float(timeout_s)
+        self.modules = dict(stage_modules)
+        self.device = mesh.device
+        self.rank = mesh.rank
+        self.m = plan.microbatches
+        self._check_shapes(plan, schedule, mesh)
+        self.local_stages = schedule.stages_of_rank(mesh.pipe_rank)
+        if sorted(self.modules) != self.local_stages:
+            raise RuntimeFailure(
+                f"rank {self.rank} (pipeline rank {mesh.pipe_rank}) holds stages "
+                f"{self.local_stages} in the schedule but was given modules for stages "
+                f"{sorted(self.modules)}; pass exactly the stages of schedule.stages_of_rank()")
+        self.stage_plans = {sp.index: sp for sp in plan.stages}
+        self.edges = stage_edges(plan)
+        self._stage_rank = list(schedule.stage_to_rank)
+        self._value_index = {name: i for i, name in enumerate(sorted(plan.values))}
+        self._dtypes = {name: getattr(torch, v.dtype) for name, v in plan.values.items()}
+        self._model_inputs = set(plan.model_inputs) | {
+            n for n, v in plan.values.items() if v.producer == MODEL_INPUT}
+        # consumers of each value = stages whose inputs name it (gradient contributions to sum)
+        self._consumers: dict[str, list[int]] = {}
+        for (_, t), names in self.edges.items():
+            for n in names:
+                self._consumers.setdefault(n, []).append(t)
+        self.loss_stage = self._find_loss_stage(plan)
+        self._split = bool(schedule.split_backward)
+        self._check_actions()
+        self._stage_params = {s: self._params_of(self.modules[s]) for s in self.local_stages}
+        self._sync = GradSynchronizer(self._stage_params, self._shared_map(), mesh,
+                                      grad_compression)
+        # stages whose ALLREDUCE the schedule leaves out: launched after their last backward
+        self._auto_reduce_after: dict[int, int] = {}
+        acts = schedule.actions[mesh.pipe_rank]
+        has_ar = {a.stage for a in acts if a.op is Op.ALLREDUCE}
+        last_bwd = Op.W if self._split else Op.B
+        for idx, a in enumerate(acts):
+            if a.op is last_bwd and a.stage not in has_ar:
+                self._auto_reduce_after[a.stage] = idx
+        self.events: list[Event] = []
+        self.peak_inflight: dict[int, int] = {s: 0 for s in self.local_stages}
+        self.last_peak_inflight: dict[int, int] = {s: 0 for s in self.local_stages}
+        self.step_times_s: list[float] = []
+        self.step_starts_s: list[float] = []
+        self._clock0 = time.time() - time.perf_counter()
+
+    # ------------------------------------------------------------------ construction checks
+    @staticmethod
+    def _check_shapes(plan: Plan, schedule: Schedule, mesh: Mesh) -> None:
+        problems = []
+        if plan.pipeline != mesh.pipeline or plan.dp != mesh.dp:
+            problems.append(f"plan is pipeline={plan.pipeline} x dp={plan.dp} but the mesh is "
+                            f"{mesh.pipeline} x {mesh.dp}; build Mesh(plan.pipeline, plan.dp)")
+        if schedule.num_ranks != plan.pipeline or len(schedule.actions) != plan.pipeline:
+            problems.append(f"schedule has {schedule.num_ranks} ranks ({len(schedule.actions)} "
+                            f"action lists) but the plan has pipeline={plan.pipeline}")
+        if schedule.num_stages != plan.num_stages or len(schedule.stage_to_rank) != plan.num_stages:
+            problems.append(f"schedule has {schedule.num_stages} stages but the plan has "
+                            f"{plan.num_stages}")
+        if schedule.microbatches != plan.microbatches:
+            problems.append(f"schedule runs {schedule.microbatches} micro-batches but the plan "
+                            f"has {plan.microbatches}")
+        if sorted(sp.index for sp in plan.stages) != list(range(plan.num_stages)):
+            problems.append("plan.stages indices are not 0..num_stages-1")
+        if problems:
+            raise ScheduleError("schedule does not fit the plan: " + "; ".join(problems)
+                                + ". Generate the schedule from this plan's pipeline, stages "
+                                "and micro-batches")
+
+    def _find_loss_stage(self, plan: Plan) -> int:
+        holders = [sp.index for sp in plan.stages if plan.model_output in sp.outputs]
+        if len(holders) != 1:
+            raise RuntimeFailure(
+                f"the model output {plan.model_output!r} is in the outputs of stages {holders}; "
+                "exactly one stage must return it - re-create the plan")
+        return holders[0]
+
+    def _check_actions(self) -> None:
+        """Every local stage needs F, B (and W) once per micro-batch, and every edge to another
+        rank its sends/receives; raise ScheduleError naming what is missing."""
+        pr = self.mesh.pipe_rank
+        acts = self.schedule.actions[pr]
+        seen: dict[tuple, int] = {}
+        for a in acts:
+            if a.stage not in self.modules:
+                raise ScheduleError(
+                    f"pipeline rank {pr}'s action {a} belongs to stage {a.stage}, which rank {pr} "
+                    f"does not hold (it holds {self.local_stages}); the schedule is corrupt")
+            if a.op in (Op.SEND_F, Op.RECV_F, Op.SEND_B, Op.RECV_B):
+                pair = (a.stage, a.peer) if a.op in (Op.SEND_F, Op.RECV_B) else (a.peer, a.stage)
+                if pair not in self.edges:
+                    raise ScheduleError(
+                        f"action {a} on pipeline rank {pr}: no values flow from stage {pair[0]} "
+                        f"to stage {pair[1]} in the plan; build the schedule from this plan "
+                        "(fxpipe.runtime.schedules.schedule_for_plan)")
+            if a.op in (Op.F, Op.B, Op.W, Op.SEND_F, Op.RECV_F, Op.SEND_B, Op.RECV_B) and not (
+                    0 <= a.microbatch < self.m):
+                raise ScheduleError(f"action {a} on pipeline rank {pr}: micro-batch "
+                                    f"{a.microbatch} is outside 0..{self.m - 1}")
+            key = (a.op, a.stage, a.microbatch, a.peer)
+            seen[key] = seen.get(key, 0) + 1
+        missing, dup = [], [k for k, n in seen.items() if n > 1 and k[0] is not Op.ALLREDUCE]
+        compute = [Op.F, Op.B] + ([Op.W] if self._split else [])
+        for s in self.local_stages:
+            for i in range(self.m):
+                missing += [Action(op, s, i) for op in compute if (op, s, i, -1) not in seen]
+        for (s, t), names in self.edges.items():
+            if self._stage_rank[s] == self._stage_rank[t]:
+                continue
+            grads = any(_is_float(self._dtypes[n]) for n in names)
+            for i in range(self.m):
+                if s in self.modules:
+                    need = [Op.SEND_F] + ([Op.RECV_B] if grads else [])
+                    missing += [Action(op, s, i, t) for op in need if (op, s, i, t) not in seen]
+                if t in self.modules:
+                    need = [Op.RECV_F] + ([Op.SEND_B] if grads else [])
+                    missing += [Action(op, t, i, s) for op in need if (op, t, i, s) not in seen]
+        if missing or dup:
+            text = []
+            if missing:
+                text.append("missing " + " ".join(str(a) for a in missing[:12])
+                            + (f" (+{len(missing) - 12} more)" if len(missing) > 12 else ""))
+            if dup:
+                text.append("repeated " + " ".join(str(Action(*k)) for k in dup[:12]))
+            raise ScheduleError(
+                f"schedule {self.schedule.name!r} for pipeline rank {pr}: " + "; ".join(text)
+                + ". Every stage needs F and B (and W when split_backward) once per micro-batch, "
+                "and every edge between ranks a send and a receive in each direction: build it "
+                "with fxpipe.runtime.schedules.schedule_for_plan(plan)")
+
+    @staticmethod
+    def _params_of(module: nn.Module) -> list[nn.Parameter]:
+        out, seen = [], set()
+        for p in module.parameters():
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
+        return out
+
+    def _shared_map(self) -> dict[int, tuple[tuple[int, ...], str]]:
+        """Parameter object id -> (pipeline ranks holding it, canonical FQN), for shared params.
+
+        Calls ``mesh.replica_group`` for every shared parameter's rank set on every rank (in
+        sorted order) so that the collective group creation matches across ranks.
+        """
+        plan, aliases = self.plan, self.plan.param_aliases
+        out: dict[int, tuple[tuple[int, ...], str]] = {}
+        for fqn in sorted(plan.shared_params):
+            stages = plan.shared_params[fqn]
+            key = tuple(sorted({self._stage_rank[s] for s in stages}))
+            self.mesh.replica_group(key)  # collective: all ranks, same order
+            for s in stages:
+                if s not in self.modules:
+                    continue
+                found = None
+                for name, p in self.modules[s].named_parameters(remove_duplicate=False):
+                    if aliases.get(name, name) == fqn or name == fqn:
+                        found = p
+                        break
+                if found is None:
+                    raise RuntimeFailure(
+                        f"plan.shared_params lists {fqn!r} for stage {s}, but stage {s}'s module "
+                        "has no parameter of that name (or an alias of it); build the stage "
+                        "modules with the original parameter names")
+                if id(found) in out and out[id(found)][0] != key:
+                    raise RuntimeFailure(f"parameter {fqn!r} is shared inconsistently in the plan")
+                out[id(found)] = (key, fqn)
+        return out
+
+    # ------------------------------------------------------------------ the step
+    def step(self, inputs: dict[str, torch.Tensor], target: torch.Tensor | None) -> float:
+        """Run one training step (one pass over this rank's action list).
+
+        Args:
+            inputs: model input name (``plan.model_inputs``) -> this replica's whole batch,
+                ``[m * microbatch_size, ...]``; split into ``m`` micro-batches along dim 0.
+                Ranks may pass every input; each stage reads only what it uses.
+            target: this replica's targets ``[m * microbatch_size, ...]`` (needed on the rank
+                holding the loss stage; may be ``None`` elsewhere).
+
+        Returns:
+            The step's loss: mean over micro-batches and replicas; the same float on every rank.
+
+        Raises:
+            RuntimeFailure: bad batch (size, missing input), a peer timed out or died, a stage
+                returned values whose shape/dtype differ from the plan.
+        """
+        t0 = time.perf_counter()
+        self.step_starts_s.append(self._clock0 + t0)
+        st = self._prepare(inputs, target)
+        acts = self.schedule.actions[self.mesh.pipe_rank]
+        for idx, a in enumerate(acts):
+            start = time.perf_counter()
+            try:
+                self._run(a, st)
+            except FxpipeError:
+                raise
+            except Exception as e:
+                raise RuntimeFailure(f"{self._ctx(a)}: {type(e).__name__}: {e}") from e
+            self.events.append(TimelineEvent(self.rank, action_label(a), self._clock0 + start,
+                                             self._clock0 + time.perf_counter()))
+            if self._auto_reduce_after.get(a.stage) == idx:
+                self._sync.stage_done(a.stage)
+        if not st.stepped:
+            first = self.local_stages[0] if self.local_stages else -1
+            self._finish_step(st, Action(Op.STEP, first))
+        leftovers = [f"{s}:{i}" for (s, i) in st.fwd] + [f"{s}:{i}" for (s, i) in st.send_grads]
+        if leftovers:
+            raise ScheduleError(
+                f"rank {self.rank}: the schedule left stage:micro-batch {leftovers} without their "
+                "backward or gradient send; check the schedule with the validator")
+        loss = self._reduce_loss(st)
+        self.last_peak_inflight = dict(st.peak)
+        for s, v in st.peak.items():
+            self.peak_inflight[s] = max(self.peak_inflight.get(s, 0), v)
+        self.step_times_s.append(time.perf_counter() - t0)
+        return loss
+
+    def _prepare(self, inputs: dict[str, torch.Tensor], target) -> _StepState:
+        needed = sorted({n for s in self.local_stages for n in self.stage_plans[s].inputs
+                         if n in self._model_inputs})
+        missing = [n for n in needed if n not in inputs]
+        if missing:
+            raise RuntimeFailure(
+                f"rank {self.rank}: step() got inputs {sorted(inputs)} but stages "
+                f"{self.local_stages} need {missing}; pass every model input by its placeholder "
+                f"name ({self.plan.model_inputs})")
+        chunks = {n: self._chunk(n, inputs[n]) for n in needed}
+        tgt = None
+        if self.loss_stage in self.modules:
+            if target is None:
+                raise RuntimeFailure(f"rank {self.rank} holds the loss stage {self.loss_stage} but "
+                                     "step() got target=None; pass the batch's targets")
+            tgt = self._chunk("target", target)
+        return _StepState(chunks=chunks, target=tgt,
+                          inflight={s: 0 for s in self.local_stages},
+                          peak={s: 0 for s in self.local_stages})
+
+    def _chunk(self, name: str, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        b, m, mbs = x.shape[0], self.m, self.plan.microbatch_size
+        if b % m:
+            raise RuntimeFailure(
+                f"{name!r} has batch {b}, which does not split into {m} equal micro-batches; use a "
+                f"per-replica batch divisible by {m} (global batch = dp x micro-batches x "
+                "micro-batch size)")
+        if mbs and b // m != mbs:
+            raise RuntimeFailure(
+                f"{name!r} has batch {b} = {m} micro-batches of {b // m}, but the plan was made "
+                f"for micro-batches of {mbs} samples (it fixes the shapes sent between stages); pass a "
+                f"per-replica batch of {m * mbs} or re-plan with this batch size")
+        return x.to(self.device).split(b // m, dim=0)
+
+    def _ctx(self, a: Action) -> str:
+        return (f"rank {self.rank} (pipeline rank {self.mesh.pipe_rank}, replica "
+                f"{self.mesh.dp_rank}) stage {a.stage} micro-batch {a.microbatch} action {a}")
+
+    def _run(self, a: Action, st: _StepState) -> None:
+        op = a.op
+        if op is Op.F:
+            self._forward(a, st)
+        elif op is Op.B:
+            self._backward(a, st)
+        elif op is Op.W:
+            self._weight(a, st)
+        elif op is Op.SEND_F:
+            self._send_f(a, st)
+        elif op is Op.RECV_F:
+            self._recv_f(a, st)
+        elif op is Op.SEND_B:
+            self._send_b(a, st)
+        elif op is Op.RECV_B:
+            self._recv_b(a, st)
+        elif op is Op.ALLREDUCE:
+            self._sync.stage_done(a.stage)
+        elif op is Op.STEP:
+            self._finish_step(st, a)
+        else:  # pragma: no cover - Op is closed
+            raise ScheduleError(f"unknown action {a}")
+
+    # ------------------------------------------------------------------ compute
+    def _forward(self, a: Action, st: _StepState) -> None:
+        s, i = a.stage, a.microbatch
+        sp = self.stage_plans[s]
+        received = st.inputs.pop((s, i), {})
+        args, leaves = [], []
+        for name in sp.inputs:
+            if name in self._model_inputs:
+                args.append(st.chunks[name][i])
+                continue
+            t = received.get(name)
+            if t is None:
+                raise ScheduleError(f"{self._ctx(a)}: input {name!r} has not arrived (its RECV_F "
+                                    "or the producing stage's F comes later in the schedule)")
+            args.append(t)
+            if t.requires_grad:
+                leaves.append((name, t))
+        out = self.modules[s](*args)
+        if isinstance(out, torch.Tensor):
+            out = (out,)
+        if not isinstance(out, (tuple, list)) or len(out) != len(sp.outputs):
+            raise RuntimeFailure(
+                f"{self._ctx(a)}: the stage module returned "
+                f"{len(out) if isinstance(out, (tuple, list)) else type(out).__name__} values but "
+                f"the plan lists {len(sp.outputs)} outputs {sp.outputs}; build the stage modules "
+                "from this plan")
+        outs = dict(zip(sp.outputs, out))
+        for name, t in outs.items():
+            info = self.plan.values.get(name)
+            if info is not None and name in self._consumers and (
+                    list(t.shape) != list(info.shape) or t.dtype != self._dtypes[name]):
+                raise RuntimeFailure(
+                    f"{self._ctx(a)}: value {name!r} is {tuple(t.shape)} {t.dtype} but the plan "
+                    f"says {tuple(info.shape)} {info.dtype} per micro-batch; re-plan with the "
+                    "batch size and sequence length used for training")
+        loss = None
+        if s == self.loss_stage:
+            loss = self.loss_fn(outs[self.plan.model_output], st.target[i]) / self.m
+            d = loss.detach()
+            st.loss_sum = d.clone() if st.loss_sum is None else st.loss_sum + d
+        st.fwd[(s, i)] = _Fwd(leaves, outs, loss)
+        st.grads[(s, i)] = {}
+        st.grad_counts[(s, i)] = {}
+        # same-rank hand-over (interleaved / V placements): a fresh leaf, like a received value
+        for (p, t), names in self.edges.items():
+            if p == s and t in self.modules:
+                slot = st.inputs.setdefault((t, i), {})
+                for n in names:
+                    v = outs[n].detach()
+                    slot[n] = v.requires_grad_() if _is_float(v.dtype) else v
+        st.inflight[s] += 1
+        st.peak[s] = max(st.peak[s], st.inflight[s])
+
+    def _outputs_and_grads(self, a: Action, st: _StepState, f: _Fwd):
+        s, i = a.stage, a.microbatch
+        tensors, grads = [], []
+        if f.loss is not None:
+            tensors.append(f.loss)
+            grads.append(None)
+        got, counts = st.grads.pop((s, i)), st.grad_counts.pop((s, i))
+        for name, out in f.outs.items():
+            consumers = self._consumers.get(name, [])
+            if not consumers or not _is_float(out.dtype):
+                continue
+            if counts.get(name, 0) != len(consumers):
+                raise ScheduleError(
+                    f"{self._ctx(a)}: backward started with {counts.get(name, 0)} of "
+                    f"{len(consumers)} gradients of {name!r} (consumers: stages {consumers}); a "
+                    "RECV_B or a consumer's B must come before this B")
+            if out.requires_grad:
+                tensors.append(out)
+                grads.append(got[name])
+        return tensors, grads
+
+    def _backward(self, a: Action, st: _StepState) -> None:
+        s, i = a.stage, a.microbatch
+        f = st.fwd.get((s, i))
+        if f is None or f.pending_w is not None:
+            raise ScheduleError(f"{self._ctx(a)}: backward before forward (or twice)")
+        tensors, grads = self._outputs_and_grads(a, st, f)
+        names = [n for n, _ in f.leaves]
+        leaves = [t for _, t in f.leaves]
+        if not self._split:
+            if tensors:
+                torch.autograd.backward(tensors, grads)
+            in_grads = [t.grad for t in leaves]
+            del st.fwd[(s, i)]  # frees the micro-batch's activations
+            st.inflight[s] -= 1
+        else:
+            if tensors and leaves:
+                in_grads = list(torch.autograd.grad(tensors, leaves, grads, retain_graph=True,
+                                                    allow_unused=True))
+            else:
+                in_grads = [None] * len(leaves)
+            f.pending_w = (tensors, grads)
+            f.leaves = []
+        self._route_input_grads(a, st, names, leaves, in_grads)
+
+    def _route_input_grads(self, a, st, names, leaves, in_grads) -> None:
+        s, i = a.stage, a.microbatch
+        for name, leaf, g in zip(names, leaves, in_grads):
+            if g is None:
+                g = torch.zeros_like(leaf)
+            producer = self.plan.values[name].producer
+            if producer in self.modules:
+                self._accumulate(st, producer, i, name, g)
+            else:
+                st.send_grads.setdefault((s, i), {})[name] = g
+
+    @staticmethod
+    def _accumulate(st: _StepState, s: int, i: int, name: str, g: torch.Tensor) -> None:
+        got = st.grads.get((s, i))
+        if got is None:
+            raise ScheduleError(f"gradient of {name!r} for stage {s} micro-batch {i} arrived "
+                                "before that stage's forward")
+        got[name] = g if name not in got else got[name] + g
+        counts = st.grad_counts[(s, i)]
+        counts[name] = counts.get(name, 0) + 1
+
+    def _weight(self, a: Action, st: _StepState) -> None:
+        s, i = a.stage, a.microbatch
+        f = st.fwd.get((s, i))
+        if f is None or f.pending_w is None:
+            raise ScheduleError(f"{self._ctx(a)}: W before its B")
+        tensors, grads = f.pending_w
+        params = self._stage_params[s]
+        if tensors and params:
+            torch.autograd.backward(tensors, grads, inputs=params)
+        del st.fwd[(s, i)]
+        st.inflight[s] -= 1
+
+    # ------------------------------------------------------------------ communication
+    def _peer_rank(self, stage: int) -> int:
+        return self.mesh.global_rank(self._stage_rank[stage])
+
+    def _tag(self, name: str, consumer: int, i: int, backward: bool) -> int:
+        return p2p.tag_for(self._value_index[name], consumer, i, backward, self.plan.num_stages,
+                           self.m)
+
+    def _same_rank(self, s: int, t: int) -> bool:
+        return self._stage_rank[s] == self._stage_rank[t]
+
+    def _send_f(self, a: Action, st: _StepState) -> None:
+        s, t, i = a.stage, a.peer, a.microbatch
+        if self._same_rank(s, t):
+            return
+        f = st.fwd.get((s, i))
+        if f is None:
+            raise ScheduleError(f"{self._ctx(a)}: send before the stage's forward")
+        ctx, dst = self._ctx(a), self._peer_rank(t)
+        for name in self.edges[(s, t)]:
+            pend = p2p.isend(f.outs[name], dst, self._tag(name, t, i, False),
+                             f"send of {name!r} to stage {t}", ctx, self.timeout_s)
+            st.sends.append((pend, ctx))
+
+    def _recv_f(self, a: Action, st: _StepState) -> None:
+        t, s, i = a.stage, a.peer, a.microbatch
+        if self._same_rank(s, t):
+            return
+        ctx, src = self._ctx(a), self._peer_rank(s)
+        pend = [(name, p2p.irecv(self.plan.values[name].shape, self._dtypes[name], self.device,
+                                 src, self._tag(name, t, i, False),
+                                 f"receive of {name!r} from stage {s}", ctx, self.timeout_s))
+                for name in self.edges[(s, t)]]
+        slot = st.inputs.setdefault((t, i), {})
+        for name, pd in pend:
+            buf = p2p.wait(pd, ctx, self.timeout_s)
+            slot[name] = buf.requires_grad_() if _is_float(buf.dtype) else buf
+
+    def _float_names(self, s: int, t: int) -> list[str]:
+        return [n for n in self.edges[(s, t)] if _is_float(self._dtypes[n])]
+
+    def _send_b(self, a: Action, st: _StepState) -> None:
+        t, s, i = a.stage, a.peer, a.microbatch
+        if self._same_rank(s, t):
+            return
+        names = self._float_names(s, t)
+        if not names:
+            return
+        grads = st.send_grads.get((t, i))
+        if grads is None or any(n not in grads for n in names):
+            raise ScheduleError(f"{self._ctx(a)}: gradient send before the stage's backward")
+        ctx, dst = self._ctx(a), self._peer_rank(s)
+        for n in names:
+            pend = p2p.isend(grads.pop(n), dst, self._tag(n, t, i, True),
+                             f"send of the gradient of {n!r} to stage {s}", ctx, self.timeout_s)
+            st.sends.append((pend, ctx))
+        if not grads:
+            del st.send_grads[(t, i)]
+
+    def _recv_b(self, a: Action, st: _StepState) -> None:
+        s, t, i = a.stage, a.peer, a.microbatch
+        if self._same_rank(s, t):
+            return
+        names = self._float_names(s, t)
+        ctx, src = self._ctx(a), self._peer_rank(t)
+        pend = [(n, p2p.irecv(self.plan.values[n].shape, self._dtypes[n], self.device, src,
+                              self._tag(n, t, i, True),
+                              f"receive of the gradient of {n!r} from stage {t}", ctx,
+                              self.timeout_s)) for n in names]
+        for n, pd in pend:
+            self._accumulate(st, s, i, n, p2p.wait(pd, ctx, self.timeout_s))
+
+    # ------------------------------------------------------------------ step end
+    def _finish_step(self, st: _StepState, a: Action) -> None:
+        for pend, ctx in st.sends:
+            p2p.wait(pend, ctx, self.timeout_s)
+        st.sends.clear()
+        try:
+            self._sync.finish(self.timeout_s)
+        except RuntimeFailure as e:
+            raise RuntimeFailure(f"{self._ctx(a)}: {e}") from None
+        if self.optimizer is not None:
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            for s in self.local_stages:
+                for p in self._stage_params[s]:
+                    p.grad = None
+        self._sync.reset()
+        st.stepped = True
+
+    def _reduce_loss(self, st: _StepState) -> float:
+        local = st.loss_sum if st.loss_sum is not None else torch.zeros((), device=self.device)
+        buf = local.detach().to(torch.float64).reshape(1).clone()
+        if self.mesh.world_size > 1:
+            work = dist.all_reduce(buf, op=dist.ReduceOp.SUM, async_op=True)
+            p2p.wait(p2p.Pending(work, buf, -1, "loss all-reduce"),
+                     f"rank {self.rank} end of step", self.timeout_s)
+        return float(buf.item()) / self.mesh.dp
+
+    # ------------------------------------------------------------------ accounting
+    def reset_stats(self) -> None:
+        """Clear events, peak in-flight counters and step times."""
+        self.events.clear()
+        self.step_times_s.clear()
+        self.step_starts_s.clear()
+        self.peak_inflight = {s: 0 for s in self.local_stages}
+        self.last_peak_inflight = {s: 0 for s in self.local_stages}

@@ -1,0 +1,187 @@
+"""Placement of ranks on a pipeline x data-parallel grid, and the process groups it needs.
+
+Layout (Megatron-LM / torchtitan convention, pipeline innermost)::
+
+    rank = dp_rank * pipeline + pipe_rank
+
+so replica ``d`` owns the consecutive ranks ``d*p .. d*p + p-1`` (one pipeline group) and pipeline
+rank ``r`` has one copy in every replica (its data-parallel group ``r, r+p, r+2p, ...``).
+
+Process groups (created with ``torch.distributed.new_group``; creation is collective, so every
+rank builds a :class:`Mesh` with the same arguments in the same order):
+
+* one **data-parallel group** per pipeline rank: the replicas of that rank's stages; their
+  gradients are averaged over it;
+* one **pipeline group** per replica: the ranks that pass activations to each other;
+* on request (:meth:`Mesh.replica_group`), a group of the ranks holding a **shared parameter**
+  (e.g. tied input embedding on pipeline rank 0 and output head on the last pipeline rank) in all
+  replicas, over which its gradient is summed (Megatron-LM's "embedding group").
+
+Point-to-point traffic uses the default (world) group with global ranks.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+
+from fxpipe.errors import RuntimeFailure
+
+_ENV_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def rank_coords(rank: int, pipeline: int) -> tuple[int, int]:
+    """Global ``rank`` -> ``(pipe_rank, dp_rank)`` for ``pipeline`` ranks per pipeline group."""
+    return rank % pipeline, rank // pipeline
+
+
+def global_rank(pipe_rank: int, dp_rank: int, pipeline: int) -> int:
+    """``(pipe_rank, dp_rank)`` -> global rank ``dp_rank * pipeline + pipe_rank``."""
+    return dp_rank * pipeline + pipe_rank
+
+
+def init_distributed(device: str = "cpu", timeout_s: float = 300.0) -> torch.device:
+    """Join the default process group from torchrun's environment and return this rank's device.
+
+    Reads ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` (and ``LOCAL_RANK`` for CUDA),
+    as set by ``torchrun`` / ``torch.distributed.run`` / ``fxpipe run``. Backend: gloo for
+    ``device="cpu"``, NCCL for ``device="cuda"`` with device ``cuda:LOCAL_RANK``. If the default
+    group already exists it is reused.
+
+    Args:
+        device: ``"cpu"`` or ``"cuda"``.
+        timeout_s: seconds any collective or rendezvous may wait before failing.
+
+    Returns:
+        ``torch.device("cpu")`` or ``torch.device("cuda", LOCAL_RANK)``.
+
+    Raises:
+        RuntimeFailure: unknown device, missing launcher environment, no CUDA device.
+    """
+    if device not in ("cpu", "cuda"):
+        raise RuntimeFailure(
+            f"device {device!r} is not supported; use 'cpu' (gloo) or 'cuda' (NCCL)")
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeFailure(
+                "cluster.device is 'cuda' but torch sees no CUDA device; use device 'cpu' or run "
+                "on a machine with GPUs and a CUDA build of torch"
+            )
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        dev = torch.device("cuda", local_rank)
+        torch.cuda.set_device(dev)
+    else:
+        dev = torch.device("cpu")
+    if dist.is_initialized():
+        return dev
+    missing = [v for v in _ENV_VARS if v not in os.environ]
+    if missing:
+        raise RuntimeFailure(
+            f"environment variables {', '.join(missing)} are not set, so this process cannot join "
+            "a process group; launch it with `fxpipe run SPEC` or `torchrun --nproc-per-node N ...`"
+        )
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if device == "cuda":
+        dist.init_process_group("nccl", timeout=timeout, device_id=dev)
+    else:
+        dist.init_process_group("gloo", timeout=timeout)
+    return dev
+
+
+class Mesh:
+    """This rank's place on the ``pipeline x dp`` grid and its process groups.
+
+    Args:
+        pipeline: ranks per pipeline group (``p``).
+        dp: data-parallel degree (replicas of every stage).
+        device: device of this rank (default CPU); tensors the runtime allocates live there.
+        timeout_s: timeout of the groups created here, seconds.
+
+    Attributes:
+        rank / world_size: global rank and ``pipeline * dp``.
+        pipe_rank / dp_rank: this rank's coordinates.
+        dp_group: data-parallel group of this pipeline rank (``None`` when ``dp == 1``).
+        pipe_group: pipeline group of this replica (``None`` when ``pipeline == 1``).
+        dp_ranks / pipe_ranks: global ranks of those groups, ascending.
+
+    A ``Mesh(1, 1)`` also works without torch.distributed (one process, no groups): all stages on
+    one rank, e.g. to run several virtual stages in-process.
+
+    Raises:
+        RuntimeFailure: torch.distributed is not initialised (and ``pipeline * dp > 1``), or its
+            world size is not ``pipeline * dp``.
+    """
+
+    def __init__(self, pipeline: int, dp: int, device: torch.device | str | None = None,
+                 timeout_s: float = 300.0):
+        if pipeline < 1 or dp < 1:
+            raise RuntimeFailure(f"Mesh(pipeline={pipeline}, dp={dp}): both must be >= 1")
+        single = not dist.is_initialized()
+        if single and pipeline * dp != 1:
+            raise RuntimeFailure(
+                "torch.distributed is not initialised; call fxpipe.runtime.mesh.init_distributed() "
+                "first (under `fxpipe run` or torchrun)"
+            )
+        world = 1 if single else dist.get_world_size()
+        if world != pipeline * dp:
+            raise RuntimeFailure(
+                f"world size is {world} but pipeline x dp = {pipeline} x {dp} = {pipeline * dp}; "
+                f"launch {pipeline * dp} processes or change parallel.pipeline / parallel.data"
+            )
+        self.pipeline, self.dp, self.world_size = pipeline, dp, world
+        self.rank = 0 if single else dist.get_rank()
+        self.pipe_rank, self.dp_rank = rank_coords(self.rank, pipeline)
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        # Collective creation: every rank creates every group, in the same order.
+        self._dp_groups: dict[int, object] = {}
+        for r in range(pipeline):
+            ranks = [global_rank(r, d, pipeline) for d in range(dp)]
+            self._dp_groups[r] = dist.new_group(ranks, timeout=self.timeout) if dp > 1 else None
+        self._pipe_groups: dict[int, object] = {}
+        for d in range(dp):
+            ranks = [global_rank(r, d, pipeline) for r in range(pipeline)]
+            self._pipe_groups[d] = (
+                dist.new_group(ranks, timeout=self.timeout) if pipeline > 1 else None)
+        self._replica_groups: dict[tuple[int, ...], object] = {}
+        self.dp_ranks = [global_rank(self.pipe_rank, d, pipeline) for d in range(dp)]
+        self.pipe_ranks = [global_rank(r, self.dp_rank, pipeline) for r in range(pipeline)]
+        self.dp_group = self._dp_groups[self.pipe_rank]
+        self.pipe_group = self._pipe_groups[self.dp_rank]
+
+    def coords(self, rank: int) -> tuple[int, int]:
+        """Global ``rank`` -> ``(pipe_rank, dp_rank)``."""
+        return rank_coords(rank, self.pipeline)
+
+    def global_rank(self, pipe_rank: int, dp_rank: int | None = None) -> int:
+        """Global rank of ``pipe_rank`` in replica ``dp_rank`` (default: this rank's replica)."""
+        return global_rank(pipe_rank, self.dp_rank if dp_rank is None else dp_rank, self.pipeline)
+
+    def group_ranks(self, pipe_ranks: Iterable[int]) -> list[int]:
+        """Global ranks holding any of ``pipe_ranks`` in any replica, ascending."""
+        key = sorted(set(pipe_ranks))
+        return sorted(global_rank(r, d, self.pipeline) for r in key for d in range(self.dp))
+
+    def replica_group(self, pipe_ranks: Iterable[int]):
+        """Process group of the ranks holding ``pipe_ranks`` in every replica (shared parameters).
+
+        Collective: every rank must call it with the same arguments in the same order (members
+        and non-members alike). Cached per set of pipeline ranks. A single pipeline rank gives
+        its data-parallel group. Returns ``None`` when the group would hold one rank only.
+        """
+        key = tuple(sorted(set(pipe_ranks)))
+        if not key or min(key) < 0 or max(key) >= self.pipeline:
+            raise RuntimeFailure(f"pipeline ranks {key} are outside 0..{self.pipeline - 1}")
+        if len(key) == 1:
+            return self._dp_groups[key[0]]
+        if key not in self._replica_groups:
+            self._replica_groups[key] = dist.new_group(self.group_ranks(key), timeout=self.timeout)
+        return self._replica_groups[key]
+
+    def __repr__(self) -> str:
+        return (f"Mesh(pipeline={self.pipeline}, dp={self.dp}, rank={self.rank}, "
+                f"pipe_rank={self.pipe_rank}, dp_rank={self.dp_rank})")
