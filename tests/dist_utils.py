@@ -1,7 +1,9 @@
 """Test helper: run a function on N local gloo ranks (spawned processes) with a hard deadline.
 
 ``run_ranks(fn, world_size, *args, timeout_s=...)`` starts ``world_size`` processes (start method
-``spawn``: no fork of a parent that already ran OpenMP), sets torchrun's environment (RANK,
+``forkserver``: children fork from a clean server process that imported torch and fxpipe once but
+never ran an op, so no fork of a parent whose OpenMP pool is live, and no per-child import cost
+of about 2 s CPU), sets torchrun's environment (RANK,
 WORLD_SIZE, LOCAL_RANK, MASTER_ADDR=127.0.0.1, a free MASTER_PORT), limits each to one thread,
 joins the default gloo group, calls ``fn(rank, *args)`` and sends its (picklable) return value
 back. The parent kills every child still alive at the deadline and fails the test, so a hang can
@@ -18,6 +20,11 @@ import traceback
 from typing import Any, Callable
 
 import torch.multiprocessing as mp
+
+#: modules the fork server imports once (its children start with them loaded)
+PRELOAD = ["torch", "torch.distributed", "torch.export", "torch._dynamo",
+           "fxpipe.runtime.execute", "fxpipe.runtime.schedules", "fxpipe.partitioner.split",
+           "fxpipe.examples.gpt", "fxpipe.examples.cnn"]
 
 
 def free_port() -> int:
@@ -60,7 +67,8 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 60.0
     when a rank raised (its traceback included), exited with a non-zero status, or the deadline
     passed (all children are then killed).
     """
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)  # no effect once the server runs
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_child, args=(fn, r, world_size, port, dist_timeout_s, args,

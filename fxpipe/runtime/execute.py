@@ -256,6 +256,14 @@ class PipelineExecutor:
                                     f"{a.microbatch} is outside 0..{self.m - 1}")
             key = (a.op, a.stage, a.microbatch, a.peer)
             seen[key] = seen.get(key, 0) + 1
+        last_bwd = Op.W if self._split else Op.B
+        for pos, a in enumerate(acts):
+            if a.op is Op.ALLREDUCE and any(b.op is last_bwd and b.stage == a.stage
+                                            for b in acts[pos + 1:]):
+                raise ScheduleError(
+                    f"pipeline rank {pr}: {a} comes before the last {last_bwd.value} of stage "
+                    f"{a.stage}, so it would all-reduce incomplete gradients; place ALLREDUCE "
+                    "after the stage's last backward")
         missing, dup = [], [k for k, n in seen.items() if n > 1 and k[0] is not Op.ALLREDUCE]
         compute = [Op.F, Op.B] + ([Op.W] if self._split else [])
         for s in self.local_stages:
