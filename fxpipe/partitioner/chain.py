@@ -45,6 +45,7 @@ Pure Python + numpy; no torch.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -594,8 +595,6 @@ class PartitionResult:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain-data view (JSON-serialisable)."""
-        import dataclasses
-
         return dataclasses.asdict(self)
 
 

@@ -245,7 +245,7 @@ def _solve_dp(problem: CutProblem, bd: _Bounds) -> list[int] | None:
         cost = (T[e] - T[a0:e]) + comm
         if cap is not None:
             mem = stage_memory(mult, P[e] - P[a0:e], inflight, A[e] - A[a0:e])
-            cost[mem > cap * 1.01] = np.inf
+            cost[mem > cap] = np.inf
         cand = np.maximum(prev_rows[:, a0:e], cost)
         cand[np.arange(a0, e)[None, :] > pin_lo] = np.inf
         idx = np.argmin(cand, axis=1)
