@@ -70,7 +70,7 @@ def load_into_model(model: nn.Module, path: str | Path) -> list[str]:
         raise FxpipeError(f"checkpoint {path} lacks parameters {missing[:5]}; was it saved from "
                           "another model?")
     state = {name: named[name].detach().clone() for name in by_tensor.values()}
-    dcp.load(state, checkpoint_id=str(path))
+    dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
     with torch.no_grad():
         for name, t in state.items():
             named[name].copy_(t)

@@ -43,7 +43,6 @@ def _parser() -> argparse.ArgumentParser:
                    help="if the output directory holds an earlier run, move it aside "
                         "(renamed, never deleted) instead of stopping")
     r.add_argument("--nnodes", default="1", help="torchrun --nnodes (multi-node: e.g. 2)")
-    r.add_argument("--node-rank", type=int, default=None, help="torchrun --node-rank")
     r.add_argument("--rdzv-endpoint", default=None,
                    help="host:port of the rendezvous (multi-node); default: loopback, free port")
     r.add_argument("--rdzv-id", default="fxpipe", help="torchrun --rdzv-id")

@@ -101,5 +101,13 @@ def run(args) -> int:
             f"training failed on rank {rank} (exit code {failure.exitcode}); its message is "
             f"printed above. Outputs so far are kept in {out}"
         ) from None
+    if nnodes == 1:  # multi-node: checkpoint shards live on several machines
+        from fxpipe.evaluate import evaluate_run
+
+        figures = evaluate_run(spec, out)
+        if figures:
+            print(f"validation loss ({figures['eval_batches']} held-out batches): "
+                  f"{figures['val_loss_initial']:.4f} at start -> "
+                  f"{figures['val_loss_final']:.4f} after training", flush=True)
     print(f"done: outputs in {out}")
     return 0

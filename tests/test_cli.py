@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import json
 import os
 import subprocess
 import sys
@@ -94,6 +95,8 @@ def test_run_end_to_end_and_never_overwrites(tmp_path):
     rows = list(csv.DictReader(open(out / "losses.csv")))
     assert [int(x["step"]) for x in rows] == [0, 1, 2]
     assert (out / "timeline.json").exists() and (out / "plan.json").exists()
+    figures = json.loads((out / "eval.json").read_text())
+    assert figures["val_loss_final"] < figures["val_loss_initial"]
     # the DCP checkpoint is keyed by the original FQNs: it loads into the plain model
     torch.manual_seed(123)
     model = CharGPT(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=32)

@@ -103,7 +103,8 @@ class TrainSpec(_Section):
     """Training loop settings. ``precision``: ``fp32`` | ``bf16`` | ``fp16`` (16-bit compute with
     fp32 master weights). ``grad_compression``: ``none`` | ``fp16`` | ``bf16`` (all-reduce in 16
     bits). ``updates``: ``sync`` (the only exact mode). ``timeout_s``: a peer silent for this long
-    is an error, not a hang."""
+    is an error, not a hang. ``eval_batches``: held-out batches on which ``fxpipe run`` measures the
+    loss of the initial and the final model (0: skip)."""
 
     steps: PositiveInt = 200
     optimizer: Literal["adamw", "sgd"] = "adamw"
@@ -116,6 +117,7 @@ class TrainSpec(_Section):
     updates: Literal["sync"] = "sync"
     log_every: PositiveInt = 10
     timeout_s: PositiveFloat = 300.0
+    eval_batches: int = Field(default=4, ge=0)
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
 
 
