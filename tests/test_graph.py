@@ -8,28 +8,19 @@ import networkx as nx
 import pytest
 import torch
 
-from fxpipe.annotations import annotate, pipe_split
+from fxpipe.annotations import annotate
 from fxpipe.errors import PlanError
 from fxpipe.examples.cnn import SkipCNN
-from fxpipe.examples.gpt import CharGPT
 from fxpipe.partitioner.cost import price
 from fxpipe.partitioner.graph import PricedGraph, build_graph, values_table
 from fxpipe.partitioner.trace import COMPUTE_OPS, module_path_of, trace
 
+try:
+    from shared_models import SplitGPT
+except ImportError:  # run from the repo root as a package
+    from tests.shared_models import SplitGPT
+
 torch.set_num_threads(1)
-
-
-class SplitGPT(CharGPT):
-    """CharGPT with pipe_split() after block 0."""
-
-    def forward(self, idx):
-        t = idx.shape[1]
-        x = self.wte(idx) + self.wpe(torch.arange(t, device=idx.device))
-        for i, block in enumerate(self.h):
-            x = block(x)
-            if i == 0:
-                pipe_split()
-        return self.head(self.ln_f(x))
 
 
 def _gpt_graph(tracer: str) -> PricedGraph:

@@ -12,21 +12,13 @@ from fxpipe.examples.cnn import SkipCNN
 from fxpipe.examples.gpt import CharGPT
 from fxpipe.partitioner.trace import TracedModel, module_path_of, trace
 
+try:
+    from shared_models import SplitGPT
+except ImportError:  # run from the repo root as a package
+    from tests.shared_models import SplitGPT
+
 torch.set_num_threads(1)
 TRACERS = ["export", "fx"]
-
-
-class SplitGPT(CharGPT):
-    """CharGPT with a forced stage boundary after block 0."""
-
-    def forward(self, idx):
-        t = idx.shape[1]
-        x = self.wte(idx) + self.wpe(torch.arange(t, device=idx.device))
-        for i, block in enumerate(self.h):
-            x = block(x)
-            if i == 0:
-                pipe_split()
-        return self.head(self.ln_f(x))
 
 
 class Gate(nn.Module):
