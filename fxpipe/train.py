@@ -2,10 +2,11 @@
 
 ``python -m fxpipe.train --plan OUT/plan.json --out OUT`` on every rank:
 rebuild the model from the plan's spec (same seed everywhere), re-trace it, keep this rank's
-stages, and train with the plan's schedule. Rank 0 prints progress (step, loss, tokens/s) and
-writes ``losses.csv``; all ranks write checkpoints (torch.distributed.checkpoint, keyed by the
-original parameter FQNs) and rank 0 writes the measured timeline (Chrome trace JSON, one track per
-rank).
+stages, and train with the plan's schedule in the spec's ``train.precision`` (fp32, or bf16/fp16
+autocast with fp32 master weights; fp16 with dynamic loss scaling). Rank 0 prints progress (step,
+loss, tokens/s) and writes ``losses.csv``; all ranks write checkpoints
+(torch.distributed.checkpoint, keyed by the original parameter FQNs) and rank 0 writes the
+measured timeline (Chrome trace JSON, one track per rank).
 """
 
 from __future__ import annotations
@@ -63,7 +64,8 @@ def train(plan_path: Path, out: Path) -> None:
     optimizer = _optimizer(spec, params)
     executor = PipelineExecutor(plan, schedule, stages, mesh, resolve_loss(spec.train.loss),
                                 optimizer, timeout_s=spec.train.timeout_s,
-                                grad_compression=spec.train.grad_compression)
+                                grad_compression=spec.train.grad_compression,
+                                precision=spec.train.precision)
 
     per_replica = spec.data.batch_size // plan.dp
     tokens_per_step = spec.data.batch_size * (spec.data.seq_len if plan.model_inputs else 1)
@@ -102,6 +104,10 @@ def train(plan_path: Path, out: Path) -> None:
                            process_name="fxpipe measured")
         print(f"trained {spec.train.steps} steps in {wall:.1f} s; peak micro-batches in flight "
               f"per rank: {peaks}", flush=True)
+        if executor.loss_scaler is not None:
+            print(f"{spec.train.precision} loss scaling: {len(executor.skipped_steps)} step(s) "
+                  f"skipped for inf/NaN gradients {executor.skipped_steps[:10]}, final scale "
+                  f"{executor.loss_scaler.scale:g}", flush=True)
     dist.barrier()
     dist.destroy_process_group()
 

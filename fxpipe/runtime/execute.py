@@ -12,13 +12,24 @@ its action list from the :class:`~fxpipe.runtime.actions.Schedule` once per trai
   the same rank (interleaved / V placements) are handed over in memory; comm actions between them
   are no-ops.
 * ``B`` - backward. Full (input and weight gradients) unless ``schedule.split_backward``; then
-  ``B`` computes input gradients only (``torch.autograd.grad(..., retain_graph=True)``) and ``W``
-  the weight gradients (``torch.autograd.backward(..., inputs=params)``), as in Zero Bubble
-  Pipeline Parallelism (Qi et al., 2023). A value read by several stages receives the SUM of
+  ``B`` computes input gradients only and ``W`` the weight gradients from the gradients B
+  recorded at the edge of the weight-only part of the graph, so no work is done twice
+  (:mod:`fxpipe.runtime.backward_split`), as in Zero Bubble Pipeline Parallelism (Qi et al.,
+  2023). A value read by several stages receives the SUM of
   their gradients before its producer's backward.
 * ``ALLREDUCE`` - start the asynchronous data-parallel all-reduce of the stage's gradients
   (:mod:`fxpipe.runtime.data_parallel`; tied parameters summed across the stages holding them).
 * ``STEP`` - wait for the all-reduces and outstanding sends, ``optimizer.step()``, clear gradients.
+
+Mixed precision (``precision="bf16"``/``"fp16"``, :mod:`fxpipe.runtime.precision`): each stage's
+forward and the loss run under ``torch.autocast(device.type, dtype)``; parameters, gradients and
+the optimizer stay fp32. Every value sent to another stage is cast to its dtype in the plan
+(``ValueInfo.dtype``, fp32 for an fp32-traced model) before it leaves the stage, so receive
+buffers, same-rank hand-overs and the gradients sent back all keep the plan's dtypes. fp16 adds
+dynamic loss scaling (``torch.amp.GradScaler`` semantics): the loss is multiplied by the scale
+before the backward, each gradient is divided by it before its data-parallel all-reduce, and a
+step with an inf/NaN gradient on any rank is skipped on every rank (one extra world all-reduce
+of a flag per step) while the scale backs off.
 
 Activations of a micro-batch are released after its last backward (``B``, or ``W`` when split).
 The executor counts the micro-batches whose activations are held per stage (peak in flight) and
@@ -40,8 +51,10 @@ from fxpipe.errors import FxpipeError, RuntimeFailure
 from fxpipe.plan_data import MODEL_INPUT, Plan
 from fxpipe.runtime import p2p
 from fxpipe.runtime.actions import Action, Op, Schedule
+from fxpipe.runtime.backward_split import WeightWork, backward_input, backward_weight
 from fxpipe.runtime.data_parallel import GradSynchronizer
 from fxpipe.runtime.mesh import Mesh
+from fxpipe.runtime.precision import LossScaler, autocast_dtype, found_nonfinite
 from fxpipe.runtime.timeline import TimelineEvent, action_label
 
 try:  # the validator module owns the schedule error type; fall back if it is not there yet
@@ -96,7 +109,7 @@ class _Fwd:
     leaves: list[tuple[str, torch.Tensor]]  # received float inputs (autograd leaves)
     outs: dict[str, torch.Tensor]
     loss: torch.Tensor | None
-    pending_w: tuple[list[torch.Tensor], list] | None = None  # after a split B
+    pending_w: WeightWork | None = None  # after a split B: what W needs
 
 
 @dataclass
@@ -136,6 +149,11 @@ class PipelineExecutor:
             synchronises gradients and leaves them in ``.grad``).
         timeout_s: seconds any single wait (receive, send, all-reduce) may take.
         grad_compression: ``"none"`` (exact), ``"fp16"`` or ``"bf16"`` all-reduce payloads.
+        precision: ``"fp32"`` (default, exact), ``"bf16"`` or ``"fp16"``: forward and loss under
+            ``torch.autocast`` with fp32 master weights (spec ``train.precision``); values sent
+            between stages keep the plan's dtypes.
+        loss_scaler: the :class:`~fxpipe.runtime.precision.LossScaler` to use; default a new one
+            for ``"fp16"`` and none otherwise (a scaler given with bf16/fp32 is used too).
 
     Attributes:
         events: one :data:`Event` ``(rank, label, start_s, end_s, lane)`` per executed action,
@@ -144,6 +162,8 @@ class PipelineExecutor:
         last_peak_inflight: the same for the last step.
         step_times_s: wall-clock seconds of each :meth:`step`.
         step_starts_s: start of each step, same clock as ``events``.
+        skipped_steps: indices (0-based, counted by :meth:`step` calls) of the steps whose
+            optimizer step was skipped because a gradient was inf/NaN (loss scaling only).
 
     Raises:
         ScheduleError: the schedule does not match the plan (ranks, stages, micro-batches) or lacks
@@ -154,8 +174,13 @@ class PipelineExecutor:
     def __init__(self, plan: Plan, schedule: Schedule, stage_modules: dict[int, nn.Module],
                  mesh: Mesh, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                  optimizer: torch.optim.Optimizer | None, timeout_s: float = 300.0, *,
-                 grad_compression: str = "none"):
+                 grad_compression: str = "none", precision: str = "fp32",
+                 loss_scaler: LossScaler | None = None):
         self.plan, self.schedule, self.mesh = plan, schedule, mesh
+        self.precision = precision
+        self._amp_dtype = autocast_dtype(precision)  # raises on an unknown precision
+        self.loss_scaler = loss_scaler if loss_scaler is not None else (
+            LossScaler() if precision == "fp16" else None)
         self.loss_fn, self.optimizer, self.timeout_s = loss_fn, optimizer, float(timeout_s)
         self.modules = dict(stage_modules)
         self.device = mesh.device
@@ -199,6 +224,15 @@ class PipelineExecutor:
         self.last_peak_inflight: dict[int, int] = {s: 0 for s in self.local_stages}
         self.step_times_s: list[float] = []
         self.step_starts_s: list[float] = []
+        self.skipped_steps: list[int] = []
+        self._steps_run = 0
+        # loss scaling: a parameter is unscaled once every local stage using it is done
+        self._param_users: dict[int, tuple[nn.Parameter, set[int]]] = {}
+        for s, ps in self._stage_params.items():
+            for p in ps:
+                self._param_users.setdefault(id(p), (p, set()))[1].add(s)
+        self._done_stages: set[int] = set()
+        self._unscaled: set[int] = set()
         self._clock0 = time.time() - time.perf_counter()
 
     # ------------------------------------------------------------------ construction checks
@@ -353,6 +387,8 @@ class PipelineExecutor:
         t0 = time.perf_counter()
         self.step_starts_s.append(self._clock0 + t0)
         st = self._prepare(inputs, target)
+        self._done_stages.clear()
+        self._unscaled.clear()
         acts = self.schedule.actions[self.mesh.pipe_rank]
         for idx, a in enumerate(acts):
             start = time.perf_counter()
@@ -365,7 +401,7 @@ class PipelineExecutor:
             self.events.append(TimelineEvent(self.rank, action_label(a), self._clock0 + start,
                                              self._clock0 + time.perf_counter()))
             if self._auto_reduce_after.get(a.stage) == idx:
-                self._sync.stage_done(a.stage)
+                self._stage_done(a.stage)
         if not st.stepped:
             first = self.local_stages[0] if self.local_stages else -1
             self._finish_step(st, Action(Op.STEP, first))
@@ -379,6 +415,7 @@ class PipelineExecutor:
         for s, v in st.peak.items():
             self.peak_inflight[s] = max(self.peak_inflight.get(s, 0), v)
         self.step_times_s.append(time.perf_counter() - t0)
+        self._steps_run += 1
         return loss
 
     def _prepare(self, inputs: dict[str, torch.Tensor], target) -> _StepState:
@@ -436,7 +473,7 @@ class PipelineExecutor:
         elif op is Op.RECV_B:
             self._recv_b(a, st)
         elif op is Op.ALLREDUCE:
-            self._sync.stage_done(a.stage)
+            self._stage_done(a.stage)
         elif op is Op.STEP:
             self._finish_step(st, a)
         else:  # pragma: no cover - Op is closed
@@ -459,7 +496,8 @@ class PipelineExecutor:
             args.append(t)
             if t.requires_grad:
                 leaves.append((name, t))
-        out = self.modules[s](*args)
+        with self._autocast():
+            out = self.modules[s](*args)
         if isinstance(out, torch.Tensor):
             out = (out,)
         if not isinstance(out, (tuple, list)) or len(out) != len(sp.outputs):
@@ -469,6 +507,8 @@ class PipelineExecutor:
                 f"the plan lists {len(sp.outputs)} outputs {sp.outputs}; build the stage modules "
                 "from this plan")
         outs = dict(zip(sp.outputs, out))
+        if self._amp_dtype is not None:
+            outs = {name: self._to_plan_dtype(name, t) for name, t in outs.items()}
         for name, t in outs.items():
             info = self.plan.values.get(name)
             if info is not None and name in self._consumers and (
@@ -479,9 +519,12 @@ class PipelineExecutor:
                     "batch size and sequence length used for training")
         loss = None
         if s == self.loss_stage:
-            loss = self.loss_fn(outs[self.plan.model_output], st.target[i]) / self.m
-            d = loss.detach()
+            with self._autocast():
+                loss = self.loss_fn(outs[self.plan.model_output], st.target[i]) / self.m
+            d = loss.detach().float()
             st.loss_sum = d.clone() if st.loss_sum is None else st.loss_sum + d
+            if self.loss_scaler is not None:  # the backward starts from the scaled loss
+                loss = loss.float() * self.loss_scaler.scale
         st.fwd[(s, i)] = _Fwd(leaves, outs, loss)
         st.grads[(s, i)] = {}
         st.grad_counts[(s, i)] = {}
@@ -494,6 +537,20 @@ class PipelineExecutor:
                     slot[n] = v.requires_grad_() if _is_float(v.dtype) else v
         st.inflight[s] += 1
         st.peak[s] = max(st.peak[s], st.inflight[s])
+
+    def _autocast(self):
+        """``torch.autocast`` for this rank's device with the precision's dtype (off for fp32)."""
+        return torch.autocast(self.device.type, dtype=self._amp_dtype or torch.float32,
+                              enabled=self._amp_dtype is not None)
+
+    def _to_plan_dtype(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """Cast a stage output that other stages read to its plan dtype (autocast may have made it
+        16-bit); differentiable, so its gradient comes back in the plan dtype as well."""
+        want = self._dtypes.get(name)
+        if (want is None or name not in self._consumers or not isinstance(t, torch.Tensor)
+                or t.dtype == want or not (t.dtype.is_floating_point and want.is_floating_point)):
+            return t
+        return t.to(want)
 
     def _outputs_and_grads(self, a: Action, st: _StepState, f: _Fwd):
         s, i = a.stage, a.microbatch
@@ -531,12 +588,7 @@ class PipelineExecutor:
             del st.fwd[(s, i)]  # frees the micro-batch's activations
             st.inflight[s] -= 1
         else:
-            if tensors and leaves:
-                in_grads = list(torch.autograd.grad(tensors, leaves, grads, retain_graph=True,
-                                                    allow_unused=True))
-            else:
-                in_grads = [None] * len(leaves)
-            f.pending_w = (tensors, grads)
+            in_grads, f.pending_w = backward_input(tensors, grads, leaves, self._stage_params[s])
             f.leaves = []
         self._route_input_grads(a, st, names, leaves, in_grads)
 
@@ -566,10 +618,7 @@ class PipelineExecutor:
         f = st.fwd.get((s, i))
         if f is None or f.pending_w is None:
             raise ScheduleError(f"{self._ctx(a)}: W before its B")
-        tensors, grads = f.pending_w
-        params = self._stage_params[s]
-        if tensors and params:
-            torch.autograd.backward(tensors, grads, inputs=params)
+        backward_weight(f.pending_w)
         del st.fwd[(s, i)]
         st.inflight[s] -= 1
 
@@ -646,21 +695,48 @@ class PipelineExecutor:
             self._accumulate(st, s, i, n, p2p.wait(pd, ctx, self.timeout_s))
 
     # ------------------------------------------------------------------ step end
+    def _stage_done(self, stage: int) -> None:
+        """``stage`` finished its last backward this step: unscale (loss scaling) the gradients of
+        the parameters whose every local user is now done, then launch their all-reduce."""
+        self._done_stages.add(stage)
+        if self.loss_scaler is not None:
+            ready = [p for pid, (p, users) in self._param_users.items()
+                     if pid not in self._unscaled and users <= self._done_stages]
+            self._unscaled.update(id(p) for p in ready)
+            self.loss_scaler.unscale_(p.grad for p in ready)
+        self._sync.stage_done(stage)
+
     def _finish_step(self, st: _StepState, a: Action) -> None:
         for pend, ctx in st.sends:
             p2p.wait(pend, ctx, self.timeout_s)
         st.sends.clear()
+        for s in self.local_stages:  # stages the schedule did not all-reduce explicitly
+            if s not in self._done_stages:
+                self._stage_done(s)
         try:
             self._sync.finish(self.timeout_s)
         except RuntimeFailure as e:
             raise RuntimeFailure(f"{self._ctx(a)}: {e}") from None
+        skip = False
+        if self.loss_scaler is not None:
+            grads = [p.grad for p, _ in self._param_users.values()]
+            try:
+                skip = found_nonfinite(grads, self.device, self.mesh.world_size, self.timeout_s)
+            except RuntimeFailure as e:
+                raise RuntimeFailure(f"{self._ctx(a)}: {e}") from None
+            self.loss_scaler.update(skip)
+            if skip:
+                self.skipped_steps.append(self._steps_run)
         if self.optimizer is not None:
-            self.optimizer.step()
+            if not skip:
+                self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             for s in self.local_stages:
                 for p in self._stage_params[s]:
                     p.grad = None
         self._sync.reset()
+        self._done_stages.clear()
+        self._unscaled.clear()
         st.stepped = True
 
     def _reduce_loss(self, st: _StepState) -> float:
