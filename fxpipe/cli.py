@@ -42,7 +42,7 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--overwrite", action="store_true",
                    help="if the output directory holds an earlier run, move it aside "
                         "(renamed, never deleted) instead of stopping")
-    r.add_argument("--nnodes", default="1", help="torchrun --nnodes (multi-node: e.g. 2)")
+    r.add_argument("--nnodes", type=int, default=1, help="torchrun --nnodes (multi-node: e.g. 2)")
     r.add_argument("--rdzv-endpoint", default=None,
                    help="host:port of the rendezvous (multi-node); default: loopback, free port")
     r.add_argument("--rdzv-id", default="fxpipe", help="torchrun --rdzv-id")
@@ -61,6 +61,13 @@ def _parser() -> argparse.ArgumentParser:
 def _cmd_plan(args) -> int:
     from fxpipe.api import plan_from_spec
 
+    from fxpipe.launch import holds_run
+
+    if args.out and holds_run(Path(args.out)):
+        raise FxpipeError(
+            f"{args.out} holds a training run whose plan must stay as it is; write the new plan "
+            "to another folder with --out"
+        )
     plan, graph = plan_from_spec(args.spec)
     print(plan.summary())
     if args.out:
@@ -73,6 +80,8 @@ def _cmd_simulate(args) -> int:
     from fxpipe.api import simulate_spec
 
     print(simulate_spec(args.spec, out_dir=args.out))
+    if args.out:
+        print(f"wrote simulated timelines (Chrome trace JSON) to {args.out}")
     return 0
 
 
@@ -122,6 +131,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("fxpipe: interrupted", file=sys.stderr)
         return 130
+    except OSError as e:  # a path the user gave cannot be read or written
+        if os.environ.get("FXPIPE_DEBUG"):
+            raise
+        where = f": {e.filename}" if e.filename else ""
+        print(f"fxpipe: error: {e.strerror or e}{where}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ workers.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import sys
@@ -17,8 +18,14 @@ from pathlib import Path
 
 from fxpipe.errors import FxpipeError
 
-#: Files whose presence marks a folder as holding an earlier run.
-RUN_MARKERS = ("losses.csv", "plan.json", "checkpoint", "timeline.json")
+#: Files whose presence marks a folder as holding an earlier training run (plan dumps alone do
+#: not: they are regenerated from the spec).
+RUN_MARKERS = ("losses.csv", "checkpoint", "timeline.json", "eval.json")
+
+
+def holds_run(out: Path) -> bool:
+    """True when ``out`` is a folder with the outputs of an earlier training run."""
+    return out.is_dir() and any((out / m).exists() for m in RUN_MARKERS)
 
 
 def _free_port() -> int:
@@ -27,31 +34,73 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def check_output_dir(out: Path, overwrite: bool) -> None:
+    """Raise FxpipeError if ``out`` is a file, or holds an earlier run and ``overwrite`` is
+    False. Touches nothing."""
+    if out.exists() and not out.is_dir():
+        raise FxpipeError(f"output path {out} is a file; choose a folder with --out")
+    if holds_run(out) and not overwrite:
+        raise FxpipeError(
+            f"{out} already holds an earlier run; pass --out NEW_DIR, or --overwrite to move "
+            "the old run aside (it is renamed, not deleted)"
+        )
+
+
 def prepare_output_dir(out: Path, overwrite: bool) -> None:
     """Create ``out``; if it holds an earlier run, stop (or, with ``overwrite``, rename the old
     folder to ``<out>.old-<timestamp>``). Nothing is ever deleted.
 
     Raises:
-        FxpipeError: the folder holds an earlier run and ``overwrite`` is False, or is a file.
+        FxpipeError: see :func:`check_output_dir`.
     """
-    if out.exists() and not out.is_dir():
-        raise FxpipeError(f"output path {out} is a file; choose a folder with --out")
-    if out.is_dir() and any((out / m).exists() for m in RUN_MARKERS):
-        if not overwrite:
-            raise FxpipeError(
-                f"{out} already holds an earlier run; pass --out NEW_DIR, or --overwrite to move "
-                "the old run aside (it is renamed, not deleted)"
-            )
+    check_output_dir(out, overwrite)
+    if holds_run(out):
         aside = out.with_name(f"{out.name}.old-{time.strftime('%Y%m%d-%H%M%S')}")
         out.rename(aside)
         print(f"moved the earlier run to {aside}")
     out.mkdir(parents=True, exist_ok=True)
 
 
+def _check_endpoint(endpoint: str) -> None:
+    host, sep, port = endpoint.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise FxpipeError(f"--rdzv-endpoint {endpoint!r} is not HOST:PORT (e.g. node0:29500)")
+
+
+def _check_launchable(spec, nnodes: int, endpoint: str | None) -> None:
+    """Everything that would otherwise fail only after the workers start."""
+    import torch
+
+    from fxpipe.losses import resolve_loss
+
+    if nnodes < 1:
+        raise FxpipeError(f"--nnodes must be at least 1 (got {nnodes})")
+    if nnodes != spec.cluster.nodes:
+        raise FxpipeError(
+            f"--nnodes {nnodes} disagrees with cluster.nodes={spec.cluster.nodes} in the spec; "
+            "make them equal"
+        )
+    if nnodes > 1 and not endpoint:
+        raise FxpipeError("multi-node runs need --rdzv-endpoint HOST:PORT (the same on every node)")
+    if endpoint:
+        _check_endpoint(endpoint)
+    resolve_loss(spec.train.loss)
+    if spec.cluster.device == "cuda":
+        have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if have < spec.cluster.devices_per_node:
+            raise FxpipeError(
+                f"cluster.device is cuda with {spec.cluster.devices_per_node} devices per node, "
+                f"but this machine has {have} CUDA device(s); set cluster.device: cpu or run on "
+                "a machine with enough GPUs"
+            )
+
+
 def run(args) -> int:
     """Plan the spec, dump the plan into the output folder and train with torchrun.
 
-    Returns 0 on success. Raises FxpipeError (printed cleanly by the CLI) on failure.
+    Every check that can fail before training (spec, launch arguments, plan) runs before the
+    output folder is touched. Returns 0 on success. Raises FxpipeError (printed cleanly by the
+    CLI) on failure, KeyboardInterrupt when interrupted.
     """
     from fxpipe.api import plan_from_spec
     from fxpipe.specs.loader import load_spec
@@ -63,44 +112,46 @@ def run(args) -> int:
         spec = spec.model_copy(update={"train": spec.train.model_copy(update={"steps": args.steps})})
     out = Path(args.out or spec.output.dir)
     spec = spec.model_copy(update={"output": spec.output.model_copy(update={"dir": str(out)})})
-    prepare_output_dir(out, args.overwrite)
+    nnodes = args.nnodes
+    _check_launchable(spec, nnodes, args.rdzv_endpoint)
+    check_output_dir(out, args.overwrite)
 
     plan, graph = plan_from_spec(spec)
+    prepare_output_dir(out, args.overwrite)
     plan.dump(out, graph)
     print(plan.summary(), flush=True)
 
-    nnodes = int(args.nnodes)
     per_node = spec.cluster.devices_per_node
-    if nnodes != spec.cluster.nodes:
-        raise FxpipeError(
-            f"--nnodes {nnodes} disagrees with cluster.nodes={spec.cluster.nodes} in the spec; "
-            "make them equal"
-        )
-    if nnodes > 1 and not args.rdzv_endpoint:
-        raise FxpipeError("multi-node runs need --rdzv-endpoint HOST:PORT (the same on every node)")
     endpoint = args.rdzv_endpoint or f"127.0.0.1:{_free_port()}"
 
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
+    wait = int(spec.train.timeout_s)
     config = LaunchConfig(
         min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=per_node,
         run_id=args.rdzv_id, rdzv_backend="c10d", rdzv_endpoint=endpoint,
-        rdzv_configs={"timeout": int(spec.train.timeout_s)}, max_restarts=0,
+        rdzv_configs={"join_timeout": wait, "timeout": wait}, max_restarts=0,
         monitor_interval=0.5, start_method="spawn",
     )
     worker_args = ["-m", "fxpipe.train", "--plan", str(out / "plan.json"), "--out", str(out)]
     print(f"launching {nnodes} x {per_node} worker(s), rendezvous at {endpoint}", flush=True)
     try:
         elastic_launch(config, sys.executable)(*worker_args)
+    except SignalException:
+        raise KeyboardInterrupt from None
     except ChildFailedError as e:
         first = min(e.failures.items(), key=lambda kv: kv[1].timestamp or 0)
         rank, failure = first
         raise FxpipeError(
-            f"training failed on rank {rank} (exit code {failure.exitcode}); its message is "
-            f"printed above. Outputs so far are kept in {out}"
+            f"training failed (first failure: rank {rank}, exit code {failure.exitcode}); the "
+            f"ranks' messages are printed above. Outputs so far are kept in {out}"
         ) from None
+    except (RuntimeError, ValueError) as e:  # rendezvous failures (e.g. a peer never joins)
+        raise FxpipeError(f"could not start the workers: {e}") from None
     if nnodes == 1:  # multi-node: checkpoint shards live on several machines
         from fxpipe.evaluate import evaluate_run
 

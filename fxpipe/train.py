@@ -30,6 +30,15 @@ def _optimizer(spec, params):
     return torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay)
 
 
+def _throughput_unit(plan, batch_size: int) -> tuple[str, int]:
+    """``("tokens", batch x seq_len)`` for a token-id input (int64 ``[batch, seq]``), else
+    ``("samples", batch)``."""
+    first = plan.values[plan.model_inputs[0]] if plan.model_inputs else None
+    if first is not None and first.dtype == "int64" and len(first.shape) == 2:
+        return "tokens", batch_size * first.shape[1]
+    return "samples", batch_size
+
+
 def train(plan_path: Path, out: Path) -> None:
     """Train one rank's share of the plan at ``plan_path``; outputs go to ``out``.
 
@@ -68,27 +77,30 @@ def train(plan_path: Path, out: Path) -> None:
                                 precision=spec.train.precision)
 
     per_replica = spec.data.batch_size // plan.dp
-    tokens_per_step = spec.data.batch_size * (spec.data.seq_len if plan.model_inputs else 1)
+    unit, items_per_step = _throughput_unit(plan, spec.data.batch_size)
     losses_path = out / "losses.csv"
     writer = None
     if rank == 0:
         fh = open(losses_path, "w", newline="")
         writer = csv.writer(fh)
-        writer.writerow(["step", "loss", "step_time_s", "tokens_per_s"])
+        writer.writerow(["step", "loss", "step_time_s", f"{unit}_per_s"])
     t_start = time.perf_counter()
     for step in range(spec.train.steps):
         inputs, target = batches.get(step, "train")
         lo, hi = dp_rank * per_replica, (dp_rank + 1) * per_replica
         mine = {name: t[lo:hi].to(device) for name, t in zip(plan.model_inputs, as_tuple(inputs))}
         t0 = time.perf_counter()
-        loss = executor.step(mine, target[lo:hi].to(device))
+        try:
+            loss = executor.step(mine, target[lo:hi].to(device))
+        except FxpipeError as e:
+            raise type(e)(f"step {step}: {e}") from None
         dt = time.perf_counter() - t0
         if writer is not None:
-            writer.writerow([step, f"{loss:.6f}", f"{dt:.4f}", f"{tokens_per_step / dt:.1f}"])
+            writer.writerow([step, f"{loss:.6f}", f"{dt:.4f}", f"{items_per_step / dt:.1f}"])
             if step % spec.train.log_every == 0 or step == spec.train.steps - 1:
                 fh.flush()
                 print(f"step {step:5d}/{spec.train.steps}  loss {loss:.4f}  "
-                      f"{tokens_per_step / dt:9.0f} tokens/s  {dt * 1e3:7.1f} ms/step", flush=True)
+                      f"{items_per_step / dt:9.0f} {unit}/s  {dt * 1e3:7.1f} ms/step", flush=True)
         every = spec.train.checkpoint.every
         if every and (step + 1) % every == 0 and step + 1 < spec.train.steps:
             save_checkpoint(stages, out / spec.train.checkpoint.dir, step + 1)
@@ -102,8 +114,13 @@ def train(plan_path: Path, out: Path) -> None:
         fh.close()
         write_chrome_trace([e for evs in events for e in evs], out / "timeline.json",
                            process_name="fxpipe measured")
-        print(f"trained {spec.train.steps} steps in {wall:.1f} s; peak micro-batches in flight "
-              f"per rank: {peaks}", flush=True)
+        per_stage: dict[int, int] = {}
+        for peak in peaks:
+            for stage, n in peak.items():
+                per_stage[stage] = max(per_stage.get(stage, 0), n)
+        held = ", ".join(f"stage {s}: {n}" for s, n in sorted(per_stage.items()))
+        print(f"trained {spec.train.steps} steps in {wall:.1f} s; peak micro-batches held per "
+              f"stage: {held}", flush=True)
         if executor.loss_scaler is not None:
             print(f"{spec.train.precision} loss scaling: {len(executor.skipped_steps)} step(s) "
                   f"skipped for inf/NaN gradients {executor.skipped_steps[:10]}, final scale "
@@ -123,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
         rank = dist.get_rank() if dist.is_initialized() else "?"
         print(f"fxpipe: error on rank {rank}: {e}", file=sys.stderr, flush=True)
         return 2
+    except KeyboardInterrupt:
+        return 130
     return 0
 
 

@@ -63,6 +63,20 @@ def test_show_missing_plan_is_a_clear_error(tmp_path):
     assert r.returncode == 2 and "Traceback" not in r.stderr
 
 
+def test_launch_errors_leave_no_output_folder(tmp_path):
+    spec = tmp_path / "tiny.yaml"
+    spec.write_text(TINY)
+    for args, words in ((["--nnodes", "2"], "cluster.nodes"),
+                        (["--rdzv-endpoint", "127.0.0.1:notaport"], "HOST:PORT"),
+                        (["--steps", "0"], "--steps")):
+        out = tmp_path / "never"
+        r = fxpipe_cli("run", str(spec), "--out", str(out), *args)
+        assert r.returncode == 2 and "Traceback" not in r.stderr and words in r.stderr
+        assert not out.exists(), "a run that fails before training must not create its folder"
+    r = fxpipe_cli("run", str(spec), "--out", str(spec / "sub"))
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "Not a directory" in r.stderr
+
+
 def test_plan_then_show(tmp_path):
     spec = tmp_path / "tiny.yaml"
     spec.write_text(TINY)
@@ -110,3 +124,8 @@ def test_run_end_to_end_and_never_overwrites(tmp_path):
     assert r2.returncode == 2 and "Traceback" not in r2.stderr
     assert "--overwrite" in r2.stderr
     assert (out / "losses.csv").read_text() == stamp
+    # nor may `fxpipe plan --out` replace the plan that run's checkpoints belong to
+    plan_stamp = (out / "plan.json").read_text()
+    r3 = fxpipe_cli("plan", str(spec), "--out", str(out))
+    assert r3.returncode == 2 and "Traceback" not in r3.stderr
+    assert (out / "plan.json").read_text() == plan_stamp
