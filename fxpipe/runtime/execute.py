@@ -57,10 +57,12 @@ from fxpipe.runtime.mesh import Mesh
 from fxpipe.runtime.precision import LossScaler, autocast_dtype, found_nonfinite
 from fxpipe.runtime.timeline import TimelineEvent, action_label
 
-try:  # the validator module owns the schedule error type; fall back if it is not there yet
-    from fxpipe.runtime.validate import ScheduleError
-except ImportError:  # pragma: no cover
-    from fxpipe.errors import PlanError as ScheduleError
+from fxpipe.runtime.validate import ScheduleError
+
+#: receives posted ahead of their RECV action (in list order, so NCCL's per-pair ordering holds):
+#: the peer's data then flows while this rank computes, as the simulator assumes, instead of
+#: starting only when the RECV is reached. Costs at most this many extra receive buffers.
+RECV_LOOKAHEAD = 4
 
 #: one wall-clock event per executed action: ``TimelineEvent(global rank, action_label(action),
 #: start_s, end_s, "compute")`` (a tuple, the format of :mod:`fxpipe.runtime.timeline` and the
@@ -126,6 +128,8 @@ class _StepState:
     peak: dict[int, int] = field(default_factory=dict)
     loss_sum: torch.Tensor | None = None
     stepped: bool = False
+    posted: dict[int, list[tuple[str, p2p.Pending]]] = field(default_factory=dict)  # by index
+    index: int = -1  # index of the action being run
 
 
 class PipelineExecutor:
@@ -213,6 +217,10 @@ class PipelineExecutor:
                                       grad_compression)
         # stages whose ALLREDUCE the schedule leaves out: launched after their last backward
         self._auto_reduce_after: dict[int, int] = {}
+        # list positions of this rank's cross-rank receives (pre-posted, see RECV_LOOKAHEAD)
+        self._recv_positions = [
+            k for k, a in enumerate(schedule.actions[mesh.pipe_rank])
+            if a.op in (Op.RECV_F, Op.RECV_B) and not self._same_rank(a.stage, a.peer)]
         acts = schedule.actions[mesh.pipe_rank]
         has_ar = {a.stage for a in acts if a.op is Op.ALLREDUCE}
         last_bwd = Op.W if self._split else Op.B
@@ -390,9 +398,17 @@ class PipelineExecutor:
         self._done_stages.clear()
         self._unscaled.clear()
         acts = self.schedule.actions[self.mesh.pipe_rank]
+        recvs, posted_upto = self._recv_positions, 0
         for idx, a in enumerate(acts):
             start = time.perf_counter()
+            st.index = idx
             try:
+                # keep the next RECV_LOOKAHEAD receives posted (the current one included)
+                while posted_upto < len(recvs) and recvs[posted_upto] < idx:
+                    posted_upto += 1
+                for k in range(posted_upto, min(posted_upto + RECV_LOOKAHEAD, len(recvs))):
+                    if recvs[k] not in st.posted:
+                        st.posted[recvs[k]] = self._post_recv(acts[recvs[k]])
                 self._run(a, st)
             except FxpipeError:
                 raise
@@ -646,15 +662,28 @@ class PipelineExecutor:
                              f"send of {name!r} to stage {t}", ctx, self.timeout_s)
             st.sends.append((pend, ctx))
 
+    def _post_recv(self, a: Action) -> list[tuple[str, p2p.Pending]]:
+        """Post the receives of a cross-rank RECV_F / RECV_B action (values or gradients)."""
+        ctx = self._ctx(a)
+        if a.op is Op.RECV_F:
+            t, s, i = a.stage, a.peer, a.microbatch
+            src = self._peer_rank(s)
+            return [(n, p2p.irecv(self.plan.values[n].shape, self._dtypes[n], self.device, src,
+                                  self._tag(n, t, i, False), f"receive of {n!r} from stage {s}",
+                                  ctx, self.timeout_s)) for n in self.edges[(s, t)]]
+        s, t, i = a.stage, a.peer, a.microbatch
+        src = self._peer_rank(t)
+        return [(n, p2p.irecv(self.plan.values[n].shape, self._dtypes[n], self.device, src,
+                              self._tag(n, t, i, True),
+                              f"receive of the gradient of {n!r} from stage {t}", ctx,
+                              self.timeout_s)) for n in self._float_names(s, t)]
+
     def _recv_f(self, a: Action, st: _StepState) -> None:
         t, s, i = a.stage, a.peer, a.microbatch
         if self._same_rank(s, t):
             return
-        ctx, src = self._ctx(a), self._peer_rank(s)
-        pend = [(name, p2p.irecv(self.plan.values[name].shape, self._dtypes[name], self.device,
-                                 src, self._tag(name, t, i, False),
-                                 f"receive of {name!r} from stage {s}", ctx, self.timeout_s))
-                for name in self.edges[(s, t)]]
+        ctx = self._ctx(a)
+        pend = st.posted.pop(st.index, None) or self._post_recv(a)
         slot = st.inputs.setdefault((t, i), {})
         for name, pd in pend:
             buf = p2p.wait(pd, ctx, self.timeout_s)
@@ -685,12 +714,8 @@ class PipelineExecutor:
         s, t, i = a.stage, a.peer, a.microbatch
         if self._same_rank(s, t):
             return
-        names = self._float_names(s, t)
-        ctx, src = self._ctx(a), self._peer_rank(t)
-        pend = [(n, p2p.irecv(self.plan.values[n].shape, self._dtypes[n], self.device, src,
-                              self._tag(n, t, i, True),
-                              f"receive of the gradient of {n!r} from stage {t}", ctx,
-                              self.timeout_s)) for n in names]
+        ctx = self._ctx(a)
+        pend = st.posted.pop(st.index, None) or self._post_recv(a)
         for n, pd in pend:
             self._accumulate(st, s, i, n, p2p.wait(pd, ctx, self.timeout_s))
 
