@@ -29,9 +29,9 @@ from fxpipe.partitioner.split import build_stage_module, stage_boundaries
 from fxpipe.partitioner.trace import TracedModel, trace
 from fxpipe.plan_data import Plan, StagePlan
 from fxpipe.runtime.schedules import SCHEDULE_NAMES, compute_schedule
-from fxpipe.runtime.simulate import costs_from_plan, predict, simulate, simulate_plan
+from fxpipe.runtime.simulate import predict, simulate, simulate_plan
 from fxpipe.runtime.validate import ScheduleError
-from fxpipe.specs.loader import load_spec
+from fxpipe.specs.loader import load_spec, spec_location
 from fxpipe.specs.schema import ParallelSpec
 
 #: state bytes per parameter byte: weights + gradients (+ 2 Adam moments)
@@ -65,18 +65,60 @@ def _as_spec(spec: Any) -> ParallelSpec:
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """Divisors of ``n`` in ascending order (O(sqrt n))."""
+    small, large = [], []
+    d = 1
+    while d * d <= n:
+        if n % d == 0:
+            small.append(d)
+            if d * d != n:
+                large.append(n // d)
+        d += 1
+    return small + large[::-1]
 
 
-def candidates(spec: ParallelSpec) -> list[Candidate]:
+def _plural(n: int, word: str) -> str:
+    """``"1 unit"``, ``"2 units"``."""
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def _too_many_stages(spec: ParallelSpec, n_units: int, num_stages: int, pipeline: int,
+                     per_rank: int) -> PlanError:
+    where = spec_location(spec, "parallel.pipeline")
+    head = f"{where}: " if where else ""
+    layout = (f" (parallel.pipeline={pipeline} x {per_rank} stages per rank)" if per_rank > 1
+              else "")
+    fix = (f"use at most {_plural(n_units, 'pipeline stage')} (parallel.pipeline <= {n_units})"
+           if per_rank == 1 else
+           f"use at most {_plural(n_units, 'stage')} in all (parallel.pipeline x stages per rank "
+           f"<= {n_units})")
+    return PlanError(
+        f"{head}cannot cut {_plural(n_units, 'unit')} into {_plural(num_stages, 'stage')}"
+        f"{layout}: every stage needs at least one planning unit of the model; {fix}"
+    )
+
+
+def candidates(spec: ParallelSpec, max_stages: int | None = None) -> list[Candidate]:
     """The search space for the spec: every ``auto`` field expanded, fixed fields kept.
 
     pipeline x data = world size; micro-batches divide the per-replica batch (at most 4 x pipeline,
     at most 32); schedules from :data:`AUTO_SCHEDULES` whose constraints hold.
+
+    Args:
+        spec: the validated spec.
+        max_stages: the number of planning units of the model, if known: candidates with more
+            (virtual) stages than that are dropped BEFORE their schedule is built (a schedule of
+            100 000 stages would take minutes to build and simulate, and no such cut exists).
+
+    Raises:
+        PlanError: no candidate is left; when every one had more stages than ``max_stages``,
+            the message says "cannot cut N units into K stages" and how many stages fit.
+        ScheduleError: fixed (not ``auto``) schedule and micro-batches that the schedule rejects.
     """
     par, world = spec.parallel, spec.cluster.world_size
     pps = _divisors(world) if par.pipeline == "auto" else [par.pipeline]
     out = []
+    too_many: tuple[int, int, int] | None = None  # (stages, pipeline, stages per rank), smallest
     for pp in pps:
         dp = world // pp if par.data == "auto" else par.data
         if pp * dp != world:
@@ -95,6 +137,11 @@ def candidates(spec: ParallelSpec) -> list[Candidate]:
                     2 if s == "interleaved" else 1)
                 if pp == 1 and s in ("interleaved", "zb-v"):
                     continue
+                per_rank = 2 if s == "zb-v" else v
+                if max_stages is not None and pp * per_rank > max_stages:
+                    if too_many is None or pp * per_rank < too_many[0]:
+                        too_many = (pp * per_rank, pp, per_rank)
+                    continue
                 try:
                     compute_schedule(s, pp, m, v)
                 except ScheduleError:
@@ -102,6 +149,8 @@ def candidates(spec: ParallelSpec) -> list[Candidate]:
                         raise
                     continue
                 out.append(Candidate(pp, dp, m, s, v))
+    if not out and too_many is not None and max_stages is not None:
+        raise _too_many_stages(spec, max_stages, *too_many)
     if not out:
         raise PlanError(
             f"no pipeline x data x micro-batch x schedule combination fits {world} devices and "
@@ -255,7 +304,9 @@ def plan_with_graph(model: nn.Module, spec: Any, example_inputs: tuple | None = 
 
     ranked = []
     errors = []
-    for cand in candidates(spec):
+    # cheap impossibilities first: more stages than units never fits, and building the schedule
+    # of such a pipeline (say 100 000 stages) would take minutes
+    for cand in candidates(spec, max_stages=len(pg.order)):
         mbs = spec.data.batch_size // (cand.dp * cand.microbatches)
         if mbs < 1:
             continue
@@ -319,8 +370,14 @@ def plan(model: nn.Module, spec: Any, example_inputs: tuple | None = None) -> Pl
 
 def example_microbatch(spec: ParallelSpec, size: int | None = None) -> tuple:
     """One micro-batch of real inputs from the spec's dataset (dim 0 = ``size``, default the
-    spec's micro-batch size when the parallel sizes are fixed, else 1)."""
+    spec's micro-batch size when the parallel sizes are fixed, else 1).
+
+    Raises:
+        SpecError: the dataset cannot be built (see :func:`fxpipe.data_loading.make_batches`),
+            or its ``get(0, "train")`` raises or does not return ``(inputs, target)``.
+    """
     from fxpipe.data_loading import as_tuple, make_batches
+    from fxpipe.errors import SpecError
 
     if size is None:
         par = spec.parallel
@@ -328,8 +385,28 @@ def example_microbatch(spec: ParallelSpec, size: int | None = None) -> tuple:
             size = spec.data.batch_size // (par.data * par.microbatches)
         else:
             size = 1
-    inputs, _ = make_batches(spec).get(0, "train")
-    return tuple(t[:size] for t in as_tuple(inputs))
+    batches = make_batches(spec)
+    where = spec_location(spec, "data.dataset")
+    head = f"{where}: data.dataset" if where else "data.dataset"
+    try:
+        batch = batches.get(0, "train")
+    except SpecError:
+        raise
+    except Exception as err:  # the user's get() failed
+        raise SpecError(f"{head}: get(0, 'train') of the object that {spec.data.dataset} "
+                        f"returned raised {type(err).__name__}: "
+                        f"{' '.join(str(err).split())[:300]}; fix its get(step, split) method"
+                        ) from err
+    if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+        raise SpecError(f"{head}: get(0, 'train') of the object that {spec.data.dataset} "
+                        f"returned gave a {type(batch).__name__}, not a pair (inputs, target); "
+                        "make get() return (inputs, target)")
+    inputs = as_tuple(batch[0])
+    if not inputs or not all(isinstance(t, torch.Tensor) for t in inputs):
+        raise SpecError(f"{head}: get(0, 'train') returned inputs that are not tensors "
+                        f"({', '.join(type(t).__name__ for t in inputs) or 'none'}); return a "
+                        "tensor or a tuple of tensors, each [batch_size, ...]")
+    return tuple(t[:size] for t in inputs)
 
 
 def plan_from_spec(spec: Any) -> tuple[Plan, "nx.DiGraph"]:

@@ -27,28 +27,74 @@ class Batches(Protocol):
     def get(self, step: int, split: str = "train") -> tuple[Any, torch.Tensor]: ...
 
 
+def _head(spec) -> str:
+    """``"FILE:LINE: data.dataset"`` (or just ``"data.dataset"`` for a spec without a file)."""
+    from fxpipe.specs.loader import spec_location
+
+    where = spec_location(spec, "data.dataset")
+    return f"{where}: data.dataset" if where else "data.dataset"
+
+
+def _one_line(err: BaseException, limit: int = 300) -> str:
+    text = " ".join(str(err).split()) or "(no message)"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def make_batches(spec) -> Batches:
     """Build the batch source for ``spec`` (a :class:`fxpipe.specs.schema.ParallelSpec`).
 
+    Calls the ``data.dataset`` callable with those of ``batch_size``, ``seq_len`` and ``seed``
+    (``train.seed``) that its signature accepts.
+
     Raises:
-        SpecError: the dataset callable cannot be imported or returns something unusable.
+        SpecError (every message starts ``FILE:LINE: data.dataset`` and says how to fix it): the
+            dataset callable cannot be imported; calling it raises (e.g. ``OSError`` for a
+            missing file, or ``FileNotFoundError`` from the bundled ``python_source_text`` when
+            the Python standard library sources are not installed); it returns an empty or too
+            short text corpus for ``data.seq_len``; it returns an object whose ``get`` is not
+            callable, or something that is neither text nor such an object.
     """
     from fxpipe.specs.loader import resolve_callable
 
-    fn = resolve_callable(spec.data.dataset, "data.dataset", spec=spec)
-    params = inspect.signature(fn).parameters
+    ref = spec.data.dataset
+    fn = resolve_callable(ref, "data.dataset", spec=spec)
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # builtins without a signature: offer nothing
+        params = {}
     offered = {"batch_size": spec.data.batch_size, "seq_len": spec.data.seq_len,
                "seed": spec.train.seed}
     kwargs = {k: v for k, v in offered.items() if k in params}
-    source = fn(**kwargs)
+    try:
+        source = fn(**kwargs)
+    except SpecError:
+        raise
+    except Exception as err:  # the user's (or the bundled) dataset callable failed
+        raise SpecError(
+            f"{_head(spec)}: calling {ref}({', '.join(f'{k}={v!r}' for k, v in kwargs.items())}) "
+            f"raised {type(err).__name__}: {_one_line(err)}; fix the dataset callable or what it "
+            "reads, or point data.dataset at another 'package.module:callable'"
+        ) from err
     if isinstance(source, str):
         source = source.encode()
-    if isinstance(source, (bytes, bytearray)):
-        return ByteBatches(bytes(source), spec.data.batch_size, spec.data.seq_len, spec.train.seed)
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        try:
+            return ByteBatches(bytes(source), spec.data.batch_size, spec.data.seq_len,
+                               spec.train.seed)
+        except ValueError as err:  # empty or too short corpus (ByteBatches explains)
+            raise SpecError(f"{_head(spec)}: {ref} returned a text corpus that cannot be used: "
+                            f"{err}") from None
     if hasattr(source, "get"):
+        if not callable(source.get):
+            kind = type(source.get).__name__
+            raise SpecError(
+                f"{_head(spec)}: {ref} returned a {type(source).__name__} whose 'get' is "
+                f"{'an' if kind[0] in 'aeiou' else 'a'} {kind}, not a method; give it a method "
+                "get(step, split) -> (inputs, target), or return bytes/str (a text corpus)"
+            )
         return source
     raise SpecError(
-        f"data.dataset {spec.data.dataset!r} returned {type(source).__name__}; it must return "
+        f"{_head(spec)}: {ref!r} returned {type(source).__name__}; it must return "
         "bytes/str (a text corpus) or an object with get(step, split) -> (inputs, target)"
     )
 

@@ -132,3 +132,36 @@ def test_gpt2_small_on_meta_plans_without_weight_memory():
     assert plan.num_stages == 4
     total = sum(s.param_bytes for s in plan.stages)
     assert total == sum(p.numel() * 4 for p in model.parameters())  # tied weight counted once
+
+
+@pytest.mark.parametrize("pipeline", [1000, 20_000])
+def test_more_stages_than_units_fails_fast(pipeline):
+    import time
+
+    from fxpipe.api import candidates
+    from fxpipe.specs import load_spec
+
+    spec = load_spec(gpt_spec(pipeline=pipeline))
+    t0 = time.perf_counter()
+    with pytest.raises(PlanError, match=rf"cannot cut (\d+) units into {pipeline} stages") as err:
+        fxpipe.plan(tiny_gpt(), spec, example_inputs=(torch.randint(0, 64, (4, 16)),))
+    assert time.perf_counter() - t0 < 5.0  # no schedule of that size is ever built
+    n = int(err.value.args[0].split("cannot cut ")[1].split()[0])
+    assert f"use at most {n} pipeline stages" in str(err.value)
+    # the search never builds a schedule with more stages than units; with nothing left, the
+    # same error comes from candidates()
+    with pytest.raises(PlanError, match=f"cannot cut 3 units into {pipeline} stages"):
+        candidates(spec, max_stages=3)
+
+
+def test_auto_pipeline_skips_depths_deeper_than_the_model():
+    from fxpipe.api import candidates
+    from fxpipe.specs import load_spec
+
+    spec = gpt_spec(pipeline="auto", data="auto", microbatches=1, schedule="auto")
+    spec["cluster"]["devices_per_node"] = 4096
+    spec["data"]["batch_size"] = 4096
+    got = candidates(load_spec(spec), max_stages=6)
+    assert got and max(c.num_stages for c in got) <= 6
+    assert {c.pipeline for c in got} == {1, 2, 4}  # divisors of 4096 that fit 6 stages
+    assert any(c.schedule == "zb-v" and c.num_stages == 4 for c in got)

@@ -269,3 +269,42 @@ def test_validator_other_rules():
     i.actions[0].insert(k + 1, Action(Op.SEND_F, 0, 0, 2))
     with pytest.raises(ScheduleError, match="both on rank 0: the value is handed over locally"):
         validate(i, linear_edges(4) | {(0, 2)})
+
+
+# ----------------------------------------------------------------------------- scaling
+def test_stages_of_rank_is_cached_not_quadratic_and_stays_plain_data():
+    import dataclasses
+    import json
+    import time
+
+    p = 20_000  # a quadratic scan would take ~10 s here
+    sched = Schedule("1f1b", p, 2 * p, 1, v_placement(p), [])
+    t0 = time.perf_counter()
+    got = [sched.stages_of_rank(r) for r in range(p)]
+    assert time.perf_counter() - t0 < 2.0
+    assert got[0] == [0, 2 * p - 1] and got[p - 1] == [p - 1, p]
+    assert sched.stages_of_rank(p + 5) == []
+    got[0].append(99)  # callers get a copy: the cache cannot be corrupted
+    assert sched.stages_of_rank(0) == [0, 2 * p - 1]
+    # the cache is not a dataclass field: asdict / JSON / == see only the schedule
+    small = compute_schedule("interleaved", 2, 2, 2)
+    small.stages_of_rank(0)
+    d = dataclasses.asdict(small)
+    assert set(d) == {f.name for f in dataclasses.fields(Schedule)}
+    json.dumps(d)
+    assert small == compute_schedule("interleaved", 2, 2, 2)
+    # replacing the placement list invalidates the cache
+    small.stage_to_rank = [1, 0, 1, 0]
+    assert small.stages_of_rank(0) == [1, 3]
+    assert copy.deepcopy(small).stages_of_rank(1) == [0, 2]
+
+
+def test_add_communication_is_linear_in_the_pipeline_size():
+    import time
+
+    p = 20_000  # ~11 s with a per-rank scan of stage_to_rank
+    t0 = time.perf_counter()
+    full = add_communication(compute_schedule("1f1b", p, 1), linear_edges(p))
+    assert time.perf_counter() - t0 < 5.0
+    assert [str(a) for a in full.actions[1]] == ["1RECV_F0@0", "1F0", "1SEND_F0@2", "1RECV_B0@2",
+                                                 "1B0", "1SEND_B0@0", "1ALLREDUCE", "1STEP"]

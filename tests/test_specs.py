@@ -410,3 +410,148 @@ def test_cnn_spec_builds_and_its_data_fits():
     x2, y2 = synthetic_images(32, seed=spec.train.seed).get(0)
     assert torch.equal(x, x2) and torch.equal(y, y2)  # same on every rank
     assert not torch.equal(data.get(1)[0], x) and not torch.equal(data.get(0, "val")[0], x)
+
+
+# ---------------------------------------------------------------- user code failing at plan time
+USER_HOOKS = '''
+import torch
+
+def boom_model(**kwargs):
+    raise RuntimeError("checkpoint shard 3\\nis corrupt")
+
+def boom_data(batch_size, seq_len):
+    raise OSError("cannot open /data/corpus.txt")
+
+def empty():
+    return b""
+
+def short(seq_len):
+    return "x" * (2 * seq_len + 3)
+
+def just_enough(seq_len):
+    return "x" * (2 * seq_len + 4)
+
+class _GetAttr:
+    get = 3
+
+def get_not_callable():
+    return _GetAttr()
+
+class _GetRaises:
+    def get(self, step, split="train"):
+        raise KeyError("shard")
+
+def get_raises():
+    return _GetRaises()
+'''
+
+
+@pytest.fixture()
+def hooks(tmp_path_factory, monkeypatch):
+    folder = tmp_path_factory.getbasetemp() / "user_hooks"
+    folder.mkdir(exist_ok=True)
+    (folder / "fxpipe_user_hooks.py").write_text(USER_HOOKS)
+    monkeypatch.syspath_prepend(str(folder))
+    return "fxpipe_user_hooks"
+
+
+def with_dataset(tmp_path: Path, ref: str) -> tuple[Path, int]:
+    """BASE with ``data.dataset: ref``; returns (path, line of the dataset key)."""
+    text = BASE.replace("  batch_size: 16\n", f'  dataset: "{ref}"\n  batch_size: 16\n')
+    line = text.splitlines().index(f'  dataset: "{ref}"') + 1
+    return write(tmp_path, text), line
+
+
+def test_build_model_factory_raising_is_a_spec_error(tmp_path, hooks):
+    path, line = variant(tmp_path, '"fxpipe.examples.gpt:CharGPT"', f'"{hooks}:boom_model"')
+    msg = str(pytest.raises(SpecError, build_model, load_spec(path)).value)
+    assert msg.startswith(f"{path}:{line}: model.factory: ")
+    assert "RuntimeError: checkpoint shard 3 is corrupt" in msg  # type and message, one line
+    assert "\n" not in msg and "fix the factory" in msg
+
+
+@pytest.mark.parametrize("func, needles", [
+    ("boom_data", ["raised OSError: cannot open /data/corpus.txt", "batch_size=16",
+                   "seq_len=16"]),
+    ("empty", ["empty (0 bytes)", "non-empty corpus"]),
+    ("short", ["corpus of 35 bytes is too small for seq_len=16", "at least 36 bytes",
+               "lower data.seq_len to at most 15"]),
+    ("get_not_callable", ["'get' is an int, not a method", "get(step, split)"]),
+])
+def test_dataset_problems_are_spec_errors(tmp_path, hooks, func, needles):
+    from fxpipe.data_loading import make_batches
+
+    path, line = with_dataset(tmp_path, f"{hooks}:{func}")
+    msg = str(pytest.raises(SpecError, make_batches, load_spec(path)).value)
+    assert msg.startswith(f"{path}:{line}: data.dataset: "), msg
+    for needle in needles:
+        assert needle in msg, msg
+
+
+def test_dataset_just_long_enough_and_get_raising(tmp_path, hooks):
+    from fxpipe.api import example_microbatch
+    from fxpipe.data_loading import make_batches
+
+    path, _ = with_dataset(tmp_path, f"{hooks}:just_enough")
+    x, y = make_batches(load_spec(path)).get(0)
+    assert x.shape == y.shape == (16, 16)
+    path, line = with_dataset(tmp_path, f"{hooks}:get_raises")
+    msg = str(pytest.raises(SpecError, example_microbatch, load_spec(path)).value)
+    assert msg.startswith(f"{path}:{line}: data.dataset: ") and "KeyError" in msg
+
+
+def test_bundled_corpus_missing_is_a_spec_error(tmp_path, monkeypatch):
+    import fxpipe.examples.data as data
+    from fxpipe.data_loading import make_batches
+
+    monkeypatch.setattr(data.sysconfig, "get_paths", lambda: {"stdlib": str(tmp_path)})
+    path = write(tmp_path, BASE)
+    msg = str(pytest.raises(SpecError, make_batches, load_spec(path)).value)
+    assert msg.startswith(f"{path}:4: data.dataset: ")  # the 'data:' line (dataset defaulted)
+    assert "FileNotFoundError" in msg and "point data.dataset at another corpus" in msg
+
+
+# ---------------------------------------------------------------- schedule constraints at load
+def test_interleaved_needs_microbatches_multiple_of_pipeline(tmp_path):
+    text = (BASE.replace("schedule: 1f1b", "schedule: interleaved")
+            .replace("microbatches: 4", "microbatches: 3").replace("batch_size: 16", "batch_size: 12"))
+    path = write(tmp_path, text)
+    line = text.splitlines().index("  microbatches: 3") + 1
+    msg = spec_error(path)
+    assert msg.startswith(f"{path}:{line}: parallel.microbatches: schedule 'interleaved'")
+    assert "multiple of 2, got 3" in msg and "set parallel.microbatches to 2 or 4" in msg
+    # the same numbers are fine for 1f1b, and 'auto' defers the check to the planner
+    load_spec(write(tmp_path, text.replace("interleaved", "1f1b"), "ok.yaml"))
+    load_spec(write(tmp_path, text.replace("microbatches: 3", "microbatches: auto"), "auto.yaml"))
+
+
+@pytest.mark.parametrize("schedule", ["interleaved", "zb-v"])
+def test_multi_stage_per_rank_schedules_need_two_ranks(tmp_path, schedule):
+    text = (BASE.replace("schedule: 1f1b", f"schedule: {schedule}")
+            .replace("pipeline: 2", "pipeline: 1").replace("data: 2", "data: 4")
+            .replace("microbatches: 4", "microbatches: 2"))
+    path = write(tmp_path, text)
+    line = text.splitlines().index("  pipeline: 1") + 1
+    msg = spec_error(path)
+    assert msg.startswith(f"{path}:{line}: parallel.pipeline: schedule '{schedule}'")
+    assert "pipeline >= 2" in msg
+
+
+def test_spec_schedule_rules_agree_with_the_generators():
+    """Every concrete (schedule, pipeline, microbatches) the spec accepts builds a schedule, and
+    every one it rejects is rejected by the generators (or by the planner for pipeline 1)."""
+    from fxpipe.runtime.schedules import compute_schedule
+    from fxpipe.runtime.validate import ScheduleError
+    from fxpipe.specs.schema import _schedule_problems
+
+    for s in SCHEDULES:
+        for p in range(1, 5):
+            for m in range(1, 9):
+                par = ParallelSpec_(pipeline=p, microbatches=m, schedule=s, data=1)
+                v = 2 if s == "interleaved" else 1
+                try:
+                    compute_schedule(s, p, m, v)
+                    builds = not (p == 1 and s in ("interleaved", "zb-v"))
+                except ScheduleError:
+                    builds = False
+                assert builds == (not _schedule_problems(par)), (s, p, m)

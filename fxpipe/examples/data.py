@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+from fxpipe.errors import SpecError
+
 
 def python_source_text(max_bytes: int = 8 << 20) -> bytes:
     """Concatenated top-level ``*.py`` files of the standard library (sorted by name, so the
@@ -42,13 +44,31 @@ class ByteBatches:
 
     ``get(step, split)`` returns ``(x, y)``: int64 ``[batch_size, seq_len]`` each, ``y`` is ``x``
     shifted by one byte.
+
+    Raises:
+        SpecError (a ``ValueError``): the corpus is empty, or shorter than ``2 * seq_len + 4``
+            bytes (both the training part and the held-out part must hold one sample of
+            ``seq_len + 1`` bytes plus one start position); the message says which
+            ``data.seq_len`` would fit.
     """
 
     def __init__(self, text: bytes, batch_size: int, seq_len: int, seed: int = 0):
+        n = len(text)
+        if n == 0:
+            raise SpecError("the text corpus is empty (0 bytes); make data.dataset return a "
+                            "non-empty corpus (bytes or str)")
+        need = 2 * seq_len + 4  # smallest n with n > max(n // 20, seq_len + 2) + seq_len + 1
+        if n < need:
+            fit = (n - 4) // 2
+            fix = (f"or lower data.seq_len to at most {fit}" if fit >= 1 else
+                   "(this corpus is too short for any seq_len)")
+            raise SpecError(
+                f"corpus of {n} bytes is too small for seq_len={seq_len}: it needs at least "
+                f"{need} bytes (one sample of seq_len + 1 bytes for training and one held out "
+                f"for validation); give data.dataset a larger corpus {fix}"
+            )
         data = torch.frombuffer(bytearray(text), dtype=torch.uint8).to(torch.int64)
         n_val = max(len(data) // 20, seq_len + 2)
-        if len(data) <= n_val + seq_len + 1:
-            raise ValueError(f"corpus of {len(data)} bytes is too small for seq_len={seq_len}")
         self.train, self.val = data[:-n_val], data[-n_val:]
         self.batch_size, self.seq_len, self.seed = batch_size, seq_len, seed
 

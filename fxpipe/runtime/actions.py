@@ -88,8 +88,24 @@ class Schedule:
     split_backward: bool = False
 
     def stages_of_rank(self, rank: int) -> list[int]:
-        """Stages held by pipeline rank ``rank``, ascending."""
-        return [s for s, r in enumerate(self.stage_to_rank) if r == rank]
+        """Stages held by pipeline rank ``rank``, ascending (a new list; empty for a rank that
+        holds none).
+
+        The rank -> stages map is built once, in O(num_stages), and cached outside the dataclass
+        fields (``dataclasses.asdict``, ``==`` and ``repr`` do not see it), so calling this for
+        every rank costs O(num_stages + num_ranks) in all, not O(num_stages x num_ranks). The
+        cache is rebuilt when ``stage_to_rank`` is replaced by another list (treat the list as
+        immutable: assign a new one rather than editing it in place).
+        """
+        s2r = self.stage_to_rank
+        cached = self.__dict__.get("_stages_by_rank")
+        if cached is None or cached[0] is not s2r or cached[1] != len(s2r):
+            by_rank: dict[int, list[int]] = {}
+            for s, r in enumerate(s2r):
+                by_rank.setdefault(r, []).append(s)
+            cached = (s2r, len(s2r), by_rank)
+            self.__dict__["_stages_by_rank"] = cached
+        return list(cached[2].get(rank, ()))
 
     def format(self) -> str:
         """One line per rank, actions in the compact ``0F3`` form."""

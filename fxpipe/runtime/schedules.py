@@ -423,7 +423,9 @@ def _list_schedule(
     admitted only while fewer than ``limit`` micro-batches (F done, W not) are held on the rank.
     Deterministic."""
     n = len(stage_to_rank)
-    own = [[s for s in range(n) if stage_to_rank[s] == r] for r in range(p)]
+    own: list[list[int]] = [[] for _ in range(p)]
+    for s, r in enumerate(stage_to_rank):  # O(n), not O(n p)
+        own[r].append(s)
     done: dict[tuple[Op, int, int], float] = {}
     t = [0.0] * p
     nextf, nextb = [0] * n, [0] * n

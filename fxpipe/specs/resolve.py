@@ -25,6 +25,13 @@ def _prefix(spec: Any, what: str) -> str:
     return f"{where}: {what}" if where else what
 
 
+def _one_line(err: BaseException, limit: int = 300) -> str:
+    """An exception's message on one line, at most ``limit`` characters (the type name when the
+    message is empty)."""
+    text = " ".join(str(err).split()) or "(no message)"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def resolve_callable(ref: str, what: str, *, spec: Any = None) -> Callable:
     """Import the callable that ``ref`` names.
 
@@ -95,7 +102,9 @@ def build_model(spec: Any):
     Raises:
         SpecError: the factory cannot be resolved (see :func:`resolve_callable`); ``model.args``
         does not fit its signature, or the factory rejects them (``TypeError``/``ValueError``);
-        the factory does not return an ``nn.Module``.
+        the factory raises any other exception (the message names ``model.factory``, the
+        exception type and its message, at the spec's ``FILE:LINE``); the factory does not
+        return an ``nn.Module``.
     """
     import torch
 
@@ -122,9 +131,17 @@ def build_model(spec: Any):
     torch.manual_seed(spec.train.seed)
     try:
         model = factory(**args)
+    except SpecError:
+        raise
     except (TypeError, ValueError) as err:
         raise SpecError(f"{head}: {spec.model.factory}(**model.args) raised "
-                        f"{type(err).__name__}: {err}; fix the values in model.args") from err
+                        f"{type(err).__name__}: {_one_line(err)}; fix the values in model.args"
+                        ) from err
+    except Exception as err:  # the user's factory failed: a clean message, not a traceback
+        raise SpecError(f"{_prefix(spec, 'model.factory')}: building the model with "
+                        f"{spec.model.factory}(**model.args) raised {type(err).__name__}: "
+                        f"{_one_line(err)}; fix the factory named in model.factory (or its "
+                        "model.args); set FXPIPE_DEBUG=1 to see the traceback") from err
     if not isinstance(model, torch.nn.Module):
         raise SpecError(f"{_prefix(spec, 'model.factory')}: {spec.model.factory} returned "
                         f"{type(model).__name__}, not a torch.nn.Module; name a factory that "

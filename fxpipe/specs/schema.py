@@ -164,7 +164,9 @@ def cross_section_problems(spec: ParallelSpec) -> list[tuple[tuple[str, ...], st
     Rules: pipeline x data == world size (``cluster.nodes x cluster.devices_per_node``; with one
     side ``auto`` the other must divide it); the global ``data.batch_size`` splits into
     ``data x microbatches`` equal micro-batches (with ``microbatches: auto``, at least into
-    ``data`` replicas); ``virtual_stages > 1`` only with the ``interleaved`` schedule.
+    ``data`` replicas); ``virtual_stages > 1`` only with the ``interleaved`` schedule; the
+    schedule's own constraints on concrete values (``interleaved``: microbatches a multiple of
+    pipeline; ``interleaved`` / ``zb-v``: pipeline >= 2).
     """
     out: list[tuple[tuple[str, ...], str]] = []
     par, world = spec.parallel, spec.cluster.world_size
@@ -200,4 +202,30 @@ def cross_section_problems(spec: ParallelSpec) -> list[tuple[tuple[str, ...], st
                     f"virtual_stages={v} needs schedule 'interleaved' (schedule is "
                     f"{par.schedule!r}); set parallel.schedule: interleaved, or virtual_stages: 1 "
                     "(zb-v always uses 2 stages per rank by itself)"))
+    out += _schedule_problems(par)
+    return out
+
+
+def _schedule_problems(par: ParallelSpec_) -> list[tuple[tuple[str, ...], str]]:
+    """The constraints the schedule generators (``fxpipe.runtime.schedules.compute_schedule``)
+    enforce, checked here with plain arithmetic (no schedule is built) when the values involved
+    are concrete (not ``auto``), so the user gets them with ``FILE:LINE`` at load time:
+    ``interleaved`` and ``zb-v`` place several stages per rank and need ``pipeline >= 2``;
+    ``interleaved`` runs micro-batches in groups of ``pipeline`` (Megatron-LM), so
+    ``microbatches % pipeline == 0``. (``virtual_stages`` vs schedule is checked above.)"""
+    out: list[tuple[tuple[str, ...], str]] = []
+    s, p, m = par.schedule, par.pipeline, par.microbatches
+    if s in ("interleaved", "zb-v") and p == 1:
+        out.append((("parallel", "pipeline"),
+                    f"schedule {s!r} spreads several stages over the ranks of a pipeline, but "
+                    "pipeline=1; use pipeline >= 2 (or 'auto'), or schedule '1f1b' for a single "
+                    "stage"))
+    elif s == "interleaved" and isinstance(p, int) and isinstance(m, int) and m % p:
+        lo = (m // p) * p
+        hint = f"{lo} or {lo + p}" if lo else f"{p}"
+        out.append((("parallel", "microbatches"),
+                    f"schedule 'interleaved' runs micro-batches in groups of pipeline={p} "
+                    f"through each virtual stage, so microbatches must be a multiple of {p}, got "
+                    f"{m}; set parallel.microbatches to {hint} (keeping data.batch_size "
+                    "divisible by data x microbatches), or use schedule '1f1b'"))
     return out
