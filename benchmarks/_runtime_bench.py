@@ -13,7 +13,8 @@
   (``1 - F/B/W busy seconds / step seconds``), mean per-action seconds per stage, peak in-flight
   micro-batches per stage.
 * :func:`calibrated_simulation` - the simulator (:func:`fxpipe.runtime.simulate.simulate`) on the
-  same action lists with per-stage F/B/W seconds taken from the measured means.
+  same action lists with per-stage F/B/W seconds and sender-side SEND seconds taken from the
+  measured means.
 
 Units: seconds, bytes. Plans are built by hand from :func:`fxpipe.partitioner.split.split_graph`
 (costs left at zero: the executor does not read them), so the cut is exactly equal by block.
@@ -53,6 +54,7 @@ __all__ = ["MLPStack", "StackConfig", "RunSpec", "RankRun", "Measured", "equal_s
 
 _BLOCK = re.compile(r"^blocks\.(\d+)$")
 _COMPUTE = re.compile(r"^(F|B|W)(\d+) s(\d+)$")
+_SEND = re.compile(r"^SEND_(?:F|B)\d+ s(\d+)->\d+$")
 
 
 # --------------------------------------------------------------------------------------- model
@@ -327,6 +329,8 @@ class Measured:
         op_mean_s: ``(op, stage) -> mean seconds`` of the F/B/W actions.
         op_mean_any_s: ``label kind -> mean seconds`` of the non-compute actions (``SEND_F``,
             ``RECV_F``, ``SEND_B``, ``RECV_B``, ``ALLREDUCE``, ``STEP``), over all ranks.
+        send_mean_s: ``stage -> mean seconds`` of the stage's ``SEND_F`` and ``SEND_B`` actions
+            (the time they occupy the sending rank's thread; stages that send nothing absent).
         step_action_s: the smallest per-rank mean ``STEP`` seconds (optimizer step plus the wait
             for outstanding sends; the smallest is closest to the optimizer work alone).
         outside_s: the smallest per-rank mean of the step time outside the action list (before
@@ -346,6 +350,7 @@ class Measured:
     step_action_s: float = 0.0
     outside_s: float = 0.0
     latency_s: float | None = None
+    send_mean_s: dict[int, float] = field(default_factory=dict)
 
 
 def _kind(label: str) -> str:
@@ -383,6 +388,8 @@ def analyze(runs: list[RankRun], only_step: int | None = None) -> Measured:
         windows.append((start, end))
     total = sum(e - s for s, e in windows)
     idle, sums, counts, step_means, outside = [], {}, {}, [], []
+    send_sums: dict[int, float] = {}
+    send_counts: dict[int, int] = {}
     for r in runs:
         busy = 0.0
         st = [ev[3] - ev[2] for ev in r.events if ev[1] == "STEP"]
@@ -402,6 +409,10 @@ def analyze(runs: list[RankRun], only_step: int | None = None) -> Measured:
             key = (mt.group(1), int(mt.group(3))) if mt else (_kind(label), -1)
             sums[key] = sums.get(key, 0.0) + d
             counts[key] = counts.get(key, 0) + 1
+            if (ms := _SEND.match(label)) is not None:
+                sender = int(ms.group(1))
+                send_sums[sender] = send_sums.get(sender, 0.0) + d
+                send_counts[sender] = send_counts.get(sender, 0) + 1
             if mt:
                 busy += d
         idle.append(1.0 - busy / total)
@@ -413,20 +424,25 @@ def analyze(runs: list[RankRun], only_step: int | None = None) -> Measured:
     return Measured(idle, sum(idle) / len(idle), statistics.median(e - s for s, e in windows),
                     op_mean, other, dict(sorted(peak.items())), windows,
                     min(step_means) if step_means else 0.0, min(outside) if outside else 0.0,
-                    next((r.latency_s for r in runs if r.latency_s is not None), None))
+                    next((r.latency_s for r in runs if r.latency_s is not None), None),
+                    {s: send_sums[s] / send_counts[s] for s in sorted(send_sums)})
 
 
 def calibrated_costs(schedule: Schedule, meas: Measured) -> StageCosts:
     """StageCosts from a measurement: per-stage F/B/W seconds = the measured means
-    (:attr:`Measured.op_mean_s`; W = 0 unless the backward is split), ``step_s`` =
-    :attr:`Measured.step_action_s` + :attr:`Measured.outside_s` (the optimizer step and the
-    step's work outside the action list, e.g. the loss all-reduce)."""
+    (:attr:`Measured.op_mean_s`; W = 0 unless the backward is split), per-stage ``send_s`` = the
+    measured mean sender-side seconds of the stage's SEND_F / SEND_B actions
+    (:attr:`Measured.send_mean_s`; on CPU gloo stages the bytes in the sender's thread, 0 for a
+    stage that sends nothing), ``step_s`` = :attr:`Measured.step_action_s` +
+    :attr:`Measured.outside_s` (the optimizer step and the step's work outside the action list,
+    e.g. the loss all-reduce)."""
     n = schedule.num_stages
     split = schedule.split_backward
     f = [meas.op_mean_s.get(("F", s), 0.0) for s in range(n)]
     b = [meas.op_mean_s.get(("B", s), 0.0) for s in range(n)]
     w = [meas.op_mean_s.get(("W", s), 0.0) if split else 0.0 for s in range(n)]
-    return StageCosts(f, b, w, step_s=meas.step_action_s + meas.outside_s)
+    send = [meas.send_mean_s.get(s, 0.0) for s in range(n)]
+    return StageCosts(f, b, w, step_s=meas.step_action_s + meas.outside_s, send_s=send)
 
 
 def plan_links(plan: Plan, meas: Measured, latency_s: float | None = None):

@@ -111,6 +111,40 @@ def test_sends_on_one_link_serialise():
     assert r.step_time_s == pytest.approx(4.0)
 
 
+def test_send_cost_occupies_the_sender():
+    # GPipe, F = B = 1, zero latency, each SEND costs its sender c seconds. Forward: ranks
+    # 0..p-2 run F + SEND (1 + c) per micro-batch, so the last rank starts micro-batch i at
+    # (p-1+i)(1+c) and ends its forwards at (m+p-2)(1+c) + 1; its m backwards + sends take
+    # m(1+c); the last micro-batch's gradient then passes p-2 middle ranks (B + SEND each) and
+    # rank 0's B. Step = 2(m+p-2)(1+c) + 2 (c = 0: the usual 2(m+p-1)).
+    c = 0.3
+    for p in (2, 3, 4):
+        for m in (1, 2, 3, 4):
+            s = build_schedule("gpipe", p, m)
+            r = simulate(s, StageCosts.uniform(p, 1.0, 1.0, send=c))
+            step = 2 * (m + p - 2) * (1 + c) + 2
+            assert r.step_time_s == pytest.approx(step), (p, m)
+            assert r.busy_s == pytest.approx([2.0 * m] * p)  # send seconds are not busy
+            assert r.bubble_fraction == pytest.approx(1 - 2 * m / step)
+            free = simulate(s, StageCosts.uniform(p, 1.0, 1.0))
+            assert r.step_time_s - free.step_time_s == pytest.approx(2 * (m + p - 2) * c)
+    # the sender-side seconds are an event on the rank's main lane, the transfer follows them
+    s = build_schedule("gpipe", 2, 1)
+    links = Links(p2p_GBps=2.0, latency_s=0.25)
+    r = simulate(s, StageCosts([1.0] * 2, [1.0] * 2, [0.0] * 2, send_s=[0.5, 0.125]),
+                 {(0, 1): 1e9}, links)
+    xfer = 0.25 + 1e9 / 2e9
+    assert r.step_time_s == pytest.approx(4 + 2 * xfer + 0.5 + 0.125)  # per-stage costs
+    main = [e for e in r.events if e.name == "SEND_F0 s0->1" and e.lane == "compute"]
+    comm = [e for e in r.events if e.name == "SEND_F0 s0->1" and e.lane == "comm"]
+    assert [(e.start_s, e.end_s) for e in main] == [(1.0, 1.5)]
+    assert comm[0].start_s == pytest.approx(1.5) and comm[0].end_s == pytest.approx(1.5 + xfer)
+    # None and zeros are the same (free sends, no main-lane send events)
+    base = simulate(s, StageCosts.uniform(2), {(0, 1): 1e9}, links)
+    assert base.step_time_s == pytest.approx(4 + 2 * xfer)
+    assert not [e for e in base.events if e.name.startswith("SEND") and e.lane == "compute"]
+
+
 def test_allreduce_overlaps_but_step_waits():
     s = build_schedule("gpipe", 2, 1)
     links = Links(p2p_GBps=1e9, dp_GBps=1.0)
@@ -150,6 +184,12 @@ def test_simulator_rejects_bad_input():
     s = build_schedule("1f1b", 2, 2)
     with pytest.raises(ScheduleError, match="fwd_s has 3 entries but the schedule has 2 stages"):
         simulate(s, StageCosts.uniform(3))
+    with pytest.raises(ScheduleError, match="send_s has 1 entries but the schedule has 2"):
+        simulate(s, StageCosts([1.0] * 2, [1.0] * 2, [0.0] * 2, send_s=[0.1]))
+    with pytest.raises(ScheduleError, match="send_s has a negative entry"):
+        simulate(s, StageCosts.uniform(2, send=-0.1))
+    with pytest.raises(ScheduleError, match="step_s is negative"):
+        simulate(s, StageCosts([1.0] * 2, [1.0] * 2, [0.0] * 2, step_s=-1.0))
     s.actions[0].insert(0, s.actions[0].pop([a.op for a in s.actions[0]].index(Op.RECV_B)))
     with pytest.raises(ScheduleError, match="deadlock"):
         simulate(s, StageCosts.uniform(2))  # via the validator

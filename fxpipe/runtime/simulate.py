@@ -5,9 +5,11 @@ timeline and the measured one have the same actions. Semantics:
 
 * each rank runs its list in order; F/B/W take the stage's forward / input-gradient /
   weight-gradient seconds (when the backward is not split, B takes input + weight seconds);
-* SEND is non-blocking (zero time on the sender); the transfer starts when the link between the
-  two ranks is free and arrives ``latency + bytes / bandwidth`` later (one transfer at a time per
-  directed rank pair);
+* SEND occupies the sender's own thread for ``StageCosts.send_s[stage]`` seconds (host-side
+  staging: gloo on CPU moves the bytes in the sending rank's thread; about 0 with NCCL, the
+  default when ``send_s`` is None), then returns (non-blocking); the transfer starts after that,
+  when the link between the two ranks is free, and arrives ``latency + bytes / bandwidth`` later
+  (one transfer at a time per directed rank pair);
 * RECV blocks until the matching SEND's data has arrived;
 * ALLREDUCE starts the stage's data-parallel ring all-reduce asynchronously (one at a time per
   rank), ``2(n-1)/n x bytes / bandwidth + 2(n-1) x latency`` seconds (Patarasuk & Yuan, 2009);
@@ -16,7 +18,8 @@ timeline and the measured one have the same actions. Semantics:
 
 Bubble fraction (the documented definition): ``1 - mean over ranks of (compute busy seconds of
 the rank) / step time``, i.e. the mean per-rank idle share of the step, where "busy" counts only
-F/B/W. With uniform costs and no communication, GPipe and 1F1B give exactly ``(p-1)/(m+p-1)``.
+F/B/W (a send's sender-side seconds count as idle, as in the executor's measurement). With
+uniform costs and no communication, GPipe and 1F1B give exactly ``(p-1)/(m+p-1)``.
 
 Units: seconds, bytes, GB/s = 1e9 bytes/s.
 """
@@ -49,6 +52,10 @@ class StageCosts:
         static_bytes: bytes held regardless of micro-batches: parameters, gradients, optimizer
             state (default 0).
         step_s: optimizer-step seconds per rank (default 0).
+        send_s: seconds the sending rank's own thread is occupied per SEND_F / SEND_B action of
+            the stage (host-side staging: copying the bytes into gloo's buffers on CPU; about 0
+            with NCCL, where the copy is on the device). None: 0 (sends free for the sender).
+            Not counted as compute busy time.
     """
 
     fwd_s: list[float]
@@ -57,17 +64,25 @@ class StageCosts:
     activation_bytes: list[int] | None = None
     static_bytes: list[int] | None = None
     step_s: float = 0.0
+    send_s: list[float] | None = None
 
     @classmethod
     def uniform(cls, num_stages: int, f: float = 1.0, b: float = 1.0, w: float = 0.0,
-                activation_bytes: int = 0, static_bytes: int = 0) -> "StageCosts":
-        """Every stage costs ``f`` / ``b`` / ``w`` seconds (a non-split B costs ``b + w``)."""
+                activation_bytes: int = 0, static_bytes: int = 0,
+                send: float = 0.0) -> "StageCosts":
+        """Every stage costs ``f`` / ``b`` / ``w`` seconds (a non-split B costs ``b + w``) and
+        ``send`` sender-side seconds per SEND action."""
         return cls([f] * num_stages, [b] * num_stages, [w] * num_stages,
-                   [activation_bytes] * num_stages, [static_bytes] * num_stages)
+                   [activation_bytes] * num_stages, [static_bytes] * num_stages,
+                   send_s=[send] * num_stages)
 
     def check(self, num_stages: int) -> None:
-        """Raise ScheduleError unless every list has ``num_stages`` non-negative entries."""
-        for name in ("fwd_s", "bwd_input_s", "bwd_weight_s", "activation_bytes", "static_bytes"):
+        """Raise ScheduleError unless every list has ``num_stages`` non-negative entries and
+        ``step_s`` is non-negative."""
+        if self.step_s < 0:
+            raise ScheduleError(f"StageCosts.step_s is negative ({self.step_s}); give seconds >= 0")
+        for name in ("fwd_s", "bwd_input_s", "bwd_weight_s", "activation_bytes", "static_bytes",
+                     "send_s"):
             vals = getattr(self, name)
             if vals is None:
                 continue
@@ -77,7 +92,8 @@ class StageCosts:
                     f"{num_stages} stages; give one per stage"
                 )
             if any(x < 0 for x in vals):
-                raise ScheduleError(f"StageCosts.{name} has a negative entry: {list(vals)}")
+                raise ScheduleError(f"StageCosts.{name} has a negative entry: {list(vals)}; "
+                                    "costs are seconds / bytes >= 0")
 
 
 @dataclass
@@ -224,6 +240,7 @@ def simulate(
         validate(schedule, set(edge_bytes), set(grad_edge_bytes))
     s2r = schedule.stage_to_rank
     split = schedule.split_backward
+    send_cost = list(costs.send_s) if costs.send_s is not None else [0.0] * n
 
     def dur(a: Action) -> float:
         s = a.stage
@@ -263,6 +280,10 @@ def simulate(
                     edge = (a.stage, a.peer) if a.op is Op.SEND_F else (a.peer, a.stage)
                     nbytes = (edge_bytes if a.op is Op.SEND_F else grad_edge_bytes).get(edge, 0)
                     dst = s2r[a.peer]
+                    c = send_cost[a.stage]
+                    if c > 0:  # the sender's thread stages the bytes; not compute busy
+                        events.append(TimelineEvent(r, action_label(a), t[r], t[r] + c))
+                        t[r] += c
                     occ, lat = links.p2p_seconds(r, dst, nbytes)
                     start = max(t[r], link_free.get((r, dst), 0.0))
                     link_free[(r, dst)] = start + occ
