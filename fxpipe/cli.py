@@ -96,7 +96,7 @@ def _cmd_show(args) -> int:
     try:
         plan = Plan.load(path)
     except (ValueError, TypeError, KeyError) as e:
-        raise FxpipeError(f"{path}: cannot read this plan ({e}); re-create it with `fxpipe plan`")
+        raise FxpipeError(f"{path}: cannot read this plan: {e}") from None
     print(plan.summary())
     return 0
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -185,8 +187,14 @@ class Plan:
         """Inverse of :meth:`to_dict`.
 
         Raises:
-            ValueError: the dict is not a plan of this format version.
+            ValueError: the dict is not a plan of this format version, or its structure is wrong:
+                a required field is missing, a field is unknown, or a field has the wrong type
+                (e.g. ``num_stages: "two"``). The message names the fields, e.g. ``plan.json:
+                stage 0 lacks fields ['nodes']; re-create it with `fxpipe plan```.
         """
+        if not isinstance(d, dict):
+            raise ValueError(f"plan.json: a plan is a JSON object (mapping), got "
+                             f"{type(d).__name__}; {_RECREATE}")
         d = dict(d)
         version = d.pop("format_version", None)
         if version != PLAN_FORMAT_VERSION:
@@ -194,6 +202,7 @@ class Plan:
                 f"plan format version {version!r} is not supported (expected "
                 f"{PLAN_FORMAT_VERSION}); re-create the plan with `fxpipe plan SPEC`"
             )
+        _validate(d)
         d["stages"] = [StagePlan(**s) for s in d["stages"]]
         d["values"] = {k: ValueInfo(**v) for k, v in d["values"].items()}
         if d.get("predicted") is not None:
@@ -246,3 +255,94 @@ class Plan:
         from fxpipe.report import summary_table
 
         return summary_table(self)
+
+
+# ---------------------------------------------------------------------- plan.json validation
+_RECREATE = "re-create it with `fxpipe plan`"
+
+
+def _type_ok(value: Any, tp: Any) -> bool:
+    """Whether a JSON value fits a dataclass field annotation (int excludes bool; a float field
+    takes an int; a nested dataclass is a mapping; dict contents are not checked)."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return any(_type_ok(value, a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return value is None
+    if tp is Any:
+        return True
+    if origin is list:
+        args = typing.get_args(tp)
+        if not isinstance(value, list):
+            return False
+        return not args or all(_type_ok(v, args[0]) for v in value)
+    if origin is dict or tp is dict or dataclasses.is_dataclass(tp):
+        return isinstance(value, dict)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, tp) if isinstance(tp, type) else True
+
+
+def _type_words(tp: Any) -> str:
+    """Plain words for a field annotation: ``list[str]`` -> ``"a list of strings"``."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_words(a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return "null"
+    if origin is list:
+        args = typing.get_args(tp)
+        item = _type_words(args[0]) if args else "values"
+        return "a list of " + {"an integer": "integers", "a string": "strings",
+                               "a number": "numbers", "a mapping": "mappings"}.get(item, item)
+    if origin is dict or tp is dict or dataclasses.is_dataclass(tp):
+        return "a mapping"
+    return {int: "an integer", float: "a number", str: "a string"}.get(tp, str(tp))
+
+
+def _field_problems(cls: type, d: Any, what: str) -> list[str]:
+    """Problems of the mapping ``d`` as the fields of dataclass ``cls``: missing required
+    fields, unknown fields, values of the wrong type (each a phrase about ``what``)."""
+    if not isinstance(d, dict):
+        return [f"{what} must be a mapping, got {type(d).__name__}"]
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    required = [n for n, f in fields.items()
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    out = []
+    missing = [n for n in required if n not in d]
+    if missing:
+        out.append(f"{what} lacks field{'s' if len(missing) > 1 else ''} {missing}")
+    unknown = sorted(k for k in d if k not in fields)
+    if unknown:
+        out.append(f"{what} has unknown field{'s' if len(unknown) > 1 else ''} {unknown}")
+    for name, value in d.items():
+        if name in fields and not _type_ok(value, hints[name]):
+            shown = json.dumps(value) if not isinstance(value, (list, dict)) else \
+                type(value).__name__
+            if len(shown) > 40:
+                shown = shown[:37] + "..."
+            where = "" if cls is Plan else f"{what}: "
+            out.append(f"{where}{name} must be {_type_words(hints[name])}, got {shown}")
+    return out
+
+
+def _validate(d: dict[str, Any]) -> None:
+    """Raise ValueError listing (at most 5) structural problems of a plan dict (format version
+    already removed)."""
+    problems = _field_problems(Plan, d, "the plan")
+    stages = d.get("stages")
+    if isinstance(stages, list):
+        for i, st in enumerate(stages):
+            problems += _field_problems(StagePlan, st, f"stage {i}")
+    values = d.get("values")
+    if isinstance(values, dict):
+        for name, v in values.items():
+            problems += _field_problems(ValueInfo, v, f"value {name!r}")
+    if isinstance(d.get("predicted"), dict):
+        problems += _field_problems(Predicted, d["predicted"], "predicted")
+    if problems:
+        more = f" (and {len(problems) - 5} more problems)" if len(problems) > 5 else ""
+        raise ValueError("plan.json: " + "; ".join(problems[:5]) + more + f"; {_RECREATE}")

@@ -84,6 +84,11 @@ def human_flops(n: float) -> str:
     return f"{n:.3g}"
 
 
+def _plural(n: int, word: str) -> str:
+    """``"1 stage"``, ``"2 stages"``, ``"0 stages"``."""
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
 def _ms(seconds: float) -> str:
     """Seconds -> milliseconds text with about 4 significant digits, fixed decimals per range."""
     ms = seconds * 1e3
@@ -139,9 +144,10 @@ def summary_table(plan: Plan) -> str:
     Columns (one row per stage): stage index, pipeline rank holding it (see :func:`stage_ranks`),
     number of FX nodes, parameters (FQN count / bytes), forward and backward FLOPs per
     micro-batch, bytes received and sent per micro-batch (forward direction), compute, comm and
-    total (``time_s``) milliseconds per micro-batch, predicted peak memory, and ``*`` on the
-    bottleneck stage. Footer: bottleneck and its time, lower bound (``plan.lower_bound_s``) and the
-    ratio bottleneck / lower bound, ``pipeline x dp = world size``, micro-batches, schedule,
+    total (``time_s``) milliseconds per micro-batch, predicted peak memory, and ``*`` in the
+    ``slowest`` column on the bottleneck stage. Footer: bottleneck and its time, lower bound
+    (``plan.lower_bound_s``) and the ratio bottleneck / lower bound, ``pipeline x dp = world
+    size``, micro-batches, schedule,
     the simulator's prediction when ``plan.predicted`` is set, tied parameters and the stages that
     hold them, and ``plan.explain``.
 
@@ -155,7 +161,7 @@ def summary_table(plan: Plan) -> str:
     bpos = _bottleneck(plan)
     headers = [
         "stage", "rank", "nodes", "params", "fwd FLOPs", "bwd FLOPs",
-        "recv/mb", "send/mb", "compute ms", "comm ms", "total ms", "memory", "",
+        "recv/mb", "send/mb", "compute ms", "comm ms", "total ms", "memory", "slowest",
     ]
     rows: list[list[str]] = []
     for pos, st in enumerate(plan.stages):
@@ -183,8 +189,8 @@ def summary_table(plan: Plan) -> str:
         return "  ".join(out).rstrip()
 
     v = plan.virtual_stages
-    title = (f"fxpipe plan: {plan.model}  |  {plan.num_stages} stage(s) on {plan.pipeline} "
-             f"pipeline rank(s)" + (f" x {v} virtual" if v > 1 else "")
+    title = (f"fxpipe plan: {plan.model}  |  {_plural(plan.num_stages, 'stage')} on "
+             f"{_plural(plan.pipeline, 'pipeline rank')}" + (f" x {v} virtual" if v > 1 else "")
              + f"  |  schedule {plan.schedule}")
     lines = [title, fmt(headers), fmt(["-" * w for w in widths])]
     lines += [fmt(r) for r in rows]
@@ -197,7 +203,8 @@ def summary_table(plan: Plan) -> str:
         if plan.lower_bound_s > 0:
             ratio = b.time_s / plan.lower_bound_s
             lines.append(f"lower bound:  {_ms(plan.lower_bound_s)} ms (total compute / "
-                         f"{plan.num_stages} stages); bottleneck / lower bound = {ratio:.3f}x")
+                         f"{_plural(plan.num_stages, 'stage')}); bottleneck / lower bound = "
+                         f"{ratio:.3f}x")
         else:
             lines.append(f"lower bound:  {_ms(plan.lower_bound_s)} ms (not computed); "
                          "bottleneck / lower bound = n/a")
@@ -210,7 +217,7 @@ def summary_table(plan: Plan) -> str:
     lines.append(f"parallelism:  pipeline {plan.pipeline} x dp {plan.dp} = world size "
                  f"{plan.world_size}")
     lines.append(f"micro-batches: {plan.microbatches} per step per replica, "
-                 f"{plan.microbatch_size} sample(s) each")
+                 f"{_plural(plan.microbatch_size, 'sample')} each")
     lines.append(f"schedule:     {plan.schedule}" + (f" ({v} virtual stages per rank)" if v > 1
                                                       else ""))
     pred = plan.predicted
@@ -223,8 +230,8 @@ def summary_table(plan: Plan) -> str:
             lines.append(f"peak memory:  {human_bytes(pred.peak_memory_bytes[peak])} "
                          f"(stage {peak}); per stage: {per}")
         if pred.peak_inflight:
-            lines.append("in flight:    " + ", ".join(str(k) for k in pred.peak_inflight)
-                         + " micro-batch(es) per stage")
+            lines.append("in flight:    micro-batches held per stage: "
+                         + ", ".join(str(k) for k in pred.peak_inflight))
     if plan.shared_params:
         aliases: dict[str, list[str]] = {}
         for alias, canon in sorted(plan.param_aliases.items()):
@@ -284,7 +291,7 @@ def _edge_bytes(data: dict[str, Any], plan: Plan) -> int | None:
 
 
 def _header(plan: Plan, what: str) -> list[str]:
-    title = (f"{plan.model}: {what}, {plan.num_stages} stage(s), schedule {plan.schedule}, "
+    title = (f"{plan.model}: {what}, {_plural(plan.num_stages, 'stage')}, schedule {plan.schedule}, "
              f"pipeline {plan.pipeline} x dp {plan.dp}")
     font = "Helvetica"
     graph_attrs = _attrs(rankdir="TB", label=title, labelloc="t", fontname=font)

@@ -323,7 +323,8 @@ def _chain(k=3, **kw):
         (lambda: _chain(forced_cuts=[0, 1], pins={0: 0, 5: 1}), ["forced cuts lie between"]),
         (lambda: _chain(forced_cuts=[2], pins={0: 0, 4: 0}), ["forced cuts lie between"]),
         (lambda: _chain(capacity_bytes=4e9, inflight=inflight_gpipe(3, 8)),
-         ["fits device memory", "16 GB on stage 0", "4 GB", "more pipeline stages", "fewer micro-batches"]),
+         ["fits device memory", "16 GB on stage 0", "4 GB", "more pipeline stages",
+          "parameters alone, with gradients and optimizer state, need 8 GB"]),
     ],
 )
 def test_infeasible_problems_raise_plan_error_with_reason_and_fix(make, words):
@@ -331,6 +332,35 @@ def test_infeasible_problems_raise_plan_error_with_reason_and_fix(make, words):
         optimal_partition(make())
     for w in words:
         assert w in str(info.value)
+
+
+@pytest.mark.parametrize("inflight, schedule_hint", [
+    (inflight_gpipe(3, 8), True),   # every stage holds all m micro-batches: GPipe-like
+    (inflight_1f1b(3), False),      # already 1F1B: suggesting it would be wrong
+    (inflight_1f1b(3, 1), False),   # one micro-batch: nothing to gain from another schedule
+])
+def test_memory_error_suggests_only_fixes_that_apply(inflight, schedule_hint):
+    # activations dominate: 6 units of 1e8 parameter bytes (x 4) and 1e9 activation bytes each
+    prob = CutProblem.chain([1.0] * 6, [1e8] * 6, [1e9] * 6, [1e6] * 5, 3, 1e9,
+                            capacity_bytes=2e9, inflight=inflight, param_multiplier=4)
+    with pytest.raises(PlanError) as info:
+        optimal_partition(prob)
+    msg = str(info.value)
+    assert ("1F1B rather than GPipe" in msg) == schedule_hint, msg
+    assert "GPipe" in msg or not schedule_hint
+    assert "more pipeline stages" in msg and "a device with more memory" in msg
+    if not schedule_hint:
+        assert "smaller micro-batches" in msg
+    assert "6 units into 3 stages" in msg and "parameters alone" not in msg
+
+
+def test_memory_error_grammar_for_one_unit_and_stage():
+    prob = CutProblem.chain([1.0], [1e10], [0], [], 1, 1e9, capacity_bytes=4e9, unit_names=["wte"])
+    msg = str(pytest.raises(PlanError, optimal_partition, prob).value)
+    assert "no split of 1 unit into 1 stage fits" in msg
+    assert "more pipeline stages" not in msg  # one unit alone cannot be split further
+    with pytest.raises(PlanError, match="cannot cut 1 unit into 2 stages.*at most 1 pipeline stage "):
+        optimal_partition(CutProblem.chain([1.0], [1], [1], [], 2, 1e9))
 
 
 def test_single_oversized_unit_is_named():

@@ -205,6 +205,81 @@ def test_summary_without_prediction_or_stages():
     assert "bottleneck" not in text and "world size" in text
 
 
+def test_summary_every_column_has_a_header_and_a_rule():
+    text = summary_table(make_plan())
+    lines = text.splitlines()
+    i = next(i for i, ln in enumerate(lines) if ln.startswith("stage"))
+    header, rule = lines[i], lines[i + 1]
+    # each run of dashes in the rule sits under a header word, and the last column has one
+    dash_spans = [(m.start(), m.end()) for m in re.finditer(r"-+", rule)]
+    heads = [(m.start(), m.end()) for m in re.finditer(r"\S+(?: \S+)*", header)]
+    assert len(dash_spans) == len(heads) == 13
+    assert header.split()[-1] == "slowest"
+    for (a, b), (c, d) in zip(dash_spans, heads):
+        assert a <= c and d <= b  # the header lies over its rule
+    # the bottleneck's '*' lies in the last column
+    star_row = next(ln for ln in lines[i + 2:] if ln.rstrip().endswith("*"))
+    assert star_row.rstrip().index("*") >= dash_spans[-1][0]
+
+
+def test_summary_singular_counts():
+    plan = make_plan()
+    plan.stages = plan.stages[:1]
+    plan.stages[0].index = 0
+    plan.num_stages, plan.pipeline, plan.microbatch_size = 1, 1, 1
+    plan.shared_params, plan.bottleneck_stage = {}, 0
+    text = summary_table(plan)
+    assert "1 stage on 1 pipeline rank  |" in text
+    assert "total compute / 1 stage)" in text and "1 sample each" in text
+    assert not re.search(r"\b1 (stages|units|samples|pipeline ranks)\b", text)
+    assert "(s)" not in text and "(es)" not in text
+
+
+# --------------------------------------------------------------------------- plan.json
+
+def test_plan_from_dict_rejects_malformed_plans_plainly():
+    good = make_plan().to_dict()
+
+    def problem(**changes) -> str:
+        d = {**good, **changes}
+        with pytest.raises(ValueError) as err:
+            Plan.from_dict(d)
+        msg = str(err.value)
+        for leak in ("__init__", "positional argument", "argument after **", "keyword argument"):
+            assert leak not in msg, msg
+        assert msg.startswith("plan.json: ") and msg.endswith("re-create it with `fxpipe plan`")
+        return msg
+
+    stage0 = dict(good["stages"][0])
+    del stage0["nodes"], stage0["time_s"]
+    assert "stage 0 lacks fields ['nodes', 'time_s']" in problem(
+        stages=[stage0] + good["stages"][1:])
+    assert 'num_stages must be an integer, got "two"' in problem(num_stages="two")
+    assert "stage 1 must be a mapping, got str" in problem(stages=[good["stages"][0], "x"])
+    assert "stages must be a list of mappings" in problem(stages="x")
+    assert "stage 0: index must be an integer, got true" in problem(
+        stages=[{**good["stages"][0], "index": True}] + good["stages"][1:])
+    assert "stage 0: nodes must be a list of strings" in problem(
+        stages=[{**good["stages"][0], "nodes": [1, 2]}] + good["stages"][1:])
+    assert "value 'add' lacks field ['dtype']" in problem(
+        values={**good["values"], "add": {k: v for k, v in good["values"]["add"].items()
+                                         if k != "dtype"}})
+    assert "predicted: step_time_s must be a number" in problem(
+        predicted={**good["predicted"], "step_time_s": "fast"})
+    assert "the plan has unknown field ['colour']" in problem(colour="red")
+    lacks = problem(model=None)
+    assert "model must be a string, got null" in lacks
+    d = dict(good)
+    del d["schedule"]
+    with pytest.raises(ValueError, match=r"the plan lacks field \['schedule'\]"):
+        Plan.from_dict(d)
+    with pytest.raises(ValueError, match="JSON object"):
+        Plan.from_dict(["not", "a", "plan"])
+    assert Plan.from_dict(good) == make_plan()  # a good plan still loads (ints as floats too)
+    ints = {**good, "lower_bound_s": 1}
+    assert Plan.from_dict(ints).lower_bound_s == 1
+
+
 # --------------------------------------------------------------------------- DOT
 
 def test_unit_dot_colours_clusters_and_cut_labels():

@@ -115,8 +115,9 @@ def _check_structure(problem: CutProblem) -> None:
     n, k = problem.n, problem.num_stages
     if k > n:
         raise PlanError(
-            f"cannot cut {n} units into {k} stages: every stage needs at least one unit; use at most "
-            f"{n} pipeline stages or price the model at a finer granularity"
+            f"cannot cut {_plural(n, 'unit')} into {_plural(k, 'stage')}: every stage needs at least "
+            f"one unit; use at most {_plural(n, 'pipeline stage')} or price the model at a finer "
+            "granularity"
         )
     forced = problem.forced
     if forced.size > k - 1:
@@ -586,14 +587,49 @@ def _infeasible(problem: CutProblem, bd: _Bounds) -> PlanError:
     what = problem.unit_label(a) + " alone" if b - a == 1 else f"units {a}..{b - 1}"
     m = float(problem.inflight_arr[j])
     return PlanError(
-        f"no split of {n} units into {k} stages fits device memory: even the split that needs the least "
-        f"memory puts {format_bytes(res.memory_bytes[j])} on stage {j} ({what}: "
-        f"{format_bytes(res.param_bytes[j])} of parameters x {mult:g} for weights, gradients and "
-        f"optimizer state, plus {m:g} micro-batch{'' if m == 1 else 'es'} in flight x "
-        f"{format_bytes(res.saved_bytes[j])} of activations) but the device has "
-        f"{format_bytes(problem.cap[j])}; use more pipeline stages, fewer micro-batches in flight "
-        f"(1F1B instead of GPipe, or fewer micro-batches), or a device with more memory"
+        f"no split of {_plural(n, 'unit')} into {_plural(k, 'stage')} fits device memory: even "
+        f"the split that needs the least memory puts {format_bytes(res.memory_bytes[j])} on stage "
+        f"{j} ({what}: {format_bytes(res.param_bytes[j])} of parameters x {mult:g} for weights, "
+        f"gradients and optimizer state, plus {m:g} micro-batch{'' if m == 1 else 'es'} in flight "
+        f"x {format_bytes(res.saved_bytes[j])} of activations) but the device has "
+        f"{format_bytes(problem.cap[j])}; " + _memory_fixes(problem, res, j)
     )
+
+
+def _plural(n: int, word: str) -> str:
+    """``"1 unit"``, ``"2 units"``."""
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def _memory_fixes(problem: CutProblem, res: PartitionResult, j: int) -> str:
+    """The fixes that apply to stage ``j`` not fitting its memory, as one phrase.
+
+    The planner does not know the schedule's name, only the micro-batches in flight per stage:
+    the same number > 1 on every stage is GPipe-like (all ``m`` forwards before any backward),
+    so only then is a schedule with fewer in flight (1F1B) suggested. Smaller micro-batches help
+    only when activations count; more stages only when the stage holds more than one unit.
+    """
+    inflight = np.asarray(problem.inflight_arr, dtype=float)
+    a, b = res.stage_ranges[j]
+    params_alone = float(problem.param_multiplier) * res.param_bytes[j]
+    fixes = []
+    if b - a > 1:  # a single unit cannot be split further
+        fixes.append("more pipeline stages")
+    note = ""
+    if params_alone < float(problem.cap[j]) and res.saved_bytes[j] > 0:
+        if inflight.size and np.all(inflight == inflight[0]) and inflight[0] > 1:
+            fixes.append("a schedule that keeps fewer micro-batches in flight (1F1B rather than "
+                         "GPipe)")
+            fixes.append("a smaller data.batch_size")
+        else:
+            fixes.append("smaller micro-batches (more micro-batches per step, or a smaller "
+                         "data.batch_size)")
+    elif params_alone >= float(problem.cap[j]):
+        note = (f" (the parameters alone, with gradients and optimizer state, need "
+                f"{format_bytes(params_alone)})")
+    fixes.append("a device with more memory")
+    head = ", ".join(fixes[:-1])
+    return "use " + (f"{head}, or {fixes[-1]}" if head else fixes[-1]) + note
 
 
 def brute_force_partition(problem: CutProblem, max_candidates: int = 1_000_000) -> PartitionResult:

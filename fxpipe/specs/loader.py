@@ -79,7 +79,8 @@ def load_spec(source: str | Path | dict) -> ParallelSpec:
         mapping; or any schema violation (unknown keys with "did you mean", wrong types, zero or
         negative sizes, unknown schedule names, pipeline x data != world size, a batch that does
         not split into data x microbatches micro-batches, virtual stages without the
-        interleaved schedule). One line per problem, each ``FILE:LINE: key.path: problem``
+        interleaved schedule, a schedule whose constraints the concrete values break: interleaved
+        with microbatches not a multiple of pipeline, interleaved / zb-v with pipeline 1). One line per problem, each ``FILE:LINE: key.path: problem``
         followed by the fix (``<dict>`` in place of ``FILE:LINE`` for dict input).
     """
     if isinstance(source, dict):
