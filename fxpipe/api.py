@@ -1,8 +1,8 @@
 """``fxpipe.plan()``: the partitioner's data flow, from a model and a spec to a :class:`Plan`.
 
 trace (torch.export) -> cost (fake-tensor FLOPs and bytes) -> graph (networkx units) ->
-planner (exact min-bottleneck cut, memory-checked; with ``auto``, a search over pipeline x data x
-micro-batches x schedule priced by the simulator) -> split (stage boundaries) -> Plan.
+planner (exact min-bottleneck cut, memory-checked; with ``auto``, every layout of
+:mod:`fxpipe.search` priced by the simulator) -> split (stage boundaries) -> Plan.
 
 Also here, because they need both the partitioner and the runtime's schedule tools:
 :func:`materialize_stages` (a worker rebuilds its stage modules from a Plan) and
@@ -12,7 +12,6 @@ Also here, because they need both the partitioner and the runtime's schedule too
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,149 +27,17 @@ from fxpipe.partitioner.planner import optimal_partition
 from fxpipe.partitioner.split import build_stage_module, stage_boundaries
 from fxpipe.partitioner.trace import TracedModel, trace
 from fxpipe.plan_data import Plan, StagePlan
-from fxpipe.runtime.schedules import SCHEDULE_NAMES, compute_schedule
-from fxpipe.runtime.simulate import predict, simulate, simulate_plan
+from fxpipe.runtime.schedules import SCHEDULE_NAMES
+from fxpipe.runtime.simulate import predict, simulate_plan
 from fxpipe.runtime.validate import ScheduleError
+from fxpipe.search import Candidate, candidates, stage_inflight
 from fxpipe.specs.loader import load_spec, spec_location
 from fxpipe.specs.schema import ParallelSpec
 
 #: state bytes per parameter byte: weights + gradients (+ 2 Adam moments)
 STATE_FACTOR = {"adamw": 4.0, "sgd": 2.0}
-#: schedules tried by ``schedule: auto`` (interleaved is tried with v = 2)
-AUTO_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """One point of the parallel search space."""
-
-    pipeline: int
-    dp: int
-    microbatches: int
-    schedule: str
-    virtual_stages: int
-
-    @property
-    def num_stages(self) -> int:
-        """Stages of the pipeline: ``pipeline * virtual_stages`` (2 per rank for zb-v)."""
-        return self.pipeline * (2 if self.schedule == "zb-v" else self.virtual_stages)
-
-    def label(self) -> str:
-        v = f" v={self.virtual_stages}" if self.schedule == "interleaved" else ""
-        return f"pp={self.pipeline} dp={self.dp} m={self.microbatches} {self.schedule}{v}"
-
-
 def _as_spec(spec: Any) -> ParallelSpec:
     return spec if isinstance(spec, ParallelSpec) else load_spec(spec)
-
-
-def _divisors(n: int) -> list[int]:
-    """Divisors of ``n`` in ascending order (O(sqrt n))."""
-    small, large = [], []
-    d = 1
-    while d * d <= n:
-        if n % d == 0:
-            small.append(d)
-            if d * d != n:
-                large.append(n // d)
-        d += 1
-    return small + large[::-1]
-
-
-def _plural(n: int, word: str) -> str:
-    """``"1 unit"``, ``"2 units"``."""
-    return f"{n} {word}" if n == 1 else f"{n} {word}s"
-
-
-def _too_many_stages(spec: ParallelSpec, n_units: int, num_stages: int, pipeline: int,
-                     per_rank: int) -> PlanError:
-    where = spec_location(spec, "parallel.pipeline")
-    head = f"{where}: " if where else ""
-    layout = (f" (parallel.pipeline={pipeline} x {per_rank} stages per rank)" if per_rank > 1
-              else "")
-    fix = (f"use at most {_plural(n_units, 'pipeline stage')} (parallel.pipeline <= {n_units})"
-           if per_rank == 1 else
-           f"use at most {_plural(n_units, 'stage')} in all (parallel.pipeline x stages per rank "
-           f"<= {n_units})")
-    return PlanError(
-        f"{head}cannot cut {_plural(n_units, 'unit')} into {_plural(num_stages, 'stage')}"
-        f"{layout}: every stage needs at least one planning unit of the model; {fix}"
-    )
-
-
-def candidates(spec: ParallelSpec, max_stages: int | None = None) -> list[Candidate]:
-    """The search space for the spec: every ``auto`` field expanded, fixed fields kept.
-
-    pipeline x data = world size; micro-batches divide the per-replica batch (at most 4 x pipeline,
-    at most 32); schedules from :data:`AUTO_SCHEDULES` whose constraints hold.
-
-    Args:
-        spec: the validated spec.
-        max_stages: the number of planning units of the model, if known: candidates with more
-            (virtual) stages than that are dropped BEFORE their schedule is built (a schedule of
-            100 000 stages would take minutes to build and simulate, and no such cut exists).
-
-    Raises:
-        PlanError: no candidate is left; when every one had more stages than ``max_stages``,
-            the message says "cannot cut N units into K stages" and how many stages fit.
-        ScheduleError: fixed (not ``auto``) schedule and micro-batches that the schedule rejects.
-    """
-    par, world = spec.parallel, spec.cluster.world_size
-    pps = _divisors(world) if par.pipeline == "auto" else [par.pipeline]
-    out = []
-    too_many: tuple[int, int, int] | None = None  # (stages, pipeline, stages per rank), smallest
-    for pp in pps:
-        dp = world // pp if par.data == "auto" else par.data
-        if pp * dp != world:
-            continue
-        per_replica = spec.data.batch_size // dp
-        if spec.data.batch_size % dp:
-            continue
-        if par.microbatches == "auto":
-            ms = [m for m in _divisors(per_replica) if m <= max(4 * pp, 1) and m <= 32]
-        else:
-            ms = [par.microbatches]
-        scheds = AUTO_SCHEDULES if par.schedule == "auto" else (par.schedule,)
-        for m in ms:
-            for s in scheds:
-                v = par.virtual_stages if s == "interleaved" and par.schedule != "auto" else (
-                    2 if s == "interleaved" else 1)
-                if pp == 1 and s in ("interleaved", "zb-v"):
-                    continue
-                per_rank = 2 if s == "zb-v" else v
-                if max_stages is not None and pp * per_rank > max_stages:
-                    if too_many is None or pp * per_rank < too_many[0]:
-                        too_many = (pp * per_rank, pp, per_rank)
-                    continue
-                try:
-                    compute_schedule(s, pp, m, v)
-                except ScheduleError:
-                    if par.schedule != "auto" and par.microbatches != "auto":
-                        raise
-                    continue
-                out.append(Candidate(pp, dp, m, s, v))
-    if not out and too_many is not None and max_stages is not None:
-        raise _too_many_stages(spec, max_stages, *too_many)
-    if not out:
-        raise PlanError(
-            f"no pipeline x data x micro-batch x schedule combination fits {world} devices and "
-            f"batch_size {spec.data.batch_size}; make the batch size divisible by the data-parallel "
-            "degree and give micro-batches that suit the schedule"
-        )
-    return out
-
-
-def _stage_inflight(cand: Candidate) -> tuple[list[int], list[int]]:
-    """Peak micro-batches in flight per stage for the candidate's schedule (simulated with
-    uniform costs) and the schedule's stage -> rank placement."""
-    sched = compute_schedule(cand.schedule, cand.pipeline, cand.microbatches, cand.virtual_stages)
-    from fxpipe.runtime.schedules import add_communication, linear_edges
-    from fxpipe.runtime.simulate import StageCosts
-
-    full = add_communication(sched, linear_edges(sched.num_stages))
-    k = sched.num_stages
-    res = simulate(full, StageCosts([1.0] * k, [1.0] * k, [1.0] * k), check=False)
-    return [max(1, x) for x in res.peak_inflight], sched.stage_to_rank
 
 
 def _boundary_bandwidths(spec: ParallelSpec, stage_to_rank: list[int]) -> list[float]:
@@ -203,7 +70,7 @@ def _cut_problem(pg: PricedGraph, spec: ParallelSpec, cand: Candidate, scale: fl
             dtype = pg.value_info(row.name)[1]
             grad = dtype.startswith(("float", "bfloat", "complex"))
             values.append(Value(row.producer_pos, users, row.nbytes * scale, grad, row.name))
-    inflight, stage_to_rank = _stage_inflight(cand)
+    inflight, stage_to_rank = stage_inflight(cand)
     k = cand.num_stages
     return CutProblem(
         compute, params, saved, values, k,
