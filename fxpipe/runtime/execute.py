@@ -217,6 +217,7 @@ class PipelineExecutor:
                                       grad_compression)
         # stages whose ALLREDUCE the schedule leaves out: launched after their last backward
         self._auto_reduce_after: dict[int, int] = {}
+        self._labels = [action_label(a) for a in schedule.actions[mesh.pipe_rank]]  # for events
         # list positions of this rank's cross-rank receives (pre-posted, see RECV_LOOKAHEAD)
         self._recv_positions = [
             k for k, a in enumerate(schedule.actions[mesh.pipe_rank])
@@ -399,6 +400,7 @@ class PipelineExecutor:
         self._unscaled.clear()
         acts = self.schedule.actions[self.mesh.pipe_rank]
         recvs, posted_upto = self._recv_positions, 0
+        labels = self._labels
         for idx, a in enumerate(acts):
             start = time.perf_counter()
             st.index = idx
@@ -414,7 +416,7 @@ class PipelineExecutor:
                 raise
             except Exception as e:
                 raise RuntimeFailure(f"{self._ctx(a)}: {type(e).__name__}: {e}") from e
-            self.events.append(TimelineEvent(self.rank, action_label(a), self._clock0 + start,
+            self.events.append(TimelineEvent(self.rank, labels[idx], self._clock0 + start,
                                              self._clock0 + time.perf_counter()))
             if self._auto_reduce_after.get(a.stage) == idx:
                 self._stage_done(a.stage)
