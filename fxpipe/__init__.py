@@ -8,11 +8,27 @@
 See README.md for the CLI (``fxpipe plan|run|simulate|show``).
 """
 
-from fxpipe.annotations import annotate, pipe_split
-from fxpipe.api import plan
 from fxpipe.plan_data import Plan
-from fxpipe.specs.loader import load_spec
 
 __all__ = ["Plan", "annotate", "load_spec", "pipe_split", "plan"]
 __version__ = "0.1.0"
+
+# The rest loads torch: imported on first use, so `python -m fxpipe.train` (a worker) and the CLI
+# start without it and a Ctrl-C during start-up lands in code that handles it.
+_LAZY = {"annotate": "fxpipe.annotations", "pipe_split": "fxpipe.annotations",
+         "plan": "fxpipe.api", "load_spec": "fxpipe.specs.loader"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'fxpipe' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
 

@@ -19,7 +19,7 @@ import networkx as nx
 import torch
 import torch.nn as nn
 
-from fxpipe.errors import PlanError
+from fxpipe.errors import PlanError, TraceError
 from fxpipe.partitioner.chain import CutProblem, PartitionResult, Value
 from fxpipe.partitioner.cost import NodeCost, price
 from fxpipe.partitioner.graph import PricedGraph, build_graph
@@ -235,23 +235,16 @@ def plan(model: nn.Module, spec: Any, example_inputs: tuple | None = None) -> Pl
     return plan_with_graph(model, spec, example_inputs)[0]
 
 
-def example_microbatch(spec: ParallelSpec, size: int | None = None) -> tuple:
-    """One micro-batch of real inputs from the spec's dataset (dim 0 = ``size``, default the
-    spec's micro-batch size when the parallel sizes are fixed, else 1).
+def _example_batch(spec: ParallelSpec) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """Batch 0 of the spec's dataset as ``(inputs, target)``, checked.
 
     Raises:
         SpecError: the dataset cannot be built (see :func:`fxpipe.data_loading.make_batches`),
-            or its ``get(0, "train")`` raises or does not return ``(inputs, target)``.
+            or its ``get(0, "train")`` raises or does not return ``(inputs, target)`` tensors.
     """
     from fxpipe.data_loading import as_tuple, make_batches
     from fxpipe.errors import SpecError
 
-    if size is None:
-        par = spec.parallel
-        if isinstance(par.data, int) and isinstance(par.microbatches, int):
-            size = spec.data.batch_size // (par.data * par.microbatches)
-        else:
-            size = 1
     batches = make_batches(spec)
     where = spec_location(spec, "data.dataset")
     head = f"{where}: data.dataset" if where else "data.dataset"
@@ -273,7 +266,32 @@ def example_microbatch(spec: ParallelSpec, size: int | None = None) -> tuple:
         raise SpecError(f"{head}: get(0, 'train') returned inputs that are not tensors "
                         f"({', '.join(type(t).__name__ for t in inputs) or 'none'}); return a "
                         "tensor or a tuple of tensors, each [batch_size, ...]")
+    if not isinstance(batch[1], torch.Tensor):
+        raise SpecError(f"{head}: get(0, 'train') returned a {type(batch[1]).__name__} target; "
+                        "return the target as a tensor [batch_size, ...]")
+    return inputs, batch[1]
+
+
+def example_microbatch(spec: ParallelSpec, size: int | None = None) -> tuple:
+    """One micro-batch of real inputs from the spec's dataset (dim 0 = ``size``, default the
+    spec's micro-batch size when the parallel sizes are fixed, else 1).
+
+    Raises:
+        SpecError: see :func:`_example_batch`.
+    """
+    if size is None:
+        par = spec.parallel
+        if isinstance(par.data, int) and isinstance(par.microbatches, int):
+            size = spec.data.batch_size // (par.data * par.microbatches)
+        else:
+            size = 1
+    inputs, _ = _example_batch(spec)
     return tuple(t[:size] for t in inputs)
+
+
+def example_target(spec: ParallelSpec, size: int) -> torch.Tensor:
+    """The targets of one micro-batch of ``size`` samples from the spec's dataset."""
+    return _example_batch(spec)[1][:size]
 
 
 def plan_from_spec(spec: Any) -> tuple[Plan, "nx.DiGraph"]:
@@ -284,7 +302,14 @@ def plan_from_spec(spec: Any) -> tuple[Plan, "nx.DiGraph"]:
     with torch.device("meta"):
         model = build_model(spec)
     inputs = tuple(t.to("meta") for t in example_microbatch(spec))
-    return plan_with_graph(model, spec, inputs)
+    try:
+        return plan_with_graph(model, spec, inputs)
+    except TraceError as e:
+        shapes = ", ".join(f"{str(t.dtype).replace('torch.', '')}{list(t.shape)}" for t in inputs)
+        raise TraceError(
+            f"{e}\n(the example inputs came from data.dataset {spec.data.dataset}: {shapes}; if "
+            "they do not fit the model, fix the dataset or data.seq_len rather than the tracer)"
+        ) from None
 
 
 def materialize_stages(plan: Plan, model: nn.Module, stage_ids: list[int],

@@ -95,6 +95,36 @@ def _check_launchable(spec, nnodes: int, endpoint: str | None) -> None:
             )
 
 
+def _check_loss_fits(spec, plan) -> None:
+    """Apply ``train.loss`` to meta tensors shaped like one micro-batch's model output and
+    target, so a loss that does not fit the model fails here, not on every worker.
+
+    Raises:
+        SpecError: the loss raises on those shapes.
+    """
+    import torch
+
+    from fxpipe.api import example_target
+    from fxpipe.errors import SpecError
+    from fxpipe.losses import resolve_loss
+    from fxpipe.specs.loader import spec_location
+
+    out = plan.values[plan.model_output]
+    output = torch.empty(out.shape, dtype=getattr(torch, out.dtype), device="meta")
+    target = example_target(spec, plan.microbatch_size).to("meta")
+    try:
+        resolve_loss(spec.train.loss)(output, target)
+    except Exception as e:  # noqa: BLE001 - the user's loss, any failure
+        where = spec_location(spec, "train.loss")
+        raise SpecError(
+            f"{where + ': ' if where else ''}train.loss {spec.train.loss!r} cannot take the "
+            f"model output {tuple(out.shape)} {out.dtype} and the target "
+            f"{tuple(target.shape)} {str(target.dtype).replace('torch.', '')}: "
+            f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}; pick a loss that "
+            "fits the model (built in: cross_entropy, mse) or fix the dataset's targets"
+        ) from None
+
+
 def run(args) -> int:
     """Plan the spec, dump the plan into the output folder and train with torchrun.
 
@@ -117,6 +147,7 @@ def run(args) -> int:
     check_output_dir(out, args.overwrite)
 
     plan, graph = plan_from_spec(spec)
+    _check_loss_fits(spec, plan)
     prepare_output_dir(out, args.overwrite)
     plan.dump(out, graph)
     print(plan.summary(), flush=True)
@@ -126,6 +157,7 @@ def run(args) -> int:
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -150,8 +182,13 @@ def run(args) -> int:
             f"training failed (first failure: rank {rank}, exit code {failure.exitcode}); the "
             f"ranks' messages are printed above. Outputs so far are kept in {out}"
         ) from None
-    except (RuntimeError, ValueError) as e:  # rendezvous failures (e.g. a peer never joins)
-        raise FxpipeError(f"could not start the workers: {e}") from None
+    except (RendezvousError, RuntimeError, ValueError) as e:  # e.g. a peer never joins
+        what = str(e) or type(e).__name__
+        raise FxpipeError(
+            f"could not start the workers: {what}. For multi-node runs, start `fxpipe run` on "
+            f"every node within train.timeout_s ({wait} s) with the same --rdzv-endpoint and "
+            "--rdzv-id"
+        ) from None
     if nnodes == 1:  # multi-node: checkpoint shards live on several machines
         from fxpipe.evaluate import evaluate_run
 

@@ -17,13 +17,15 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-
 from fxpipe.errors import FxpipeError
+
+# torch is imported inside the functions: a Ctrl-C while a worker is still starting then ends
+# in main()'s handler instead of a traceback from the middle of `import torch`.
 
 
 def _optimizer(spec, params):
+    import torch
+
     t = spec.train
     if t.optimizer == "sgd":
         return torch.optim.SGD(params, lr=t.lr, weight_decay=t.weight_decay)
@@ -45,6 +47,9 @@ def train(plan_path: Path, out: Path) -> None:
     Raises:
         FxpipeError: bad plan, a peer timed out, or shapes disagree with the plan.
     """
+    import torch
+    import torch.distributed as dist
+
     from fxpipe.api import materialize_stages
     from fxpipe.checkpoint import save_checkpoint
     from fxpipe.data_loading import as_tuple, make_batches
@@ -79,11 +84,8 @@ def train(plan_path: Path, out: Path) -> None:
     per_replica = spec.data.batch_size // plan.dp
     unit, items_per_step = _throughput_unit(plan, spec.data.batch_size)
     losses_path = out / "losses.csv"
-    writer = None
-    if rank == 0:
-        fh = open(losses_path, "w", newline="")
-        writer = csv.writer(fh)
-        writer.writerow(["step", "loss", "step_time_s", f"{unit}_per_s"])
+    fh = writer = None  # rank 0 creates losses.csv after the first step: a run that fails
+    # before any step leaves no loss file, so its folder does not count as an earlier run
     t_start = time.perf_counter()
     for step in range(spec.train.steps):
         inputs, target = batches.get(step, "train")
@@ -95,7 +97,11 @@ def train(plan_path: Path, out: Path) -> None:
         except FxpipeError as e:
             raise type(e)(f"step {step}: {e}") from None
         dt = time.perf_counter() - t0
-        if writer is not None:
+        if rank == 0:
+            if writer is None:
+                fh = open(losses_path, "w", newline="")
+                writer = csv.writer(fh)
+                writer.writerow(["step", "loss", "step_time_s", f"{unit}_per_s"])
             writer.writerow([step, f"{loss:.6f}", f"{dt:.4f}", f"{items_per_step / dt:.1f}"])
             if step % spec.train.log_every == 0 or step == spec.train.steps - 1:
                 fh.flush()
@@ -137,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         train(args.plan, args.out)
     except FxpipeError as e:
+        import torch.distributed as dist
+
         rank = dist.get_rank() if dist.is_initialized() else "?"
         print(f"fxpipe: error on rank {rank}: {e}", file=sys.stderr, flush=True)
         return 2
