@@ -218,6 +218,11 @@ class PipelineExecutor:
         # stages whose ALLREDUCE the schedule leaves out: launched after their last backward
         self._auto_reduce_after: dict[int, int] = {}
         self._labels = [action_label(a) for a in schedule.actions[mesh.pipe_rank]]  # for events
+        self._handlers = {Op.F: self._forward, Op.B: self._backward, Op.W: self._weight,
+                          Op.SEND_F: self._send_f, Op.RECV_F: self._recv_f,
+                          Op.SEND_B: self._send_b, Op.RECV_B: self._recv_b,
+                          Op.ALLREDUCE: self._allreduce,
+                          Op.STEP: lambda a, st: self._finish_step(st, a)}
         # list positions of this rank's cross-rank receives (pre-posted, see RECV_LOOKAHEAD)
         self._recv_positions = [
             k for k, a in enumerate(schedule.actions[mesh.pipe_rank])
@@ -475,27 +480,10 @@ class PipelineExecutor:
                 f"{self.mesh.dp_rank}) stage {a.stage} micro-batch {a.microbatch} action {a}")
 
     def _run(self, a: Action, st: _StepState) -> None:
-        op = a.op
-        if op is Op.F:
-            self._forward(a, st)
-        elif op is Op.B:
-            self._backward(a, st)
-        elif op is Op.W:
-            self._weight(a, st)
-        elif op is Op.SEND_F:
-            self._send_f(a, st)
-        elif op is Op.RECV_F:
-            self._recv_f(a, st)
-        elif op is Op.SEND_B:
-            self._send_b(a, st)
-        elif op is Op.RECV_B:
-            self._recv_b(a, st)
-        elif op is Op.ALLREDUCE:
-            self._stage_done(a.stage)
-        elif op is Op.STEP:
-            self._finish_step(st, a)
-        else:  # pragma: no cover - Op is closed
-            raise ScheduleError(f"unknown action {a}")
+        self._handlers[a.op](a, st)
+
+    def _allreduce(self, a: Action, st: _StepState) -> None:
+        self._stage_done(a.stage)
 
     # ------------------------------------------------------------------ compute
     def _forward(self, a: Action, st: _StepState) -> None:
