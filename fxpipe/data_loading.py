@@ -24,7 +24,9 @@ from fxpipe.examples.data import ByteBatches
 class Batches(Protocol):
     """Deterministic source of global batches: ``get(step, split) -> (inputs, target)``."""
 
-    def get(self, step: int, split: str = "train") -> tuple[Any, torch.Tensor]: ...
+    def get(self, step: int, split: str = "train") -> tuple[Any, torch.Tensor]:
+        """The global batch of ``step`` (``split``: ``"train"`` or ``"val"``) as ``(inputs, target)``."""
+        ...
 
 
 def _head(spec) -> str:

@@ -38,6 +38,7 @@ class Candidate:
         return self.pipeline * (2 if self.schedule == "zb-v" else self.virtual_stages)
 
     def label(self) -> str:
+        """Short text, e.g. ``pp=2 dp=2 m=4 1f1b``."""
         v = f" v={self.virtual_stages}" if self.schedule == "interleaved" else ""
         return f"pp={self.pipeline} dp={self.dp} m={self.microbatches} {self.schedule}{v}"
 

@@ -136,6 +136,7 @@ def train(plan_path: Path, out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Worker entry point; returns the exit code (2 on an fxpipe error, 130 on Ctrl-C)."""
     ap = argparse.ArgumentParser(prog="python -m fxpipe.train")
     ap.add_argument("--plan", required=True, type=Path)
     ap.add_argument("--out", required=True, type=Path)

@@ -73,6 +73,7 @@ class ByteBatches:
         self.batch_size, self.seq_len, self.seed = batch_size, seq_len, seed
 
     def get(self, step: int, split: str = "train") -> tuple[torch.Tensor, torch.Tensor]:
+        """Batch ``step`` of ``split`` (``"train"``/``"val"``): int64 ``x, y`` ``[batch, seq_len]``."""
         data = self.train if split == "train" else self.val
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + step + (0 if split == "train" else 7919))
         starts = torch.randint(0, len(data) - self.seq_len - 1, (self.batch_size,), generator=g)
@@ -97,6 +98,7 @@ class ImageBatches:
         self.batch_size, self.seed, self.noise = batch_size, seed, noise
 
     def get(self, step: int, split: str = "train") -> tuple[torch.Tensor, torch.Tensor]:
+        """Batch ``step`` of ``split``: float32 images ``[batch, 1, 8, 8]``, int64 labels ``[batch]``."""
         stream = 0 if split == "train" else 1  # even seeds: train, odd: validation
         g = torch.Generator().manual_seed(2 * (self.seed * 1_000_003 + step) + stream)
         y = torch.randint(0, self.templates.shape[0], (self.batch_size,), generator=g)

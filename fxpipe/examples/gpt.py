@@ -81,6 +81,7 @@ class CharGPT(nn.Module):
             nn.init.zeros_(m.bias)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """int64 ``[B, T]`` token ids (``T <= block_size``) -> float32 logits ``[B, T, vocab]``."""
         t = idx.shape[1]
         pos = torch.arange(t, device=idx.device)
         x = self.wte(idx) + self.wpe(pos)

@@ -88,6 +88,7 @@ class ClusterSpec(_Section):
 
     @property
     def world_size(self) -> int:
+        """Devices (= ranks): ``nodes * devices_per_node``."""
         return self.nodes * self.devices_per_node
 
 
