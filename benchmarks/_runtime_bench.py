@@ -22,6 +22,7 @@ Units: seconds, bytes. Plans are built by hand from :func:`fxpipe.partitioner.sp
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import statistics
@@ -92,6 +93,23 @@ class StackConfig:
     mbs: int = 32
     blocks_per_rank: int = 4
     seed: int = 0
+
+    @staticmethod
+    def arg_parser(doc: str, blocks_help: str) -> argparse.ArgumentParser:
+        """A benchmark's argument parser with the model-size options (``--width``, ``--mbs``,
+        ``--blocks``) and ``--no-write``; the benchmark adds its own options."""
+        d = StackConfig()
+        ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+        ap.add_argument("--width", type=int, default=d.width)
+        ap.add_argument("--mbs", type=int, default=d.mbs, help="samples per micro-batch")
+        ap.add_argument("--blocks", type=int, default=d.blocks_per_rank, help=blocks_help)
+        ap.add_argument("--no-write", action="store_true", help="do not touch BENCHMARKS.md")
+        return ap
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "StackConfig":
+        """The configuration parsed by :meth:`arg_parser`."""
+        return cls(args.width, args.mbs, args.blocks)
 
 
 @dataclass(frozen=True)

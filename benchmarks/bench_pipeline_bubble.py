@@ -19,7 +19,6 @@ Writes the ``pipeline-bubble`` section of BENCHMARKS.md.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -188,18 +187,13 @@ def report(rows: list[BubbleRow], cfg: StackConfig, steps: int, warmup: int, not
 def main(argv: list[str] | None = None, out: Path | None = BENCHMARKS_MD) -> list[BubbleRow]:
     """CLI entry: measure, print the table, write the ``pipeline-bubble`` section to ``out``
     (``None``: do not write). Returns the rows."""
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--width", type=int, default=DEFAULT.width)
-    ap.add_argument("--mbs", type=int, default=DEFAULT.mbs, help="samples per micro-batch")
-    ap.add_argument("--blocks", type=int, default=DEFAULT.blocks_per_rank,
-                    help="blocks per stage")
+    ap = StackConfig.arg_parser(__doc__, "blocks per stage")
     ap.add_argument("--ps", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--ms", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--no-write", action="store_true", help="do not touch BENCHMARKS.md")
     args = ap.parse_args(argv)
-    cfg = StackConfig(args.width, args.mbs, args.blocks)
+    cfg = StackConfig.from_args(args)
     t0 = time.perf_counter()
     load0 = load_average()
     rows = measure(cfg, tuple(args.ps), tuple(args.ms), warmup=args.warmup, steps=args.steps)

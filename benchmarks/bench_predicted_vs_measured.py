@@ -27,7 +27,6 @@ Run: ``python benchmarks/bench_predicted_vs_measured.py`` (one to two minutes). 
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -310,19 +309,15 @@ def report(rows: list[PredRow], cfg: StackConfig, steps: int, warmup: int, note:
 def main(argv: list[str] | None = None, out: Path | None = BENCHMARKS_MD) -> list[PredRow]:
     """CLI entry: measure, print the table, write the section to ``out`` (``None``: do not
     write) and the traces under ``benchmarks/out/predicted_vs_measured/``. Returns the rows."""
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--width", type=int, default=DEFAULT.width)
-    ap.add_argument("--mbs", type=int, default=DEFAULT.mbs, help="samples per micro-batch")
-    ap.add_argument("--blocks", type=int, default=DEFAULT.blocks_per_rank,
-                    help="blocks per pipeline rank (even: split over 2 stages for v=2)")
+    ap = StackConfig.arg_parser(
+        __doc__, "blocks per pipeline rank (even: split over 2 stages for v=2)")
     ap.add_argument("--p", type=int, default=2, help="pipeline ranks")
     ap.add_argument("--m", type=int, default=8, help="micro-batches per step")
     ap.add_argument("--schedules", nargs="+", default=list(SCHEDULES))
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--no-write", action="store_true", help="do not touch BENCHMARKS.md")
     args = ap.parse_args(argv)
-    cfg = StackConfig(args.width, args.mbs, args.blocks)
+    cfg = StackConfig.from_args(args)
     load0 = load_average()
     t0 = time.perf_counter()
     rows = measure(cfg, args.p, args.m, tuple(args.schedules), args.warmup, args.steps)

@@ -26,7 +26,6 @@ Run: ``python benchmarks/bench_vs_torch_pipelining.py`` (two to three minutes;
 
 from __future__ import annotations
 
-import argparse
 import copy
 import cProfile
 import io
@@ -320,11 +319,7 @@ def _noise_and_profile(rows: list[CompareRow]) -> str:
 def main(argv: list[str] | None = None, out: Path | None = BENCHMARKS_MD) -> list[CompareRow]:
     """CLI entry: measure, print the table (and profiles), write the section to ``out``
     (``None``: do not write). Returns the rows."""
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--width", type=int, default=DEFAULT.width)
-    ap.add_argument("--mbs", type=int, default=DEFAULT.mbs, help="samples per micro-batch")
-    ap.add_argument("--blocks", type=int, default=DEFAULT.blocks_per_rank,
-                    help="blocks per stage")
+    ap = StackConfig.arg_parser(__doc__, "blocks per stage")
     ap.add_argument("--ps", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--m", type=int, default=8, help="micro-batches per step")
     ap.add_argument("--rounds", type=int, default=6)
@@ -336,9 +331,8 @@ def main(argv: list[str] | None = None, out: Path | None = BENCHMARKS_MD) -> lis
                     help="print the cProfile hot spots of every rank")
     ap.add_argument("--findings", type=Path, default=None,
                     help="Markdown file appended to the section (profiling notes)")
-    ap.add_argument("--no-write", action="store_true", help="do not touch BENCHMARKS.md")
     args = ap.parse_args(argv)
-    cfg = StackConfig(args.width, args.mbs, args.blocks)
+    cfg = StackConfig.from_args(args)
     load0 = load_average()
     t0 = time.perf_counter()
     rows = measure(cfg, tuple(args.ps), m=args.m, rounds=args.rounds, k=args.k,

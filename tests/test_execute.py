@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from fxpipe.errors import RuntimeFailure
 from fxpipe.examples.cnn import SkipCNN
-from fxpipe.examples.gpt import CharGPT
+from fxpipe.losses import cross_entropy
 from fxpipe.partitioner.split import compute_nodes, split_graph
 from fxpipe.plan_data import Plan, StagePlan
 from fxpipe.runtime.actions import Action, Op, Schedule
@@ -34,35 +34,20 @@ try:
 except ImportError:  # tests/ collected as a package
     from tests.dist_utils import run_ranks
 
-TOL = 1e-5
-MBS = 2          # samples per micro-batch
-M = 4            # micro-batches per step per replica
-STEPS = 3
-VOCAB, SEQ = 64, 16
+try:
+    from shared_models import M, MBS, SEQ, STEPS, TOL, VOCAB, tiny_cnn, tiny_gpt
+except ImportError:  # tests/ collected as a package
+    from tests.shared_models import M, MBS, SEQ, STEPS, TOL, VOCAB, tiny_cnn, tiny_gpt
 
 
 # ----------------------------------------------------------------------------- models and plans
-def _gpt():
-    torch.manual_seed(0)
-    return CharGPT(vocab_size=VOCAB, block_size=SEQ, n_layer=4, n_head=2, n_embd=32)
-
-
-def _cnn():
-    torch.manual_seed(0)
-    return SkipCNN(in_channels=1, width=4, depth=4, num_classes=10, image_size=8, hidden=16)
-
-
-def _lm_loss(logits, y):
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
-
-
 MODELS = {
     # name: (factory, example-input maker, batch maker, loss, optimizer factory)
-    "gpt": (_gpt, lambda b: (torch.randint(0, VOCAB, (b, SEQ)),),
+    "gpt": (tiny_gpt, lambda b: (torch.randint(0, VOCAB, (b, SEQ)),),
             lambda g, b: (torch.randint(0, VOCAB, (b, SEQ), generator=g),
                           torch.randint(0, VOCAB, (b, SEQ), generator=g)),
-            _lm_loss, lambda ps: torch.optim.SGD(ps, lr=0.5, momentum=0.9)),
-    "cnn": (_cnn, lambda b: (torch.randn(b, 1, 8, 8),),
+            cross_entropy, lambda ps: torch.optim.SGD(ps, lr=0.5, momentum=0.9)),
+    "cnn": (tiny_cnn, lambda b: (torch.randn(b, 1, 8, 8),),
             lambda g, b: (torch.randn(b, 1, 8, 8, generator=g),
                           torch.randint(0, 10, (b,), generator=g)),
             F.cross_entropy, lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1)),

@@ -33,6 +33,7 @@ from fxpipe.api import materialize_stages, plan_with_graph
 from fxpipe.errors import RuntimeFailure
 from fxpipe.examples.cnn import SkipCNN
 from fxpipe.examples.gpt import CharGPT
+from fxpipe.losses import cross_entropy
 from fxpipe.plan_data import Plan
 from fxpipe.runtime.actions import Action, Op, Schedule
 from fxpipe.runtime.execute import PipelineExecutor, stage_edges
@@ -45,11 +46,10 @@ try:
 except ImportError:  # tests/ collected as a package
     from tests.dist_utils import run_ranks
 
-TOL = 1e-5
-MBS = 2          # samples per micro-batch
-M = 4            # micro-batches per step per replica
-STEPS = 3
-VOCAB, SEQ = 64, 16
+try:
+    from shared_models import M, MBS, SEQ, STEPS, TOL, VOCAB, tiny_cnn, tiny_gpt
+except ImportError:  # tests/ collected as a package
+    from tests.shared_models import M, MBS, SEQ, STEPS, TOL, VOCAB, tiny_cnn, tiny_gpt
 FP16_STEPS = 8
 FP16_INIT_SCALE = 2.0 ** 21  # overflows fp16 in the backward: the first step must skip
 
@@ -75,25 +75,11 @@ class LongSkip(nn.Module):
         return self.head(h)
 
 
-def _gpt():
-    torch.manual_seed(0)
-    return CharGPT(vocab_size=VOCAB, block_size=SEQ, n_layer=4, n_head=2, n_embd=32)
-
-
-def _cnn():
-    torch.manual_seed(0)
-    return SkipCNN(in_channels=1, width=4, depth=4, num_classes=10, image_size=8, hidden=16)
-
-
 def _skip(n):
     def make():
         torch.manual_seed(0)
         return LongSkip(n)
     return make
-
-
-def _lm_loss(logits, y):
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
 def _tokens(g, b):
@@ -107,8 +93,8 @@ def _vectors(g, b):
 
 MODELS = {
     # name: (factory, batch maker (generator, batch) -> (x, y), loss, SGD learning rate)
-    "gpt": (_gpt, _tokens, _lm_loss, 0.5),
-    "cnn": (_cnn, lambda g, b: (torch.randn(b, 1, 8, 8, generator=g),
+    "gpt": (tiny_gpt, _tokens, cross_entropy, 0.5),
+    "cnn": (tiny_cnn, lambda g, b: (torch.randn(b, 1, 8, 8, generator=g),
                                 torch.randint(0, 10, (b,), generator=g)), F.cross_entropy, 0.05),
     "skip4": (_skip(4), _vectors, F.cross_entropy, 0.2),
     "skip8": (_skip(8), _vectors, F.cross_entropy, 0.2),
