@@ -4,15 +4,15 @@
   ``[B, width] -> [B, width]``; cut into stages of exactly ``blocks_per_stage`` blocks each
   (:func:`equal_split`), so every pipeline stage costs the same.
 * :func:`executor_worker` - runs on every rank of a spawned gloo group
-  (``tests/dist_utils.run_ranks``): builds the plan and schedule for each :class:`RunSpec`,
-  trains ``warmup`` steps with :class:`~fxpipe.runtime.execute.PipelineExecutor`, clears its
+  (:func:`fxpipe.runtime.local_ranks.run_ranks`): builds the plan and schedule for each :class:`RunSpec`,
+  trains ``warmup`` steps with :class:`~fxpipe.runtime.executor.PipelineExecutor`, clears its
   statistics, trains ``steps`` more and returns the executor's events, step windows and peak
   in-flight counts (:class:`RankRun`).
 * :func:`analyze` - turns the ranks' :class:`RankRun` of one run into measured figures
   (:class:`Measured`): the idle (bubble) fraction per rank with the simulator's definition
   (``1 - F/B/W busy seconds / step seconds``), mean per-action seconds per stage, peak in-flight
   micro-batches per stage.
-* :func:`calibrated_simulation` - the simulator (:func:`fxpipe.runtime.simulate.simulate`) on the
+* :func:`calibrated_simulation` - the simulator (:func:`fxpipe.schedule.simulate.simulate`) on the
   same action lists with per-stage F/B/W seconds and sender-side SEND seconds taken from the
   measured means.
 
@@ -41,11 +41,12 @@ REPO_OUT = ROOT / "benchmarks" / "out"
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from fxpipe.partitioner.split import compute_nodes, split_graph  # noqa: E402
-from fxpipe.plan_data import Plan, StagePlan  # noqa: E402
-from fxpipe.runtime.actions import Schedule  # noqa: E402
-from fxpipe.runtime.schedules import plan_edges, schedule_for_plan  # noqa: E402
-from fxpipe.runtime.simulate import Links, SimResult, StageCosts, simulate  # noqa: E402
+from fxpipe.partitioner.boundaries import compute_nodes
+from fxpipe.partitioner.split import split_graph  # noqa: E402
+from fxpipe.plans.plan import Plan, StagePlan  # noqa: E402
+from fxpipe.schedule.actions import Schedule  # noqa: E402
+from fxpipe.schedule.lowering import schedule_for_plan  # noqa: E402
+from fxpipe.schedule.simulate import Links, SimResult, StageCosts, simulate  # noqa: E402
 
 __all__ = ["MLPStack", "StackConfig", "RunSpec", "RankRun", "Measured", "equal_split",
            "make_plan", "batch", "executor_worker", "analyze", "calibrated_simulation",
@@ -258,7 +259,7 @@ def build_executor(cfg: StackConfig, spec: RunSpec, mesh, split_cache: dict, lr:
     ``split_cache`` keeps one split per stage count; ``modules`` (stage -> module) replaces the
     cached stage modules (e.g. fresh copies). Every rank must call this in the same order (the
     executor's constructor creates process groups when parameters are shared)."""
-    from fxpipe.runtime.execute import PipelineExecutor
+    from fxpipe.runtime.executor import PipelineExecutor
 
     b, mods, _ = cached_split(cfg, spec, split_cache)
     mods = modules if modules is not None else mods
@@ -326,9 +327,9 @@ def executor_worker(rank: int, cfg: StackConfig, specs: list[RunSpec], warmup: i
 
 
 def run_group(worker, world: int, *args, timeout_s: float = 240.0):
-    """``tests/dist_utils.run_ranks(worker, world, *args)``: spawn ``world`` gloo ranks with a
-    hard deadline; returns the results by rank."""
-    from tests.dist_utils import run_ranks
+    """:func:`fxpipe.runtime.local_ranks.run_ranks`: spawn ``world`` gloo ranks with a hard
+    deadline; returns the results by rank."""
+    from fxpipe.runtime.local_ranks import run_ranks
 
     return run_ranks(worker, world, *args, timeout_s=timeout_s, dist_timeout_s=60.0)
 
@@ -468,7 +469,7 @@ def plan_links(plan: Plan, meas: Measured, latency_s: float | None = None):
     infinite-bandwidth link of latency ``latency_s`` (default :attr:`Measured.latency_s`, the
     ping-pong of one activation, so it already includes the bytes; 0 when absent)."""
     lat = latency_s if latency_s is not None else (meas.latency_s or 0.0)
-    fwd, grad = plan_edges(plan)
+    fwd, grad = plan.edge_bytes()
     return fwd, grad, Links(p2p_GBps=1e9, latency_s=lat)
 
 

@@ -2,20 +2,20 @@
 
 For each model of :mod:`benchmarks.models` (a head-heavy language model, a VGG-like CNN, a
 U-Net) and 2, 4 and 8 pipeline stages, the model is traced, priced and turned into the planner's
-:class:`~fxpipe.partitioner.chain.CutProblem` (one unit per FX node), and four cut sets are priced
-by the SAME cost function, :func:`fxpipe.partitioner.chain.evaluate` (seconds per micro-batch,
+:class:`~fxpipe.partitioner.problem.CutProblem` (one unit per FX node), and four cut sets are priced
+by the SAME cost function, :func:`fxpipe.partitioner.problem.evaluate` (seconds per micro-batch,
 forward + backward compute plus sending/receiving every distinct value that crosses the stage's
 boundaries, skip connections included):
 
-* **ours**: :func:`fxpipe.partitioner.planner.optimal_partition` (exact min-bottleneck over every
+* **ours**: :func:`fxpipe.partitioner.solvers.optimal_partition` (exact min-bottleneck over every
   node boundary);
 * **ours@layers**: the same exact planner restricted to layer boundaries (shows how much of the
   gain is cost-awareness rather than finer cut points);
 * **param-balanced**: DeepSpeed ``PipelineModule(partition_method='parameters')`` style - the
   contiguous split of the layers that minimises the largest per-stage parameter count
-  (:func:`~fxpipe.partitioner.planner.param_balanced_partition`);
+  (:func:`~fxpipe.partitioner.baselines.param_balanced_partition`);
 * **equal-layers**: DeepSpeed ``partition_method='uniform'`` style - the same number of layers per
-  stage (:func:`~fxpipe.partitioner.planner.equal_layers_partition`).
+  stage (:func:`~fxpipe.partitioner.baselines.equal_layers_partition`).
 
 A "layer" is what a user would list in DeepSpeed's ``PipelineModule``: a top-level child module,
 with ``ModuleList``/``Sequential`` children expanded into their items
@@ -23,7 +23,7 @@ with ``ModuleList``/``Sequential`` children expanded into their items
 FX node belongs to the layer whose path prefixes its module path; nodes of the root module (the
 position ``arange``, a ``flatten``) join the layer before them.
 
-Cost model (the same formulas as ``fxpipe.api._cut_problem`` for a 1F1B pipeline on one node):
+Cost model (the same formulas as ``fxpipe.partitioner.driver._cut_problem`` for a 1F1B pipeline on one node):
 compute seconds = (forward + backward FLOPs) / device FLOP/s; one bandwidth for every stage
 boundary; 4 bytes of state per parameter byte (AdamW); 1F1B in-flight micro-batches for memory.
 
@@ -48,14 +48,11 @@ import torch
 from benchmarks._report import BENCHMARKS_MD, markdown_table, write_section
 from benchmarks.models import MODELS, TINY, BenchModel, build, layer_paths
 from fxpipe.errors import PlanError
-from fxpipe.partitioner.chain import CutProblem, PartitionResult, Value, evaluate, inflight_1f1b
+from fxpipe.partitioner.baselines import equal_layers_partition, param_balanced_partition
 from fxpipe.partitioner.cost import price
 from fxpipe.partitioner.graph import PricedGraph, build_graph
-from fxpipe.partitioner.planner import (
-    equal_layers_partition,
-    optimal_partition,
-    param_balanced_partition,
-)
+from fxpipe.partitioner.problem import CutProblem, PartitionResult, Value, evaluate, inflight_1f1b
+from fxpipe.partitioner.solvers import optimal_partition
 from fxpipe.partitioner.trace import trace
 
 __all__ = ["Cluster", "BalanceRow", "cut_problem", "layer_starts", "compare", "main"]
@@ -91,7 +88,7 @@ class Cluster:
 def cut_problem(pg: PricedGraph, num_stages: int, cluster: Cluster) -> CutProblem:
     """The planner's cut problem for ``pg`` on ``cluster``: one unit per priced-graph unit.
 
-    Mirrors ``fxpipe.api._cut_problem`` for a 1F1B pipeline of ``num_stages`` devices on one node
+    Mirrors ``fxpipe.partitioner.driver._cut_problem`` for a 1F1B pipeline of ``num_stages`` devices on one node
     (``microbatches = 2 * num_stages``). A value read by the model output (user position
     ``len(pg.order)``) is read by the last unit, which is always on the last stage. A value's
     gradient travels back (``grad=True``) when its dtype is floating point.
@@ -102,7 +99,7 @@ def cut_problem(pg: PricedGraph, num_stages: int, cluster: Cluster) -> CutProble
         cluster: device speed, link bandwidth, memory.
 
     Returns:
-        A :class:`~fxpipe.partitioner.chain.CutProblem`; compute in seconds per micro-batch.
+        A :class:`~fxpipe.partitioner.problem.CutProblem`; compute in seconds per micro-batch.
 
     Raises:
         PlanError: from ``CutProblem`` validation (e.g. more stages than units).
@@ -346,7 +343,7 @@ def report(rows: list[BalanceRow], facts: dict, clusters: list[Cluster], elapsed
         "",
         "Written by `python benchmarks/bench_balance.py`. Each model is traced on the meta device "
         "and priced per FX node; every method's cuts are then priced by the same cost function "
-        "(`fxpipe.partitioner.chain.evaluate`). The bottleneck is the slowest stage's forward + "
+        "(`fxpipe.partitioner.problem.evaluate`). The bottleneck is the slowest stage's forward + "
         "backward compute plus the time to send and receive every distinct value crossing its "
         "boundaries (skip connections included, gradients travel back), in milliseconds per "
         f"micro-batch. Devices: {base.describe()}.",

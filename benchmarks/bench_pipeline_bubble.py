@@ -1,12 +1,12 @@
 """Measured pipeline bubble and activation memory of the executor (issue 3, item 8).
 
 A stack of identical Linear+GELU blocks (``benchmarks/_runtime_bench.MLPStack``) is cut into
-``p`` stages of equally many blocks and trained by :class:`fxpipe.runtime.execute.PipelineExecutor`
+``p`` stages of equally many blocks and trained by :class:`fxpipe.runtime.executor.PipelineExecutor`
 on ``p`` gloo ranks (CPU, one thread per rank) with GPipe and 1F1B, ``p`` in {2, 4} and ``m``
 (micro-batches) in {4, 8}. After warm-up steps, from the executor's per-action wall times:
 
 * measured idle (bubble) fraction per stage = ``1 - (F + B seconds of the stage) / step
-  seconds``, the simulator's definition (``fxpipe.runtime.simulate``), against the closed form
+  seconds``, the simulator's definition (``fxpipe.schedule.simulate``), against the closed form
   ``(p-1)/(m+p-1)`` (GPipe, Huang et al. 2019; 1F1B, Narayanan et al. 2021);
 * ideal step = ``(m+p-1) x (F + B)`` from the measured mean action times (what the closed form
   predicts for this model on this machine) against the measured step;
@@ -30,8 +30,17 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` and `fxpipe`
 
 from benchmarks._report import BENCHMARKS_MD, markdown_table, write_section  # noqa: E402
 from benchmarks._runtime_bench import (  # noqa: E402
-    Measured, RunSpec, StackConfig, analyze, executor_worker, expected_peak, load_average,
-    machine_note, run_group, theory_bubble)
+    Measured,
+    RunSpec,
+    StackConfig,
+    analyze,
+    executor_worker,
+    expected_peak,
+    load_average,
+    machine_note,
+    run_group,
+    theory_bubble,
+)
 
 SECTION = "pipeline-bubble"
 DEFAULT = StackConfig()  # width 1024, micro-batch 32, 4 blocks per stage

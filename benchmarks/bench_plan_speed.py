@@ -3,10 +3,10 @@
 The model is ``fxpipe.examples.gpt.CharGPT(vocab_size=50257, block_size=1024, n_layer=12,
 n_head=12, n_embd=768)`` (GPT-2 small's shape, 124 M parameters) built under
 ``torch.device("meta")`` (no weight memory), with an int64 ``[1, 1024]`` meta input, planned by the
-real API, :func:`fxpipe.api.plan_with_graph`, for a spec with pipeline 4, data 1, 4 micro-batches,
+real API, :func:`fxpipe.partitioner.driver.plan_with_graph`, for a spec with pipeline 4, data 1, 4 micro-batches,
 1F1B, one node of 4 devices.
 
-Phases are timed inside that one call by wrapping the functions ``fxpipe.api`` calls (restored
+Phases are timed inside that one call by wrapping the functions ``fxpipe.partitioner.driver`` calls (restored
 afterwards): **trace** (``torch.export``), **cost** (fake-tensor FLOPs/bytes), **graph** (networkx
 priced graph), **plan** (cut problem + exact partition), **assemble** (stage boundaries, Plan,
 simulated prediction); **other** is the rest of the call (spec handling, candidate set).
@@ -38,7 +38,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` and `fxpipe`
 _T_START = time.perf_counter()
 import torch  # noqa: E402
 
-import fxpipe.api as api  # noqa: E402
+import fxpipe.partitioner.driver as api  # noqa: E402
 from benchmarks._report import BENCHMARKS_MD, markdown_table, write_section  # noqa: E402
 from fxpipe.examples.gpt import CharGPT  # noqa: E402
 from fxpipe.specs.loader import load_spec  # noqa: E402
@@ -57,7 +57,7 @@ TINY = dict(vocab_size=1000, block_size=64, n_layer=2, n_head=2, n_embd=64)
 #: reference model for the machine-independent ratio: CharGPT's defaults, batch 8 x 128, eager
 REFERENCE = dict(vocab_size=256, block_size=128, n_layer=4, n_head=4, n_embd=128)
 
-#: phase -> names in fxpipe.api whose time counts toward it
+#: phase -> names in fxpipe.partitioner.driver whose time counts toward it
 PHASES: dict[str, tuple[str, ...]] = {
     "trace": ("trace",),
     "cost": ("price",),
@@ -97,7 +97,7 @@ class SpeedResult:
 
 @contextlib.contextmanager
 def _phase_timers():
-    """Wrap the fxpipe.api functions of :data:`PHASES` with wall-clock timers; yields the
+    """Wrap the fxpipe.partitioner.driver functions of :data:`PHASES` with wall-clock timers; yields the
     ``(seconds, calls)`` dicts and restores the originals on exit."""
     secs: dict[str, float] = defaultdict(float)
     calls: dict[str, int] = defaultdict(int)
@@ -127,7 +127,7 @@ def _phase_timers():
 
 
 def timed_plan(model: torch.nn.Module, spec, example_inputs: tuple) -> SpeedResult:
-    """Run :func:`fxpipe.api.plan_with_graph` once with per-phase timers.
+    """Run :func:`fxpipe.partitioner.driver.plan_with_graph` once with per-phase timers.
 
     Returns:
         A :class:`SpeedResult` (seconds). Raises whatever the API raises (SpecError,
@@ -215,7 +215,7 @@ def report(res: dict, phase_table: str, target_table: str) -> str:
         f"{a['vocab_size']}, block_size={a['block_size']}, n_layer={a['n_layer']}, "
         f"n_head={a['n_head']}, n_embd={a['n_embd']})` ({res['params'] / 1e6:.0f} M parameters) "
         "built under `torch.device(\"meta\")`, example input int64 `[1, "
-        f"{a['block_size']}]` on meta, planned by `fxpipe.api.plan_with_graph` for pipeline 4, "
+        f"{a['block_size']}]` on meta, planned by `fxpipe.partitioner.driver.plan_with_graph` for pipeline 4, "
         "data 1, 4 micro-batches, 1F1B, one node of 4 devices. Phases are timed inside the same "
         "call. The first call includes torch.export's one-time warm-up (module imports, "
         f"{res['import_s']:.2f} s, are excluded); warm calls repeat the plan in the same process.",

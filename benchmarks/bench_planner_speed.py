@@ -34,15 +34,9 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` and `fxpipe`
 import numpy as np
 
 from benchmarks._report import BENCHMARKS_MD, markdown_table, write_section
-from fxpipe.partitioner.planner import (
-    CutProblem,
-    Value,
-    equal_layers_partition,
-    inflight_1f1b,
-    node_boundary_bandwidths,
-    optimal_partition,
-    param_balanced_partition,
-)
+from fxpipe.partitioner.baselines import equal_layers_partition, param_balanced_partition
+from fxpipe.partitioner.problem import CutProblem, Value, inflight_1f1b, node_boundary_bandwidths
+from fxpipe.partitioner.solvers import optimal_partition
 
 SECTION = "planner-speed"
 LINK_BPS = 50e9  # InfiniBand NDR, per direction

@@ -1,13 +1,13 @@
 """Predicted against measured bubble for every schedule (issue 4, item 5).
 
 A stack of identical Linear+GELU blocks (``benchmarks/_runtime_bench.MLPStack``, the same number
-of blocks on every pipeline rank) is trained by :class:`fxpipe.runtime.execute.PipelineExecutor`
+of blocks on every pipeline rank) is trained by :class:`fxpipe.runtime.executor.PipelineExecutor`
 on ``p`` gloo ranks with GPipe, 1F1B, interleaved 1F1B (v = 2), ZB-H1 and ZB-V. For every
 measured step:
 
 * **measured** bubble: ``1 - (F/B/W seconds of the rank) / step seconds``, averaged over the
   ranks, from the executor's per-action wall times (the simulator's definition);
-* **predicted** bubble: :func:`fxpipe.runtime.simulate.simulate` on the *same* action lists,
+* **predicted** bubble: :func:`fxpipe.schedule.simulate.simulate` on the *same* action lists,
   calibrated from that step: per-stage F, B and W seconds = the step's measured means, the
   optimizer step and the work outside the action list (batch split, loss all-reduce) as
   measured, each stage's sender-side seconds per ``SEND_F`` / ``SEND_B`` as measured
@@ -39,12 +39,25 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` and `fxpipe`
 
 from benchmarks._report import BENCHMARKS_MD, markdown_table, write_section  # noqa: E402
 from benchmarks._runtime_bench import (  # noqa: E402
-    REPO_OUT, Measured, RankRun, RunSpec, StackConfig, analyze, calibrated_simulation,
-    cached_split, executor_worker, load_average, machine_note, make_plan, run_group,
-    stages_per_rank, step_events)
-from fxpipe.runtime.schedules import schedule_for_plan  # noqa: E402
-from fxpipe.runtime.simulate import SimResult  # noqa: E402
-from fxpipe.runtime.timeline import chrome_trace  # noqa: E402
+    REPO_OUT,
+    Measured,
+    RankRun,
+    RunSpec,
+    StackConfig,
+    analyze,
+    cached_split,
+    calibrated_simulation,
+    executor_worker,
+    load_average,
+    machine_note,
+    make_plan,
+    run_group,
+    stages_per_rank,
+    step_events,
+)
+from fxpipe.schedule.lowering import schedule_for_plan  # noqa: E402
+from fxpipe.schedule.simulate import SimResult  # noqa: E402
+from fxpipe.schedule.timeline import chrome_trace  # noqa: E402
 
 SECTION = "predicted-vs-measured"
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
@@ -266,7 +279,7 @@ def report(rows: list[PredRow], cfg: StackConfig, steps: int, warmup: int, note:
         "",
         "- **measured**: `1 - (F/B/W seconds of the rank) / step seconds`, mean over ranks, from "
         "the executor's per-action wall times.",
-        "- **predicted**: the simulator (`fxpipe.runtime.simulate.simulate`) on the executor's "
+        "- **predicted**: the simulator (`fxpipe.schedule.simulate.simulate`) on the executor's "
         "own action lists, calibrated per step: each stage's F, B and W seconds are the "
         "step's measured means, the optimizer step and the work outside the action list "
         "(batch split, loss all-reduce) as measured, and the point-to-point latency from a "

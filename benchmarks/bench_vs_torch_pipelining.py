@@ -4,7 +4,7 @@ Same stages, same schedule, same data: a stack of identical Linear+GELU blocks
 (``benchmarks/_runtime_bench.MLPStack``) cut into ``p`` equal stages by fxpipe's splitter; every
 rank holds its stage twice, as two independent copies of the same initial parameters:
 
-* fxpipe: :class:`fxpipe.runtime.execute.PipelineExecutor` with the schedule's action list;
+* fxpipe: :class:`fxpipe.runtime.executor.PipelineExecutor` with the schedule's action list;
 * torch: ``torch.distributed.pipelining.PipelineStage`` over the *same* stage module (a copy,
   unwrapped to return one tensor) with ``ScheduleGPipe`` / ``Schedule1F1B``, on its own gloo
   process group.
@@ -47,8 +47,15 @@ import torch.nn.functional as F  # noqa: E402
 
 from benchmarks._report import BENCHMARKS_MD, markdown_table, write_section  # noqa: E402
 from benchmarks._runtime_bench import (  # noqa: E402
-    RunSpec, StackConfig, batch, build_executor, cached_split, load_average, machine_note,
-    run_group)
+    RunSpec,
+    StackConfig,
+    batch,
+    build_executor,
+    cached_split,
+    load_average,
+    machine_note,
+    run_group,
+)
 
 SECTION = "vs-torch-pipelining"
 DEFAULT = StackConfig()  # width 1024, micro-batch 32, 4 blocks per stage

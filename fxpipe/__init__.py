@@ -8,15 +8,16 @@
 See README.md for the CLI (``fxpipe plan|run|simulate|show``).
 """
 
-from fxpipe.plan_data import Plan
+from fxpipe.plans.plan import Plan
 
 __all__ = ["Plan", "annotate", "load_spec", "pipe_split", "plan"]
 __version__ = "0.1.0"
 
-# The rest loads torch: imported on first use, so `python -m fxpipe.train` (a worker) and the CLI
-# start without it and a Ctrl-C during start-up lands in code that handles it.
-_LAZY = {"annotate": "fxpipe.annotations", "pipe_split": "fxpipe.annotations",
-         "plan": "fxpipe.api", "load_spec": "fxpipe.specs.loader"}
+# The rest loads torch: imported on first use, so `python -m fxpipe.training.worker` (a worker)
+# and the CLI start without it and a Ctrl-C during start-up lands in code that handles it.
+_LAZY = {"annotate": "fxpipe.partitioner.annotations",
+         "pipe_split": "fxpipe.partitioner.annotations",
+         "plan": "fxpipe.partitioner.driver", "load_spec": "fxpipe.specs.loader"}
 
 
 def __getattr__(name: str):

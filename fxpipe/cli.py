@@ -59,9 +59,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _cmd_plan(args) -> int:
-    from fxpipe.api import plan_from_spec
-
-    from fxpipe.launch import holds_run
+    from fxpipe.partitioner.driver import plan_from_spec
+    from fxpipe.training.launch import holds_run
 
     if args.out and holds_run(Path(args.out)):
         raise FxpipeError(
@@ -77,7 +76,7 @@ def _cmd_plan(args) -> int:
 
 
 def _cmd_simulate(args) -> int:
-    from fxpipe.api import simulate_spec
+    from fxpipe.partitioner.compare import simulate_spec
 
     print(simulate_spec(args.spec, out_dir=args.out))
     if args.out:
@@ -86,7 +85,7 @@ def _cmd_simulate(args) -> int:
 
 
 def _cmd_show(args) -> int:
-    from fxpipe.plan_data import Plan
+    from fxpipe.plans.plan import Plan
 
     path = Path(args.plan_json)
     if path.is_dir():
@@ -102,7 +101,7 @@ def _cmd_show(args) -> int:
 
 
 def _cmd_run(args) -> int:
-    from fxpipe.launch import run
+    from fxpipe.training.launch import run
 
     return run(args)
 

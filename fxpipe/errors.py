@@ -27,3 +27,10 @@ class RuntimeFailure(FxpipeError):
 class SplitError(PlanError, ValueError):
     """A stage assignment cannot be split into stage modules (a tuple or non-tensor value crosses a
     boundary, stages do not follow data dependencies, shape metadata is missing)."""
+
+
+class ScheduleError(PlanError):
+    """A pipeline schedule is invalid or cannot be built for the given parameters.
+
+    The message names the violated rule, the ranks/actions involved and the fix.
+    """

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from fxpipe.annotations import pipe_split
 from fxpipe.examples.cnn import SkipCNN
 from fxpipe.examples.gpt import CharGPT
+from fxpipe.partitioner.annotations import pipe_split
 
 # Sizes shared by the multi-process equivalence tests (tests/test_execute.py,
 # tests/test_schedules_execute.py).

@@ -138,7 +138,7 @@ def test_gpt2_small_on_meta_plans_without_weight_memory():
 def test_more_stages_than_units_fails_fast(pipeline):
     import time
 
-    from fxpipe.search import candidates
+    from fxpipe.partitioner.search import candidates
     from fxpipe.specs import load_spec
 
     spec = load_spec(gpt_spec(pipeline=pipeline))
@@ -155,7 +155,7 @@ def test_more_stages_than_units_fails_fast(pipeline):
 
 
 def test_auto_pipeline_skips_depths_deeper_than_the_model():
-    from fxpipe.search import candidates
+    from fxpipe.partitioner.search import candidates
     from fxpipe.specs import load_spec
 
     spec = gpt_spec(pipeline="auto", data="auto", microbatches=1, schedule="auto")

@@ -17,7 +17,6 @@ from benchmarks import _report  # noqa: E402
 from benchmarks import bench_balance as bb  # noqa: E402
 from benchmarks.models import TINY, build, layer_paths  # noqa: E402
 
-
 # --------------------------------------------------------------------------------------------
 # _report
 
@@ -145,8 +144,8 @@ def test_bench_balance_catches_a_planner_worse_than_a_baseline(monkeypatch):
 
 
 def test_bench_plan_speed_tiny(tmp_path):
+    import fxpipe.partitioner.driver as api
     from benchmarks import bench_plan_speed as ps
-    import fxpipe.api as api
 
     originals = {n: getattr(api, n) for names in ps.PHASES.values() for n in names
                  if hasattr(api, n)}

@@ -1,4 +1,4 @@
-"""fxpipe.checkpoint: DCP checkpoints of stage modules load into the plain model (one process)."""
+"""fxpipe.training.checkpoint: DCP checkpoints of stage modules load into the plain model (one process)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 
 import fxpipe
-from fxpipe.api import materialize_stages
-from fxpipe.checkpoint import load_into_model, save_checkpoint
 from fxpipe.errors import FxpipeError
+from fxpipe.partitioner.split import materialize_stages
+from fxpipe.training.checkpoint import load_into_model, save_checkpoint
 
 
 class BNNet(nn.Module):
@@ -92,7 +92,7 @@ def test_existing_checkpoint_is_never_overwritten(tmp_path):
 
 
 def test_stage_state_shares_storage_and_skips_constants():
-    from fxpipe.checkpoint import stage_state
+    from fxpipe.training.checkpoint import stage_state
 
     model, stages = _trained_stages()
     state = stage_state(stages)

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from fxpipe.checkpoint import load_into_model
 from fxpipe.examples.gpt import CharGPT
+from fxpipe.training.checkpoint import load_into_model
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -12,8 +12,14 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from fxpipe.examples.cnn import SkipCNN
 from fxpipe.examples.gpt import CharGPT
-from fxpipe.partitioner.cost import (EXTRA_FORMULAS, NodeCost, price, seconds,
-                                     transfer_seconds, value_bytes)
+from fxpipe.partitioner.cost import (
+    EXTRA_FORMULAS,
+    NodeCost,
+    price,
+    seconds,
+    transfer_seconds,
+    value_bytes,
+)
 from fxpipe.partitioner.trace import trace
 
 torch.set_num_threads(1)

@@ -1,6 +1,6 @@
 """Pipeline executor: exact equivalence with single-process training, timeouts, accounting.
 
-Multi-process tests spawn gloo process groups (tests/dist_utils.py) with a hard deadline. One
+Multi-process tests spawn gloo process groups (fxpipe/runtime/local_ranks.py) with a hard deadline. One
 process group per world size runs several (mesh, model, schedule) cases in a row to keep the file
 fast on two shared cores. In-process tests use a one-rank mesh (several stages on one rank).
 """
@@ -16,28 +16,25 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fxpipe.errors import RuntimeFailure
+from fxpipe.errors import RuntimeFailure, ScheduleError
 from fxpipe.examples.cnn import SkipCNN
-from fxpipe.losses import cross_entropy
-from fxpipe.partitioner.split import compute_nodes, split_graph
-from fxpipe.plan_data import Plan, StagePlan
-from fxpipe.runtime.actions import Action, Op, Schedule
+from fxpipe.partitioner.boundaries import compute_nodes
+from fxpipe.partitioner.split import split_graph
+from fxpipe.plans.placement import rank_coords
+from fxpipe.plans.plan import Plan, StagePlan
 from fxpipe.runtime.data_parallel import GradBucket
-from fxpipe.runtime.execute import PipelineExecutor, stage_edges
-from fxpipe.runtime.mesh import Mesh, rank_coords
-from fxpipe.runtime.schedules import (add_communication, compute_schedule, plan_edges,
-                                      schedule_for_plan)
-from fxpipe.runtime.validate import ScheduleError
+from fxpipe.runtime.executor import PipelineExecutor
+from fxpipe.runtime.local_ranks import run_ranks
+from fxpipe.runtime.mesh import Mesh
+from fxpipe.schedule.actions import Action, Op, Schedule
+from fxpipe.schedule.generators import compute_schedule
+from fxpipe.schedule.lowering import add_communication, schedule_for_plan
+from fxpipe.training.losses import cross_entropy
 
 try:
-    from dist_utils import run_ranks
+    from shared_models import MBS, SEQ, STEPS, TOL, VOCAB, M, tiny_cnn, tiny_gpt
 except ImportError:  # tests/ collected as a package
-    from tests.dist_utils import run_ranks
-
-try:
-    from shared_models import M, MBS, SEQ, STEPS, TOL, VOCAB, tiny_cnn, tiny_gpt
-except ImportError:  # tests/ collected as a package
-    from tests.shared_models import M, MBS, SEQ, STEPS, TOL, VOCAB, tiny_cnn, tiny_gpt
+    from tests.shared_models import MBS, SEQ, STEPS, TOL, VOCAB, M, tiny_cnn, tiny_gpt
 
 
 # ----------------------------------------------------------------------------- models and plans
@@ -172,7 +169,7 @@ def _deferred_w(plan: Plan) -> Schedule:
             for lst in base.actions]
     split = Schedule("1f1b-w", base.num_ranks, base.num_stages, base.microbatches,
                      base.stage_to_rank, acts, split_backward=True)
-    fwd, grad = plan_edges(plan)
+    fwd, grad = plan.edge_bytes()
     return add_communication(split, set(fwd), set(grad))
 
 
@@ -196,7 +193,7 @@ def _equivalence_worker(rank: int, meshes, models, schedules):
                                 n_events=len(ex.events),
                                 n_actions=len(schedule.actions[mesh.pipe_rank]),
                                 shared=sorted(plan.shared_params),
-                                skip=[e for e in stage_edges(plan) if e[1] - e[0] > 1]))
+                                skip=[e for e in plan.stage_edges() if e[1] - e[0] > 1]))
     return out
 
 
@@ -317,7 +314,7 @@ def test_schedule_without_communication_is_rejected():
     compute_only = compute_schedule("1f1b", 2, M)
     with pytest.raises(ScheduleError, match="missing 0SEND_F0@1"):
         PipelineExecutor(plan, compute_only, {0: modules[0]}, _stub_mesh(2), case.loss_fn, None)
-    full = add_communication(compute_only, stage_edges(plan))
+    full = add_communication(compute_only, plan.stage_edges())
     with pytest.raises(RuntimeFailure, match="stages \\[0\\]"):
         PipelineExecutor(plan, full, {1: modules[1]}, _stub_mesh(2), case.loss_fn, None)
     # an all-reduce before the stage's last backward would reduce partial gradients

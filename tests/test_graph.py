@@ -8,9 +8,9 @@ import networkx as nx
 import pytest
 import torch
 
-from fxpipe.annotations import annotate
 from fxpipe.errors import PlanError
 from fxpipe.examples.cnn import SkipCNN
+from fxpipe.partitioner.annotations import annotate
 from fxpipe.partitioner.cost import price
 from fxpipe.partitioner.graph import PricedGraph, build_graph, values_table
 from fxpipe.partitioner.trace import COMPUTE_OPS, module_path_of, trace

@@ -16,19 +16,17 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fxpipe.errors import PlanError
-from fxpipe.partitioner.planner import (
+from fxpipe.partitioner.baselines import equal_layers_partition, param_balanced_partition
+from fxpipe.partitioner.problem import (
     CutProblem,
     Value,
     ValueTable,
-    brute_force_partition,
-    equal_layers_partition,
     evaluate,
     inflight_1f1b,
     inflight_gpipe,
     node_boundary_bandwidths,
-    optimal_partition,
-    param_balanced_partition,
 )
+from fxpipe.partitioner.solvers import brute_force_partition, optimal_partition
 
 REL = 1e-9
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

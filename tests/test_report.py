@@ -1,4 +1,4 @@
-"""Tests for fxpipe.report: summary table, DOT text, dumps (plan.json, summary.txt, partition.*)."""
+"""Tests for fxpipe.plans views: summary table, DOT text, dumps (plan.json, summary.txt, partition.*)."""
 
 from __future__ import annotations
 
@@ -13,14 +13,12 @@ import networkx as nx
 import pytest
 
 from fxpipe.errors import PlanError
-from fxpipe.plan_data import MODEL_INPUT, Plan, Predicted, StagePlan, ValueInfo
-from fxpipe.report import (
-    dump_plan,
-    human_bytes,
-    partition_dot,
-    stage_ranks,
-    summary_table,
-)
+from fxpipe.plans.dot import partition_dot
+from fxpipe.plans.dump import dump_plan
+from fxpipe.plans.plan import Plan, Predicted, StagePlan
+from fxpipe.plans.summary import summary_table
+from fxpipe.plans.values import MODEL_INPUT, ValueInfo
+from fxpipe.units import human_bytes
 
 # --------------------------------------------------------------------------- fixtures
 
@@ -153,7 +151,7 @@ def test_human_bytes_units():
 
 def test_stage_ranks_placements():
     plan = make_plan()
-    assert stage_ranks(plan) == [0, 1, 2]
+    assert plan.stage_ranks() == [0, 1, 2]
     p = 2
     plan.pipeline, plan.virtual_stages = p, 2
     plan.stages = [plan.stages[0]] + [
@@ -161,9 +159,9 @@ def test_stage_ranks_placements():
     ]
     plan.num_stages = 2 * p
     plan.schedule = "interleaved"
-    assert stage_ranks(plan) == [s % p for s in range(2 * p)]
+    assert plan.stage_ranks() == [s % p for s in range(2 * p)]
     plan.schedule = "zb-v"
-    ranks = stage_ranks(plan)
+    ranks = plan.stage_ranks()
     for r in range(p):  # rank r holds r and 2p-1-r
         assert [s for s, rr in enumerate(ranks) if rr == r] == [r, 2 * p - 1 - r]
 

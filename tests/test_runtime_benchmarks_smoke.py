@@ -23,7 +23,7 @@ if str(ROOT) not in sys.path:
 
 from benchmarks import _report  # noqa: E402
 from benchmarks import _runtime_bench as rb  # noqa: E402
-from fxpipe.runtime.schedules import schedule_for_plan  # noqa: E402
+from fxpipe.schedule.lowering import schedule_for_plan  # noqa: E402
 
 TINY = ["--width", "32", "--mbs", "4", "--blocks", "2", "--warmup", "1"]
 TINY_CFG = rb.StackConfig(width=32, mbs=4, blocks_per_rank=2)

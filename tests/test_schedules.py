@@ -6,17 +6,17 @@ import copy
 
 import pytest
 
-from fxpipe.errors import PlanError
-from fxpipe.runtime.actions import COMM_OPS, Action, Op, Schedule
-from fxpipe.runtime.schedules import (
-    SCHEDULE_NAMES,
-    add_communication,
-    build_schedule,
-    compute_schedule,
-    linear_edges,
-    v_placement,
-)
-from fxpipe.runtime.validate import ScheduleError, validate
+from fxpipe.errors import PlanError, ScheduleError
+from fxpipe.plans.placement import stage_to_rank
+from fxpipe.schedule.actions import COMM_OPS, Action, Op, Schedule
+from fxpipe.schedule.generators import compute_schedule
+from fxpipe.schedule.lowering import add_communication, build_schedule, linear_edges
+from fxpipe.schedule.validate import validate
+from fxpipe.specs.schema import SCHEDULES as SCHEDULE_NAMES
+
+
+def v_placement(p: int) -> list[int]:
+    return stage_to_rank("zb-v", p, 2 * p)
 
 
 def _v(name: str) -> list[int]:

@@ -10,8 +10,8 @@ mixed precision.
 * Mixed precision: bf16 trains with finite losses close to fp32, every value sent between ranks
   keeps its plan dtype; fp16 with dynamic loss scaling skips overflowing steps on all ranks alike.
 
-Plans come from ``fxpipe.api.plan_with_graph`` (in the test process, once per configuration);
-each rank rebuilds its stage modules with ``fxpipe.api.materialize_stages``. One process group per
+Plans come from ``fxpipe.partitioner.driver.plan_with_graph`` (in the test process, once per configuration);
+each rank rebuilds its stage modules with ``fxpipe.partitioner.split.materialize_stages``. One process group per
 world size (2 and 4) runs every case of that size (a module-scoped fixture), to keep the file fast
 on two shared cores.
 """
@@ -29,27 +29,24 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fxpipe
-from fxpipe.api import materialize_stages, plan_with_graph
 from fxpipe.errors import RuntimeFailure
 from fxpipe.examples.cnn import SkipCNN
 from fxpipe.examples.gpt import CharGPT
-from fxpipe.losses import cross_entropy
-from fxpipe.plan_data import Plan
-from fxpipe.runtime.actions import Action, Op, Schedule
-from fxpipe.runtime.execute import PipelineExecutor, stage_edges
+from fxpipe.partitioner.driver import plan_with_graph
+from fxpipe.partitioner.split import materialize_stages
+from fxpipe.plans.plan import Plan
+from fxpipe.runtime.executor import PipelineExecutor
+from fxpipe.runtime.local_ranks import run_ranks
 from fxpipe.runtime.mesh import Mesh
 from fxpipe.runtime.precision import LossScaler, autocast_dtype
-from fxpipe.runtime.schedules import schedule_for_plan
+from fxpipe.schedule.actions import Action, Op, Schedule
+from fxpipe.schedule.lowering import schedule_for_plan
+from fxpipe.training.losses import cross_entropy
 
 try:
-    from dist_utils import run_ranks
+    from shared_models import MBS, SEQ, STEPS, TOL, VOCAB, M, tiny_cnn, tiny_gpt
 except ImportError:  # tests/ collected as a package
-    from tests.dist_utils import run_ranks
-
-try:
-    from shared_models import M, MBS, SEQ, STEPS, TOL, VOCAB, tiny_cnn, tiny_gpt
-except ImportError:  # tests/ collected as a package
-    from tests.shared_models import M, MBS, SEQ, STEPS, TOL, VOCAB, tiny_cnn, tiny_gpt
+    from tests.shared_models import MBS, SEQ, STEPS, TOL, VOCAB, M, tiny_cnn, tiny_gpt
 FP16_STEPS = 8
 FP16_INIT_SCALE = 2.0 ** 21  # overflows fp16 in the backward: the first step must skip
 
@@ -323,7 +320,7 @@ def test_equivalence_with_data_parallel(world4, model, schedule):
     assert len(rows) == 4
     _assert_exact(rows)
     if model == "cnn" and schedule != "zb-h1":  # 4 stages: the stem output skips to stage 3
-        assert (0, 3) in stage_edges(make_plan(model, 2, 2, schedule))
+        assert (0, 3) in make_plan(model, 2, 2, schedule).stage_edges()
 
 
 # ----------------------------------------------------------------------------- long skips
@@ -338,7 +335,7 @@ def test_skip_across_non_adjacent_stages(request, schedule, p, name):
     plan = make_plan(name, p, 1, schedule)
     stem = plan.stages[0].outputs[0]
     assert plan.values[stem].consumers == list(range(1, plan.num_stages))
-    assert (0, 2) in stage_edges(plan)
+    assert (0, 2) in plan.stage_edges()
     sched = schedule_for_plan(plan)
     s2r = sched.stage_to_rank
     # the 0 -> 2 value crosses ranks (except interleaved p=2, where it is handed over in memory

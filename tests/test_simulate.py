@@ -6,12 +6,13 @@ import json
 
 import pytest
 
-from fxpipe.plan_data import Plan, Predicted, StagePlan, ValueInfo
-from fxpipe.runtime.actions import Op
-from fxpipe.runtime.schedules import build_schedule
-from fxpipe.runtime.simulate import Links, StageCosts, predict, simulate, simulate_plan
-from fxpipe.runtime.timeline import action_label, chrome_trace, write_chrome_trace
-from fxpipe.runtime.validate import ScheduleError
+from fxpipe.errors import ScheduleError
+from fxpipe.plans.plan import Plan, Predicted, StagePlan
+from fxpipe.plans.values import ValueInfo
+from fxpipe.schedule.actions import Op
+from fxpipe.schedule.lowering import build_schedule
+from fxpipe.schedule.simulate import Links, StageCosts, predict, simulate, simulate_plan
+from fxpipe.schedule.timeline import action_label, chrome_trace, write_chrome_trace
 
 PM = [(p, m) for p in (1, 2, 3, 4) for m in (1, 2, 3, 4, 8)]
 

@@ -10,8 +10,14 @@ import pytest
 import torch
 
 from fxpipe.errors import FxpipeError, SpecError
-from fxpipe.specs import (ParallelSpec, build_model, list_bundled_specs, load_spec,
-                          resolve_callable, spec_location)
+from fxpipe.specs import (
+    ParallelSpec,
+    build_model,
+    list_bundled_specs,
+    load_spec,
+    resolve_callable,
+    spec_location,
+)
 from fxpipe.specs.messages import describe
 from fxpipe.specs.schema import SCHEDULES, ParallelSpec_
 
@@ -479,7 +485,7 @@ def test_build_model_factory_raising_is_a_spec_error(tmp_path, hooks):
     ("get_not_callable", ["'get' is an int, not a method", "get(step, split)"]),
 ])
 def test_dataset_problems_are_spec_errors(tmp_path, hooks, func, needles):
-    from fxpipe.data_loading import make_batches
+    from fxpipe.data.batches import make_batches
 
     path, line = with_dataset(tmp_path, f"{hooks}:{func}")
     msg = str(pytest.raises(SpecError, make_batches, load_spec(path)).value)
@@ -489,8 +495,7 @@ def test_dataset_problems_are_spec_errors(tmp_path, hooks, func, needles):
 
 
 def test_dataset_just_long_enough_and_get_raising(tmp_path, hooks):
-    from fxpipe.api import example_microbatch
-    from fxpipe.data_loading import make_batches
+    from fxpipe.data.batches import example_microbatch, make_batches
 
     path, _ = with_dataset(tmp_path, f"{hooks}:just_enough")
     x, y = make_batches(load_spec(path)).get(0)
@@ -502,7 +507,7 @@ def test_dataset_just_long_enough_and_get_raising(tmp_path, hooks):
 
 def test_bundled_corpus_missing_is_a_spec_error(tmp_path, monkeypatch):
     import fxpipe.examples.data as data
-    from fxpipe.data_loading import make_batches
+    from fxpipe.data.batches import make_batches
 
     monkeypatch.setattr(data.sysconfig, "get_paths", lambda: {"stdlib": str(tmp_path)})
     path = write(tmp_path, BASE)
@@ -540,8 +545,8 @@ def test_multi_stage_per_rank_schedules_need_two_ranks(tmp_path, schedule):
 def test_spec_schedule_rules_agree_with_the_generators():
     """Every concrete (schedule, pipeline, microbatches) the spec accepts builds a schedule, and
     every one it rejects is rejected by the generators (or by the planner for pipeline 1)."""
-    from fxpipe.runtime.schedules import compute_schedule
-    from fxpipe.runtime.validate import ScheduleError
+    from fxpipe.errors import ScheduleError
+    from fxpipe.schedule.generators import compute_schedule
     from fxpipe.specs.schema import _schedule_problems
 
     for s in SCHEDULES:

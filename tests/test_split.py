@@ -15,13 +15,9 @@ from torch.fx.passes.shape_prop import ShapeProp
 from fxpipe.errors import PlanError, SplitError
 from fxpipe.examples.cnn import SkipCNN
 from fxpipe.examples.gpt import CharGPT
-from fxpipe.partitioner.split import (
-    build_stage_module,
-    compute_nodes,
-    split_graph,
-    stage_boundaries,
-)
-from fxpipe.plan_data import MODEL_INPUT
+from fxpipe.partitioner.boundaries import compute_nodes, stage_boundaries
+from fxpipe.partitioner.split import build_stage_module, split_graph
+from fxpipe.plans.values import MODEL_INPUT
 
 torch.set_num_threads(1)
 

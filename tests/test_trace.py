@@ -6,10 +6,10 @@ import pytest
 import torch
 import torch.nn as nn
 
-from fxpipe.annotations import annotate, is_pipe_split, pipe_split
 from fxpipe.errors import TraceError
 from fxpipe.examples.cnn import SkipCNN
 from fxpipe.examples.gpt import CharGPT
+from fxpipe.partitioner.annotations import annotate, is_pipe_split, pipe_split
 from fxpipe.partitioner.trace import TracedModel, module_path_of, trace
 
 try:

@@ -22,10 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import io
-import linecache
 import logging
-import os
-import traceback
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Sequence
@@ -36,8 +33,9 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 
-from fxpipe import annotations as ann
 from fxpipe.errors import TraceError
+from fxpipe.partitioner import annotations as ann
+from fxpipe.partitioner.trace_errors import trace_error
 
 __all__ = ["TracedModel", "trace", "FakeInterpreter", "COMPUTE_OPS", "module_path_of"]
 
@@ -231,47 +229,6 @@ class FakeInterpreter(torch.fx.Interpreter):
 # error explanation
 
 
-def _first_lines(text: str, limit: int = 600) -> str:
-    text = " ".join(line.strip() for line in str(text).strip().splitlines()[:6] if line.strip())
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-
-
-def _user_location(exc: BaseException, model: nn.Module) -> tuple[str, str]:
-    """Where tracing failed: the innermost ``forward`` of a submodule of ``model`` on the stack
-    (its path and class) and the innermost source line outside torch itself.
-
-    Returns:
-        (readable location or "", module path or "").
-    """
-    paths = {id(m): name for name, m in model.named_modules(remove_duplicate=False)}
-    module = line = None
-    seen: set[int] = set()
-    e: BaseException | None = exc
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        for frame, lineno in traceback.walk_tb(e.__traceback__):
-            code = frame.f_code
-            obj = frame.f_locals.get(code.co_varnames[0]) if code.co_argcount else None
-            if obj is not None and id(obj) in paths and code.co_name == "forward":
-                module = (paths[id(obj)], type(obj).__name__)
-            fn = frame.f_code.co_filename
-            if not fn.startswith(_TORCH_DIR) and not fn.startswith(os.path.dirname(__file__)):
-                line = (fn, lineno)
-        if module:
-            break
-        e = e.__cause__ or e.__context__
-    parts = []
-    if module:
-        parts.append(f"module {module[0] or '<root>'!r} ({module[1]})")
-    if line:
-        src = linecache.getline(line[0], line[1]).strip()
-        parts.append(f"{line[0]}:{line[1]}" + (f": `{src}`" if src else ""))
-    return ", ".join(parts), (module[0] if module else "")
-
-
 @contextlib.contextmanager
 def _quiet_torch_logs() -> Iterator[None]:
     """Silence torch's own loggers and stderr prints while tracing: export logs failed meta
@@ -289,76 +246,6 @@ def _quiet_torch_logs() -> Iterator[None]:
     finally:
         for lg, level in old:
             lg.setLevel(level)
-
-
-def _chain_text(exc: BaseException) -> str:
-    parts, seen = [], set()
-    e: BaseException | None = exc
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        parts.append(f"{type(e).__name__}: {e}")
-        e = e.__cause__ or e.__context__
-    return "\n".join(parts)
-
-
-def _classify(exc: BaseException, tracer: str, path: str = "") -> tuple[str, str]:
-    """(construct, what to do) for a tracing failure inside module ``path`` (if known)."""
-    leaf = f"leaf_modules=[{path!r}]" if path else "leaf_modules=['<module path>']"
-    text = _chain_text(exc)
-    low = text.lower()
-    other = "export" if tracer == "fx" else "fx"
-    if ("cannot be used as inputs to control flow" in low or "data-dependent" in low
-            or "data dependent" in low or "guardondatadependent" in low
-            or "could not guard on" in low or "unbacked" in low or "datadependent" in low):
-        if tracer == "fx":
-            return ("data-dependent control flow (a Python `if`/`while` on a traced value)",
-                    "use tracer='export' (the default), which specialises shape-dependent "
-                    "branches on the example inputs; if the branch depends on tensor VALUES, "
-                    "rewrite it with torch.where or torch.cond")
-        return ("data-dependent control flow (a Python branch on a tensor's values)",
-                "rewrite the branch with torch.where or torch.cond (both branches traced), or "
-                "move the value-dependent decision out of forward(); branches on shapes are "
-                "fine. Passing example inputs of the real shapes also avoids shape guards.")
-    if "co_varnames" in low or "**kwargs" in low or "var_keyword" in low or "varkw" in low:
-        return ("a forward() with *args/**kwargs",
-                "use tracer='export' (the default), which handles **kwargs forwards, or wrap the "
-                "model in a module whose forward() takes explicit arguments")
-    if "proxy object cannot be iterated" in low or "cannot be iterated" in low:
-        return ("iteration over / unpacking of a traced value",
-                "use tracer='export' (the default), or keep that submodule whole as one node "
-                f"with trace(..., tracer='fx', {leaf})")
-    if any(s in low for s in ("cannot be multiplied", "reduction dim", "size of tensor",
-                              "shapes", "expected size", "size mismatch", "shape mismatch",
-                              "must match the size", "expected input", "invalid for input of size",
-                              "dimension out of range", "expected scalar type",
-                              "expected all tensors to be on the same device",
-                              "is not broadcastable", "positional argument", "takes ",
-                              "missing", "unexpected keyword")):
-        return ("the example inputs do not fit forward()",
-                "pass example_inputs as a tuple of tensors with the shapes, dtypes and device "
-                "forward() expects for ONE micro-batch, e.g. (torch.zeros(4, 128, dtype=torch."
-                "long),)")
-    if (isinstance(exc, NotImplementedError) or "could not run" in low or "no fake" in low
-            or "meta tensor" in low or "unsupported" in low or "not supported" in low
-            or "not implemented" in low):
-        return ("an unsupported operator or Python construct",
-                f"try tracer='{other}'; if an operator lacks a meta/fake kernel, register one with "
-                "torch.library.register_fake, or build the model on CPU instead of the meta "
-                "device")
-    return ("an untraceable construct",
-            f"try tracer='{other}', check example_inputs (a tuple with the shapes forward() "
-            "expects for one micro-batch), or keep the failing submodule whole as one node with "
-            f"trace(..., tracer='fx', {leaf})")
-
-
-def _trace_error(exc: BaseException, model: nn.Module, tracer: str, phase: str) -> TraceError:
-    where, path = _user_location(exc, model)
-    construct, fix = _classify(exc, tracer, path)
-    msg = (f"could not trace {type(model).__name__} with tracer='{tracer}' ({phase}): {construct}"
-           + (f"\n  where: {where}" if where else "")
-           + f"\n  error: {type(exc).__name__}: {_first_lines(str(exc))}"
-           + f"\n  what to do: {fix}")
-    return TraceError(msg)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -392,13 +279,11 @@ def _trace_fx(model: nn.Module, example_inputs: tuple, example_kwargs: dict,
             f"leaf_modules names {bad} that are not submodules of {type(model).__name__}; "
             f"use paths from model.named_modules(), e.g. {sorted(known - {''})[:3]}")
     tracer = _FxTracer(leaf_paths, leaf_types)
-    ann._ACTIVE_FX_TRACER = tracer
     try:
-        graph = tracer.trace(model)
+        with ann.fx_tracer_active(tracer):
+            graph = tracer.trace(model)
     except Exception as e:
-        raise _trace_error(e, model, "fx", "symbolic tracing") from e
-    finally:
-        ann._ACTIVE_FX_TRACER = None
+        raise trace_error(e, model, "fx", "symbolic tracing") from e
     name = type(model).__name__
     gm = torch.fx.GraphModule(tracer.root, graph, name)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -433,7 +318,7 @@ def _trace_fx(model: nn.Module, example_inputs: tuple, example_kwargs: dict,
             with torch.enable_grad():
                 _record_vals(interp, fake_in)
         except Exception as e:
-            raise _trace_error(e, model, "fx", "shape propagation on fake tensors") from e
+            raise trace_error(e, model, "fx", "shape propagation on fake tensors") from e
     return gm
 
 
@@ -459,7 +344,7 @@ def _trace_export(model: nn.Module, example_inputs: tuple,
             warnings.simplefilter("ignore")
             ep = torch.export.export(model, example_inputs, example_kwargs or None, strict=False)
     except Exception as e:
-        raise _trace_error(e, model, "export", "torch.export.export(strict=False)") from e
+        raise trace_error(e, model, "export", "torch.export.export(strict=False)") from e
     gm = ep.module()
     for n in list(gm.graph.nodes):
         if n.op == "call_module" and str(n.target).startswith("_guards_fn"):

@@ -1,5 +1,9 @@
-"""The runtime: mesh -> schedules (action lists, :mod:`~fxpipe.runtime.actions`) -> validate /
-simulate / execute, with data-parallel all-reduce and Chrome-trace timelines.
+"""The runtime: one rank's share of a Plan, executed over torch.distributed.
 
-It reads a :class:`fxpipe.plan_data.Plan` and stage modules; it never imports the partitioner.
+Takes a Plan, its schedule (:mod:`fxpipe.schedule`) and this rank's stage modules; gives training
+steps (loss, gradients, optimizer step) equal to single-process training. ``mesh`` (ranks ->
+stage, replica; process groups), ``p2p`` (bounded sends and receives), ``precision`` (autocast,
+loss scaling), ``data_parallel`` (per-stage all-reduce, tied parameters), ``backward_split``
+(B and W without redoing work), ``stage`` (one stage's F / B / W state), ``checks`` (the
+schedule fits the plan) and ``executor`` (the action loop). It never imports the partitioner.
 """

@@ -1,6 +1,7 @@
-"""Placement of ranks on a pipeline x data-parallel grid, and the process groups it needs.
+"""The mesh: this rank's place on the pipeline x data-parallel grid, and the process groups.
 
-Layout (Megatron-LM / torchtitan convention, pipeline innermost)::
+Layout (Megatron-LM / torchtitan convention, pipeline innermost; the rule lives in
+:mod:`fxpipe.plans.placement`)::
 
     rank = dp_rank * pipeline + pipe_rank
 
@@ -30,18 +31,9 @@ import torch
 import torch.distributed as dist
 
 from fxpipe.errors import RuntimeFailure
+from fxpipe.plans.placement import global_rank, rank_coords
 
 _ENV_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
-def rank_coords(rank: int, pipeline: int) -> tuple[int, int]:
-    """Global ``rank`` -> ``(pipe_rank, dp_rank)`` for ``pipeline`` ranks per pipeline group."""
-    return rank % pipeline, rank // pipeline
-
-
-def global_rank(pipe_rank: int, dp_rank: int, pipeline: int) -> int:
-    """``(pipe_rank, dp_rank)`` -> global rank ``dp_rank * pipeline + pipe_rank``."""
-    return dp_rank * pipeline + pipe_rank
 
 
 def init_distributed(device: str = "cpu", timeout_s: float = 300.0) -> torch.device:

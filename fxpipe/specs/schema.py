@@ -11,11 +11,39 @@ from __future__ import annotations
 
 from typing import Any, Literal, Union
 
-from pydantic import (BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, ValidationInfo,
-                      field_validator, model_validator)
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PositiveFloat,
+    PositiveInt,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 Auto = Literal["auto"]
+
+#: The pipeline schedules, spelled as in ``parallel.schedule`` (the one list every module uses).
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
+
+#: Bytes of training state per parameter byte for each ``train.optimizer``: weights and
+#: gradients, plus AdamW's two moments (SGD here has no momentum buffer).
+OPTIMIZER_STATE_FACTOR = {"sgd": 2.0, "adamw": 4.0}
+
+#: Link defaults of ``cluster.links``: NVLink 4 about 450 GB/s each way inside a node, NDR
+#: InfiniBand about 50 GB/s between nodes, 5 us per message.
+DEFAULT_INTRA_NODE_GBPS = 450.0
+DEFAULT_INTER_NODE_GBPS = 50.0
+DEFAULT_LATENCY_S = 5e-6
+
+
+def stages_per_rank(schedule: str, virtual_stages: int = 1) -> int:
+    """(Virtual) stages each pipeline rank holds under ``schedule``: ``zb-v`` always 2 (its V
+    shape), ``interleaved`` ``virtual_stages``, every other schedule 1."""
+    if schedule == "zb-v":
+        return 2
+    return virtual_stages if schedule == "interleaved" else 1
 
 
 class _Section(BaseModel):
@@ -69,9 +97,9 @@ class LinksSpec(_Section):
     ``intra_node_GBps``: e.g. NVLink 4 about 450 each way; ``inter_node_GBps``: e.g. NDR
     InfiniBand about 50."""
 
-    intra_node_GBps: PositiveFloat = 450.0
-    inter_node_GBps: PositiveFloat = 50.0
-    latency_s: float = Field(default=5e-6, ge=0)
+    intra_node_GBps: PositiveFloat = DEFAULT_INTRA_NODE_GBPS
+    inter_node_GBps: PositiveFloat = DEFAULT_INTER_NODE_GBPS
+    latency_s: float = Field(default=DEFAULT_LATENCY_S, ge=0)
 
 
 class ClusterSpec(_Section):
@@ -208,7 +236,7 @@ def cross_section_problems(spec: ParallelSpec) -> list[tuple[tuple[str, ...], st
 
 
 def _schedule_problems(par: ParallelSpec_) -> list[tuple[tuple[str, ...], str]]:
-    """The constraints the schedule generators (``fxpipe.runtime.schedules.compute_schedule``)
+    """The constraints the schedule generators (``fxpipe.schedule.generators.compute_schedule``)
     enforce, checked here with plain arithmetic (no schedule is built) when the values involved
     are concrete (not ``auto``), so the user gets them with ``FILE:LINE`` at load time:
     ``interleaved`` and ``zb-v`` place several stages per rank and need ``pipeline >= 2``;
@@ -216,7 +244,7 @@ def _schedule_problems(par: ParallelSpec_) -> list[tuple[tuple[str, ...], str]]:
     ``microbatches % pipeline == 0``. (``virtual_stages`` vs schedule is checked above.)"""
     out: list[tuple[tuple[str, ...], str]] = []
     s, p, m = par.schedule, par.pipeline, par.microbatches
-    if s in ("interleaved", "zb-v") and p == 1:
+    if stages_per_rank(s, 2) > 1 and p == 1:
         out.append((("parallel", "pipeline"),
                     f"schedule {s!r} spreads several stages over the ranks of a pipeline, but "
                     "pipeline=1; use pipeline >= 2 (or 'auto'), or schedule '1f1b' for a single "

@@ -1,15 +1,20 @@
-"""The schedule IR: per-rank lists of actions.
+"""The schedule IR: per-rank lists of actions, with a text form and its parser.
 
-One representation serves three consumers: the simulator (``simulate.py``) prices it, the
-executor (``execute.py``) runs it over torch.distributed, and the timeline writer dumps both as
-Chrome trace JSON. Modelled on torch.distributed.pipelining's ``_Action`` lists
-(``0F3`` = stage 0, forward, micro-batch 3).
+One representation serves three consumers: the simulator (:mod:`fxpipe.schedule.simulate`)
+prices it, the executor (:mod:`fxpipe.runtime.executor`) runs it over torch.distributed, and the
+timeline writer dumps both as Chrome trace JSON. Modelled on torch.distributed.pipelining's
+``_Action`` lists. Text form (:meth:`Action.__str__`, read back by :func:`parse_action`):
+``0F3`` = stage 0, forward, micro-batch 3; ``1SEND_F3@2`` = stage 1 sends micro-batch 3's values
+to stage 2; ``0ALLREDUCE`` / ``0STEP`` for the per-step actions.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from enum import Enum
+
+from fxpipe.errors import ScheduleError
 
 
 class Op(str, Enum):
@@ -63,6 +68,39 @@ class Action:
         if self.op in COMM_OPS:
             return f"{self.stage}{self.op.value}{self.microbatch}@{self.peer}"
         return f"{self.stage}{self.op.value}"
+
+
+_ACTION_TEXT = re.compile(r"^(-?\d+)(SEND_F|RECV_F|SEND_B|RECV_B|ALLREDUCE|STEP|F|B|W)(\d+)?(?:@(\d+))?$")
+
+
+def parse_action(text: str) -> Action:
+    """Read one action from its text form (the inverse of ``str(action)``): ``"0F3"``,
+    ``"1RECV_B2@2"``, ``"0ALLREDUCE"``.
+
+    Raises:
+        ScheduleError: the text is not an action (the message shows the accepted forms).
+    """
+    mo = _ACTION_TEXT.match(text.strip())
+    forms = "e.g. '0F3', '1B0', '2W1', '0SEND_F3@1', '1RECV_B0@2', '0ALLREDUCE', '0STEP'"
+    if mo is None:
+        raise ScheduleError(f"{text!r} is not an action; write STAGE OP [MICROBATCH] [@PEER], "
+                            f"{forms}")
+    stage, op, mb, peer = int(mo[1]), Op(mo[2]), mo[3], mo[4]
+    needs_mb, needs_peer = op in COMPUTE_OPS or op in COMM_OPS, op in COMM_OPS
+    if needs_mb != (mb is not None) or needs_peer != (peer is not None):
+        raise ScheduleError(f"{text!r}: {op.value} takes "
+                            + ("a micro-batch and @peer" if needs_peer else
+                               "a micro-batch" if needs_mb else "neither micro-batch nor peer")
+                            + f"; {forms}")
+    return Action(op, stage, int(mb) if mb is not None else -1, int(peer) if peer is not None else -1)
+
+
+def parse_actions(text: str) -> list[Action]:
+    """Read a whitespace-separated action list, e.g. ``"0F0 0F1 0B0 0B1"`` (a ``rank r:``
+    prefix, as :meth:`Schedule.format` writes it, is allowed)."""
+    if ":" in text:
+        text = text.split(":", 1)[1]
+    return [parse_action(tok) for tok in text.split()]
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Discrete-event simulator: prices a schedule's per-rank action lists with a cost model.
 
-It walks the very lists the executor runs (:mod:`fxpipe.runtime.actions`), so the predicted
+It walks the very lists the executor runs (:mod:`fxpipe.schedule.actions`), so the predicted
 timeline and the measured one have the same actions. Semantics:
 
 * each rank runs its list in order; F/B/W take the stage's forward / input-gradient /
@@ -30,11 +30,21 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Callable
 
-from fxpipe.plan_data import Plan, Predicted
-from fxpipe.runtime.actions import Action, Op, Schedule
-from fxpipe.runtime.schedules import linear_edges, plan_edges, schedule_for_plan
-from fxpipe.runtime.timeline import TimelineEvent, action_label
-from fxpipe.runtime.validate import ScheduleError, validate
+from fxpipe.errors import ScheduleError
+from fxpipe.plans.placement import global_rank as layout_rank
+from fxpipe.plans.placement import node_of
+from fxpipe.plans.plan import Plan, Predicted
+from fxpipe.schedule.actions import Action, Op, Schedule
+from fxpipe.schedule.lowering import linear_edges, schedule_for_plan
+from fxpipe.schedule.timeline import TimelineEvent, action_label
+from fxpipe.schedule.validate import validate
+from fxpipe.specs.schema import (
+    DEFAULT_INTER_NODE_GBPS,
+    DEFAULT_INTRA_NODE_GBPS,
+    DEFAULT_LATENCY_S,
+    OPTIMIZER_STATE_FACTOR,
+    LinksSpec,
+)
 
 Edge = tuple[int, int]
 
@@ -108,7 +118,7 @@ class Links:
         dp_rank_GBps: overrides of the ring bandwidth per pipeline rank (its stages' groups).
     """
 
-    p2p_GBps: float = 450.0
+    p2p_GBps: float = DEFAULT_INTRA_NODE_GBPS
     latency_s: float = 0.0
     dp_GBps: float | None = None
     pair_GBps: dict[tuple[int, int], float] = field(default_factory=dict)
@@ -134,9 +144,9 @@ class Links:
         dp: int,
         nodes: int = 1,
         devices_per_node: int | None = None,
-        intra_node_GBps: float = 450.0,
-        inter_node_GBps: float = 50.0,
-        latency_s: float = 5e-6,
+        intra_node_GBps: float = DEFAULT_INTRA_NODE_GBPS,
+        inter_node_GBps: float = DEFAULT_INTER_NODE_GBPS,
+        latency_s: float = DEFAULT_LATENCY_S,
         global_rank: Callable[[int, int], int] | None = None,
     ) -> "Links":
         """Links for ``pipeline x dp`` ranks on ``nodes`` nodes of ``devices_per_node``.
@@ -147,10 +157,10 @@ class Links:
         replica's pair / the ring crosses nodes.
         """
         dpn = devices_per_node or max(1, (pipeline * dp) // max(nodes, 1))
-        gr = global_rank or (lambda r, d: d * pipeline + r)
+        gr = global_rank or (lambda r, d: layout_rank(r, d, pipeline))
 
         def node(r: int, d: int) -> int:
-            return gr(r, d) // dpn
+            return node_of(gr(r, d), dpn)
 
         pairs = {}
         for a in range(pipeline):
@@ -189,7 +199,7 @@ class SimResult:
     events: list[TimelineEvent]
 
     def predicted(self) -> Predicted:
-        """As the Plan's :class:`~fxpipe.plan_data.Predicted`."""
+        """As the Plan's :class:`~fxpipe.plans.plan.Predicted`."""
         return Predicted(self.step_time_s, self.bubble_fraction, list(self.peak_memory_bytes),
                          list(self.peak_inflight))
 
@@ -315,7 +325,7 @@ def simulate(
         raise ScheduleError(
             "deadlock in simulation: "
             + "; ".join(f"rank {r} waits at {schedule.actions[r][ptr[r]]}" for r in stuck)
-            + "; validate the schedule (fxpipe.runtime.validate.validate) for details"
+            + "; validate the schedule (fxpipe.schedule.validate.validate) for details"
         )
     step = max([*t, *ar_free, 0.0])
     idle = [1.0 - b / step if step > 0 else 0.0 for b in busy]
@@ -326,9 +336,6 @@ def simulate(
 
 
 # ----------------------------------------------------------------------------- from a Plan
-#: bytes of state per parameter byte: weights + gradients (+ 2 Adam moments)
-_STATE_FACTOR = {"adamw": 4, "adam": 4, "sgd": 2}
-
 
 def costs_from_plan(plan: Plan) -> StageCosts:
     """StageCosts from a Plan's stages.
@@ -342,7 +349,7 @@ def costs_from_plan(plan: Plan) -> StageCosts:
     """
     f, bi, bw, act, static = [], [], [], [], []
     opt = str((plan.spec or {}).get("train", {}).get("optimizer", "adamw")).lower()
-    factor = _STATE_FACTOR.get(opt, 4)
+    factor = OPTIMIZER_STATE_FACTOR.get(opt, OPTIMIZER_STATE_FACTOR["adamw"])
     for st in plan.stages:
         ff, b1, b2 = st.fwd_time_s, st.bwd_input_time_s, st.bwd_weight_time_s
         if ff + b1 + b2 == 0 and st.compute_time_s > 0:
@@ -355,7 +362,7 @@ def costs_from_plan(plan: Plan) -> StageCosts:
         bi.append(b1)
         bw.append(b2)
         act.append(int(st.activation_bytes))
-        static.append(int(st.param_bytes) * factor)
+        static.append(int(int(st.param_bytes) * factor))
     return StageCosts(f, bi, bw, act, static)
 
 
@@ -363,15 +370,15 @@ def links_from_plan(plan: Plan) -> Links:
     """Links from ``plan.spec['cluster']`` (nodes, devices_per_node, links.intra_node_GBps,
     inter_node_GBps, latency_s); defaults of the spec schema when absent."""
     cl = (plan.spec or {}).get("cluster", {}) or {}
-    lk = cl.get("links", {}) or {}
+    lk = LinksSpec(**(cl.get("links", {}) or {}))
     return Links.from_cluster(
         plan.pipeline,
         plan.dp,
         nodes=int(cl.get("nodes", 1)),
         devices_per_node=cl.get("devices_per_node"),
-        intra_node_GBps=float(lk.get("intra_node_GBps", 450.0)),
-        inter_node_GBps=float(lk.get("inter_node_GBps", 50.0)),
-        latency_s=float(lk.get("latency_s", 5e-6)),
+        intra_node_GBps=lk.intra_node_GBps,
+        inter_node_GBps=lk.inter_node_GBps,
+        latency_s=lk.latency_s,
     )
 
 
@@ -391,7 +398,7 @@ def simulate_plan(
         ScheduleError: the plan's parameters do not suit the schedule.
     """
     sched = schedule_for_plan(plan, schedule, microbatches)
-    fwd, grad = plan_edges(plan)
+    fwd, grad = plan.edge_bytes()
     return simulate(
         sched,
         costs_from_plan(plan),
@@ -405,6 +412,6 @@ def simulate_plan(
 
 def predict(plan: Plan, schedule: str | None = None, microbatches: int | None = None,
             links: Links | None = None) -> Predicted:
-    """:func:`simulate_plan` reduced to a :class:`~fxpipe.plan_data.Predicted` (what
+    """:func:`simulate_plan` reduced to a :class:`~fxpipe.plans.plan.Predicted` (what
     ``plan.predicted`` holds)."""
     return simulate_plan(plan, schedule, microbatches, links).predicted()

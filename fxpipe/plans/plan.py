@@ -1,8 +1,9 @@
 """The Plan: where the partitioner and the runtime meet.
 
 A :class:`Plan` is plain data (dataclasses of ints, floats, strings and lists), deterministic for
-a given model, example inputs and spec, and round-trips through JSON. The partitioner writes it;
-the runtime reads it. Neither package imports the other.
+a given model, example inputs and spec, and round-trips through JSON (``from_dict`` validates the
+structure field by field). The partitioner writes it; the schedule, the simulator and the runtime
+read it. Its derived views (stage edges, stage -> rank) are computed here once for all of them.
 
 Units throughout: seconds (``*_s``), bytes (``*_bytes``), floating-point operations (``*_flops``).
 """
@@ -17,37 +18,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fxpipe.errors import PlanError
+from fxpipe.plans.dump import dump_plan
+from fxpipe.plans.placement import stage_to_rank
+from fxpipe.plans.summary import summary_table
+from fxpipe.plans.values import MODEL_INPUT, ValueInfo
+
 PLAN_FORMAT_VERSION = 1
 
-#: Producer-stage marker for values that are model inputs (fed from the data loader on every
-#: stage that needs them, never sent between ranks).
-MODEL_INPUT = -1
-
-
-@dataclass
-class ValueInfo:
-    """A tensor that crosses a stage boundary (an FX node's output).
-
-    Attributes:
-        name: FX node name of the producer (unique in the traced graph).
-        producer: index of the stage that computes it, or ``MODEL_INPUT`` (-1) for a model input.
-        consumers: indices of the stages that read it (sorted, producer excluded).
-        shape: shape for ONE micro-batch, e.g. ``[4, 128, 256]``.
-        dtype: torch dtype name without the ``torch.`` prefix, e.g. ``"float32"``, ``"int64"``.
-        nbytes: size in bytes for one micro-batch.
-    """
-
-    name: str
-    producer: int
-    consumers: list[int]
-    shape: list[int]
-    dtype: str
-    nbytes: int
-
-    @property
-    def requires_grad(self) -> bool:
-        """True for floating-point values (their gradient is sent back in the backward pass)."""
-        return self.dtype.startswith(("float", "bfloat", "complex"))
+Edge = tuple[int, int]
 
 
 @dataclass
@@ -175,6 +154,54 @@ class Plan:
         """Map FX node name -> stage index."""
         return {n: s.index for s in self.stages for n in s.nodes}
 
+    def stage_ranks(self) -> list[int]:
+        """Pipeline rank of each stage in ``stages`` order (:func:`~fxpipe.plans.placement.stage_to_rank`
+        of the plan's schedule)."""
+        ranks = stage_to_rank(self.schedule, self.pipeline, max((s.index for s in self.stages),
+                                                               default=-1) + 1)
+        return [ranks[s.index] for s in self.stages]
+
+    def stage_edges(self) -> dict[Edge, list[str]]:
+        """Values flowing between stages: ``(producer, consumer) -> value names`` (in
+        ``values`` order), from every value's producer and consumers; model inputs are not edges.
+
+        Raises:
+            PlanError: a value is read by a stage that is not later than its producer (the stages
+                are not a pipeline), or a stage reads a value whose consumers do not list it.
+        """
+        edges: dict[Edge, list[str]] = {}
+        for name, info in self.values.items():
+            if info.producer == MODEL_INPUT:
+                continue
+            for c in info.consumers:
+                if c == info.producer:
+                    continue
+                if c < info.producer:
+                    raise PlanError(
+                        f"stage {c} reads {name!r} produced by stage {info.producer}, which is "
+                        f"not an earlier stage; the plan's stages are not a pipeline - {_RECREATE}")
+                edges.setdefault((info.producer, c), []).append(name)
+        for sp in self.stages:
+            for name in sp.inputs:
+                info = self.values.get(name)
+                if info is None or (info.producer != MODEL_INPUT
+                                    and sp.index not in info.consumers):
+                    raise PlanError(f"stage {sp.index} reads {name!r}, which plan.values does not "
+                                    f"describe as one of its inputs; {_RECREATE}")
+        return edges
+
+    def edge_bytes(self) -> tuple[dict[Edge, int], dict[Edge, int]]:
+        """Bytes per micro-batch on every stage edge: ``(all values, values with gradients)``,
+        the second restricted to edges that carry at least one such value."""
+        fwd: dict[Edge, int] = {}
+        grad: dict[Edge, int] = {}
+        for edge, names in self.stage_edges().items():
+            fwd[edge] = sum(int(self.values[n].nbytes) for n in names)
+            g = [n for n in names if self.values[n].requires_grad]
+            if g:
+                grad[edge] = sum(int(self.values[n].nbytes) for n in g)
+        return fwd, grad
+
     # ------------------------------------------------------------------ serialisation
     def to_dict(self) -> dict[str, Any]:
         """Plain-data view (JSON-serialisable)."""
@@ -246,14 +273,10 @@ class Plan:
 
         Returns the paths written.
         """
-        from fxpipe.report import dump_plan  # local import: report depends on plan
-
         return dump_plan(self, Path(out_dir), graph)
 
     def summary(self) -> str:
         """Readable table of the stages (what ``fxpipe plan`` prints)."""
-        from fxpipe.report import summary_table
-
         return summary_table(self)
 
 

@@ -11,15 +11,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fxpipe.errors import PlanError
-from fxpipe.runtime.schedules import add_communication, compute_schedule, linear_edges
-from fxpipe.runtime.simulate import StageCosts, simulate
-from fxpipe.runtime.validate import ScheduleError
+from fxpipe.errors import PlanError, ScheduleError
+from fxpipe.schedule.generators import compute_schedule
+from fxpipe.schedule.lowering import add_communication, linear_edges
+from fxpipe.schedule.simulate import StageCosts, simulate
 from fxpipe.specs.loader import spec_location
-from fxpipe.specs.schema import ParallelSpec
+from fxpipe.specs.schema import SCHEDULES, ParallelSpec, stages_per_rank
+from fxpipe.units import plural
 
-#: schedules tried by ``schedule: auto`` (interleaved is tried with v = 2)
-AUTO_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
+#: schedules tried by ``schedule: auto`` (interleaved is tried with v = 2): all of them
+AUTO_SCHEDULES = SCHEDULES
 
 
 @dataclass(frozen=True)
@@ -35,7 +36,7 @@ class Candidate:
     @property
     def num_stages(self) -> int:
         """Stages of the pipeline: ``pipeline * virtual_stages`` (2 per rank for zb-v)."""
-        return self.pipeline * (2 if self.schedule == "zb-v" else self.virtual_stages)
+        return self.pipeline * stages_per_rank(self.schedule, self.virtual_stages)
 
     def label(self) -> str:
         """Short text, e.g. ``pp=2 dp=2 m=4 1f1b``."""
@@ -56,23 +57,18 @@ def _divisors(n: int) -> list[int]:
     return small + large[::-1]
 
 
-def _plural(n: int, word: str) -> str:
-    """``"1 unit"``, ``"2 units"``."""
-    return f"{n} {word}" if n == 1 else f"{n} {word}s"
-
-
 def _too_many_stages(spec: ParallelSpec, n_units: int, num_stages: int, pipeline: int,
                      per_rank: int) -> PlanError:
     where = spec_location(spec, "parallel.pipeline")
     head = f"{where}: " if where else ""
     layout = (f" (parallel.pipeline={pipeline} x {per_rank} stages per rank)" if per_rank > 1
               else "")
-    fix = (f"use at most {_plural(n_units, 'pipeline stage')} (parallel.pipeline <= {n_units})"
+    fix = (f"use at most {plural(n_units, 'pipeline stage')} (parallel.pipeline <= {n_units})"
            if per_rank == 1 else
-           f"use at most {_plural(n_units, 'stage')} in all (parallel.pipeline x stages per rank "
+           f"use at most {plural(n_units, 'stage')} in all (parallel.pipeline x stages per rank "
            f"<= {n_units})")
     return PlanError(
-        f"{head}cannot cut {_plural(n_units, 'unit')} into {_plural(num_stages, 'stage')}"
+        f"{head}cannot cut {plural(n_units, 'unit')} into {plural(num_stages, 'stage')}"
         f"{layout}: every stage needs at least one planning unit of the model; {fix}"
     )
 
@@ -114,9 +110,9 @@ def candidates(spec: ParallelSpec, max_stages: int | None = None) -> list[Candid
             for s in scheds:
                 v = par.virtual_stages if s == "interleaved" and par.schedule != "auto" else (
                     2 if s == "interleaved" else 1)
-                if pp == 1 and s in ("interleaved", "zb-v"):
+                per_rank = stages_per_rank(s, v)
+                if pp == 1 and stages_per_rank(s, 2) > 1:
                     continue
-                per_rank = 2 if s == "zb-v" else v
                 if max_stages is not None and pp * per_rank > max_stages:
                     if too_many is None or pp * per_rank < too_many[0]:
                         too_many = (pp * per_rank, pp, per_rank)

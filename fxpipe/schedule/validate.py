@@ -1,24 +1,12 @@
-"""Schedule validator: checks a per-rank action list and explains every violated rule.
-
-Filled in below :class:`ScheduleError` (kept first so the generators can import it early).
-"""
+"""Schedule validator: checks a per-rank action list and explains every violated rule
+(:func:`validate`), and finds the first deadlock of a schedule (:func:`find_deadlock`)."""
 
 from __future__ import annotations
 
-from fxpipe.errors import PlanError
+from collections.abc import Iterable
 
-
-class ScheduleError(PlanError):
-    """A pipeline schedule is invalid or cannot be built for the given parameters.
-
-    The message names the violated rule, the ranks/actions involved and the fix.
-    """
-
-
-# ----------------------------------------------------------------------------- validation
-from collections.abc import Iterable  # noqa: E402
-
-from fxpipe.runtime.actions import COMM_OPS, COMPUTE_OPS, Action, Op, Schedule  # noqa: E402
+from fxpipe.errors import ScheduleError
+from fxpipe.schedule.actions import COMM_OPS, COMPUTE_OPS, Action, Op, Schedule
 
 _MAX_PROBLEMS = 12
 

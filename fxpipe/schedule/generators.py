@@ -1,7 +1,7 @@
 """Schedule generators: per-rank action lists for GPipe, 1F1B, interleaved 1F1B, ZB-H1 and ZB-V.
 
 Every generator first builds the *compute-only* lists (F, B and, for zero-bubble schedules, W
-actions; see :mod:`fxpipe.runtime.actions`), then :func:`add_communication` inserts the
+actions; see :mod:`fxpipe.schedule.actions`), then :func:`add_communication` inserts the
 point-to-point sends/receives implied by the stage graph's edges, the per-stage data-parallel
 ALLREDUCE and the final STEP. :func:`build_schedule` does both by schedule name.
 
@@ -17,22 +17,14 @@ Pipeline Parallelism", ICLR 2024 / "Pipeline Parallelism with Controllable Memor
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Callable
 
-from fxpipe.runtime.actions import Action, Op, Schedule
-from fxpipe.runtime.validate import ScheduleError
-
-Edge = tuple[int, int]
-
-#: Names accepted by :func:`build_schedule` (same spelling as the spec's ``parallel.schedule``).
-SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
-
+from fxpipe.errors import ScheduleError
+from fxpipe.plans.placement import stage_to_rank
+from fxpipe.schedule.actions import Action, Op, Schedule
+from fxpipe.specs.schema import SCHEDULES, stages_per_rank
 
 # ----------------------------------------------------------------------------- helpers
-def linear_edges(num_stages: int) -> set[Edge]:
-    """The plain chain ``{(0, 1), (1, 2), ..., (n-2, n-1)}`` (no skip connections)."""
-    return {(s, s + 1) for s in range(num_stages - 1)}
 
 
 def _check_pm(p: int, m: int) -> None:
@@ -71,7 +63,7 @@ def gpipe(p: int, m: int) -> Schedule:
     """
     _check_pm(p, m)
     acts = [[_F(r, i) for i in range(m)] + [_B(r, i) for i in range(m)] for r in range(p)]
-    return Schedule("gpipe", p, p, m, list(range(p)), acts, split_backward=False)
+    return Schedule("gpipe", p, p, m, stage_to_rank("gpipe", p, p), acts, split_backward=False)
 
 
 def one_f_one_b(p: int, m: int) -> Schedule:
@@ -94,7 +86,7 @@ def one_f_one_b(p: int, m: int) -> Schedule:
             lst += [_F(r, warm + i), _B(r, i)]
         lst += [_B(r, i) for i in range(m - warm, m)]
         acts.append(lst)
-    return Schedule("1f1b", p, p, m, list(range(p)), acts, split_backward=False)
+    return Schedule("1f1b", p, p, m, stage_to_rank("1f1b", p, p), acts, split_backward=False)
 
 
 # ----------------------------------------------------------------------------- interleaved
@@ -149,122 +141,13 @@ def interleaved_1f1b(p: int, m: int, v: int) -> Schedule:
             c, i = bwd(k)
             lst.append(_B(c * p + r, i))
         acts.append(lst)
-    s2r = [s % p for s in range(p * v)]
-    return Schedule("interleaved", p, p * v, m, s2r, acts, split_backward=False)
-
-
-# ----------------------------------------------------------------------------- communication
-def _cross_rank(
-    schedule: Schedule, edges: Iterable[Edge], what: str
-) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
-    """Validate edges; return (producers_of, consumers_of) restricted to cross-rank pairs."""
-    n = schedule.num_stages
-    prod: dict[int, list[int]] = {s: [] for s in range(n)}
-    cons: dict[int, list[int]] = {s: [] for s in range(n)}
-    for e in sorted(set(edges)):
-        q, c = e
-        if q < 0:  # model input: fed from data on every stage, never communicated
-            continue
-        if not (0 <= q < n and 0 <= c < n):
-            raise ScheduleError(
-                f"{what} edge {e} names a stage outside 0..{n - 1} (the schedule has {n} "
-                f"stages); pass edges between existing stages"
-            )
-        if q >= c:
-            raise ScheduleError(
-                f"{what} edge {e} does not go forward: producer stage {q} must be lower than "
-                f"consumer stage {c} (stages are numbered in pipeline order)"
-            )
-        if schedule.stage_to_rank[q] != schedule.stage_to_rank[c]:
-            prod[c].append(q)
-            cons[q].append(c)
-    return prod, cons
-
-
-def add_communication(
-    schedule: Schedule,
-    edges: Iterable[Edge],
-    grad_edges: Iterable[Edge] | None = None,
-) -> Schedule:
-    """Return a new schedule with communication, all-reduce and step actions inserted.
-
-    For each edge ``(q, c)`` whose stages sit on different ranks:
-      * ``SEND_F(stage=q, mb, peer=c)`` right after ``F(q, mb)`` and ``RECV_F(stage=c, mb,
-        peer=q)`` right before ``F(c, mb)``;
-      * if the edge is in ``grad_edges``: ``SEND_B(stage=c, mb, peer=q)`` right after
-        ``B(c, mb)`` and ``RECV_B(stage=q, mb, peer=c)`` right before ``B(q, mb)``.
-    Several receives before one action are ordered by peer stage (ascending), as are sends.
-    Stages on the same rank (interleaved / V placements) exchange values locally: no action.
-    Edges from a negative producer (model inputs, ``MODEL_INPUT``) are ignored: every stage reads
-    its inputs and targets from the data loader.
-
-    Then ``ALLREDUCE(stage)`` after the last ``B`` of that stage on its rank (the last ``W`` when
-    the backward is split), placed after the sends that follow it, and ``STEP`` at the end of
-    every rank's list.
-
-    Args:
-        schedule: compute-only schedule (F/B/W actions only).
-        edges: ``(producer_stage, consumer_stage)`` pairs that carry forward values.
-        grad_edges: the edges whose values get gradients (floating-point values). Default: all
-            ``edges``.
-
-    Raises:
-        ScheduleError: the schedule already holds non-compute actions, or an edge is malformed.
-    """
-    edges = set(edges)
-    grad_edges = edges if grad_edges is None else set(grad_edges)
-    if not grad_edges <= edges:
-        raise ScheduleError(
-            f"grad_edges {sorted(grad_edges - edges)} are not in edges; gradients can only flow "
-            f"back along edges that carry forward values"
-        )
-    for r, acts in enumerate(schedule.actions):
-        for a in acts:
-            if a.op not in (Op.F, Op.B, Op.W):
-                raise ScheduleError(
-                    f"add_communication expects a compute-only schedule, but rank {r} already "
-                    f"has {a}; pass the generator's output (e.g. one_f_one_b(p, m))"
-                )
-    prod, cons = _cross_rank(schedule, edges, "forward")
-    gprod, gcons = _cross_rank(schedule, grad_edges, "gradient")
-    last_op = Op.W if schedule.split_backward else Op.B
-    out_actions: list[list[Action]] = []
-    for acts in schedule.actions:
-        lst: list[Action] = []
-        last_idx: dict[int, int] = {}
-        for a in acts:
-            s, i = a.stage, a.microbatch
-            if a.op is Op.F:
-                lst += [Action(Op.RECV_F, s, i, q) for q in prod[s]]
-                lst.append(a)
-                lst += [Action(Op.SEND_F, s, i, c) for c in cons[s]]
-            elif a.op is Op.B:
-                lst += [Action(Op.RECV_B, s, i, c) for c in gcons[s]]
-                lst.append(a)
-                lst += [Action(Op.SEND_B, s, i, q) for q in gprod[s]]
-            else:
-                lst.append(a)
-            if a.op is last_op:
-                last_idx[s] = len(lst)  # insertion point: after a's trailing sends
-        for s, pos in sorted(last_idx.items(), key=lambda kv: -kv[1]):
-            lst.insert(pos, Action(Op.ALLREDUCE, s))
-        stages = schedule.stages_of_rank(len(out_actions))
-        lst.append(Action(Op.STEP, stages[0] if stages else -1))
-        out_actions.append(lst)
-    return Schedule(
-        schedule.name,
-        schedule.num_ranks,
-        schedule.num_stages,
-        schedule.microbatches,
-        list(schedule.stage_to_rank),
-        out_actions,
-        schedule.split_backward,
-    )
+    return Schedule("interleaved", p, p * v, m, stage_to_rank("interleaved", p, p * v), acts,
+                    split_backward=False)
 
 
 # ----------------------------------------------------------------------------- dispatch
 def compute_schedule(name: str, p: int, m: int, v: int = 1) -> Schedule:
-    """Compute-only schedule by name (see :data:`SCHEDULE_NAMES`).
+    """Compute-only schedule by name (see :data:`fxpipe.specs.schema.SCHEDULES`).
 
     ``v`` is the number of stages per rank: 1 for ``gpipe``, ``1f1b``, ``zb-h1``; any ``v >= 1``
     for ``interleaved``; 2 for ``zb-v`` (``v=1`` is accepted and read as 2).
@@ -273,7 +156,7 @@ def compute_schedule(name: str, p: int, m: int, v: int = 1) -> Schedule:
         ScheduleError: unknown name, or parameters the schedule cannot satisfy (the message says
             which constraint and how to fix it).
     """
-    gens: dict[str, Callable[[], Schedule]] = {
+    gens: dict[str, Callable[[], Schedule]] = {  # one per name in SCHEDULES
         "gpipe": lambda: gpipe(p, m),
         "1f1b": lambda: one_f_one_b(p, m),
         "interleaved": lambda: interleaved_1f1b(p, m, v),
@@ -285,92 +168,19 @@ def compute_schedule(name: str, p: int, m: int, v: int = 1) -> Schedule:
                "zbv": "zb-v"}
     key = aliases.get(key, key)
     if key not in gens:
-        raise ScheduleError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULE_NAMES)}")
-    if key in ("gpipe", "1f1b", "zb-h1") and v != 1:
+        raise ScheduleError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
+    if key != "interleaved" and stages_per_rank(key) == 1 and v != 1:
         raise ScheduleError(
             f"schedule {key!r} places one stage per rank, but virtual_stages={v}; set "
             f"virtual_stages: 1, or use 'interleaved' (any v) or 'zb-v' (v=2)"
         )
-    if key == "zb-v" and v not in (1, 2):
+    if key == "zb-v" and v not in (1, stages_per_rank(key)):
         raise ScheduleError(
             f"schedule 'zb-v' places exactly 2 stages per rank (V shape), but virtual_stages={v}; "
             f"set virtual_stages: 2"
         )
     return gens[key]()
 
-
-def build_schedule(
-    name: str,
-    num_ranks: int,
-    microbatches: int,
-    virtual_stages: int = 1,
-    edges: Iterable[Edge] | None = None,
-    grad_edges: Iterable[Edge] | None = None,
-) -> Schedule:
-    """Full schedule (compute + communication + ALLREDUCE + STEP) for one pipeline group.
-
-    Args:
-        name: ``gpipe``, ``1f1b``, ``interleaved``, ``zb-h1`` or ``zb-v``.
-        num_ranks: pipeline ranks ``p``.
-        microbatches: micro-batches per step ``m``.
-        virtual_stages: stages per rank ``v`` (see :func:`compute_schedule`).
-        edges: ``(producer_stage, consumer_stage)`` pairs over the ``p * v`` stages. Default: the
-            linear chain :func:`linear_edges`.
-        grad_edges: edges whose values get gradients; default all ``edges``.
-
-    Raises:
-        ScheduleError: bad name or parameters, or malformed edges.
-    """
-    sched = compute_schedule(name, num_ranks, microbatches, virtual_stages)
-    if edges is None:
-        edges = linear_edges(sched.num_stages)
-    return add_communication(sched, edges, grad_edges)
-
-
-# ----------------------------------------------------------------------------- from a Plan
-def plan_edges(plan) -> tuple[dict[Edge, int], dict[Edge, int]]:
-    """Stage edges of a :class:`fxpipe.plan_data.Plan` with their bytes per micro-batch.
-
-    Returns ``(edge_bytes, grad_edge_bytes)``: ``{(producer_stage, consumer_stage): bytes}``
-    summed over the values crossing that pair (model inputs excluded), and the same restricted to
-    floating-point values (those whose gradients flow back, ``ValueInfo.requires_grad``).
-    """
-    fwd: dict[Edge, int] = {}
-    grad: dict[Edge, int] = {}
-    for val in plan.values.values():
-        if val.producer < 0:
-            continue
-        for c in val.consumers:
-            if c == val.producer:
-                continue
-            fwd[(val.producer, c)] = fwd.get((val.producer, c), 0) + int(val.nbytes)
-            if val.requires_grad:
-                grad[(val.producer, c)] = grad.get((val.producer, c), 0) + int(val.nbytes)
-    return fwd, grad
-
-
-def schedule_for_plan(plan, name: str | None = None, microbatches: int | None = None) -> Schedule:
-    """Full schedule for a Plan: ``build_schedule(plan.schedule, plan.pipeline,
-    plan.microbatches, plan.virtual_stages, edges, grad_edges)`` with the plan's stage edges.
-
-    ``name`` / ``microbatches`` override the plan's (to price alternatives).
-
-    Raises:
-        ScheduleError: the plan's parameters do not suit the schedule, or ``plan.num_stages``
-            differs from the schedule's stage count.
-    """
-    fwd, grad = plan_edges(plan)
-    name = name or plan.schedule
-    m = microbatches or plan.microbatches
-    v = plan.virtual_stages
-    sched = compute_schedule(name, plan.pipeline, m, v)
-    if sched.num_stages != plan.num_stages:
-        raise ScheduleError(
-            f"schedule {name!r} with pipeline={plan.pipeline}, virtual_stages={v} has "
-            f"{sched.num_stages} stages but the plan has {plan.num_stages}; re-plan with "
-            f"{sched.num_stages} stages"
-        )
-    return add_communication(sched, set(fwd), set(grad))
 
 
 # ----------------------------------------------------------------------------- zero bubble
@@ -403,13 +213,7 @@ def zb_h1(p: int, m: int) -> Schedule:
                     nw += 1
         lst += [_W(r, i) for i in range(nw, m)]
         acts.append(lst)
-    return Schedule("zb-h1", p, p, m, list(range(p)), acts, split_backward=True)
-
-
-def v_placement(p: int) -> list[int]:
-    """V-shape placement of ``2p`` stages: rank ``r`` holds stages ``r`` and ``2p-1-r`` (the
-    first and the last stage are both on rank 0)."""
-    return [s if s < p else 2 * p - 1 - s for s in range(2 * p)]
+    return Schedule("zb-h1", p, p, m, stage_to_rank("zb-h1", p, p), acts, split_backward=True)
 
 
 def _list_schedule(
@@ -477,7 +281,7 @@ def _list_schedule(
 
 def zb_v(p: int, m: int) -> Schedule:
     """ZB-V (Qi et al., "Pipeline Parallelism with Controllable Memory", 2024): ``2p`` stages in
-    V placement (:func:`v_placement`: rank ``r`` holds stages ``r`` and ``2p-1-r``, so the last
+    V placement (:func:`~fxpipe.plans.placement.stage_to_rank`: rank ``r`` holds stages ``r`` and ``2p-1-r``, so the last
     stage, which computes the loss, sits on rank 0 next to the first), backward split into B
     and W (``split_backward=True``).
 
@@ -493,4 +297,4 @@ def zb_v(p: int, m: int) -> Schedule:
         ScheduleError: ``p`` or ``m`` is not a positive integer.
     """
     _check_pm(p, m)
-    return _list_schedule("zb-v", p, m, v_placement(p), limit=2 * p)
+    return _list_schedule("zb-v", p, m, stage_to_rank("zb-v", p, 2 * p), limit=2 * p)

@@ -13,15 +13,15 @@ from pathlib import Path
 
 import torch
 
-from fxpipe.checkpoint import load_into_model
+from fxpipe.training.checkpoint import load_into_model
 
 
 @torch.no_grad()
 def validation_loss(model: torch.nn.Module, spec, batches: int) -> float:
     """Mean loss of ``model`` over the first ``batches`` validation batches of the spec's dataset
     (each the global ``data.batch_size``)."""
-    from fxpipe.data_loading import as_tuple, make_batches
-    from fxpipe.losses import resolve_loss
+    from fxpipe.data.batches import as_tuple, make_batches
+    from fxpipe.training.losses import resolve_loss
 
     data, loss_fn = make_batches(spec), resolve_loss(spec.train.loss)
     model.eval()

@@ -1,6 +1,6 @@
 """Timelines as Chrome trace JSON (open in chrome://tracing or https://ui.perfetto.dev).
 
-The simulator (:mod:`fxpipe.runtime.simulate`) and the executor produce the same event tuples
+The simulator (:mod:`fxpipe.schedule.simulate`) and the executor produce the same event tuples
 ``(rank, name, start_s, end_s[, lane])``, from simulated or wall-clock seconds, so a predicted and
 a measured timeline can be laid side by side. Format: the Trace Event Format's complete events
 (``"ph": "X"``, ``ts``/``dur`` in microseconds); one process (``pid``) per rank, thread 0 for the
@@ -15,7 +15,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
-from fxpipe.runtime.actions import COMM_OPS, COMPUTE_OPS, Action, Op
+from fxpipe.schedule.actions import COMM_OPS, COMPUTE_OPS, Action, Op
 
 #: lane names -> Chrome thread id inside a rank's process
 LANES = {"compute": 0, "comm": 1}

@@ -1,57 +1,57 @@
-"""``fxpipe.plan()``: the partitioner's data flow, from a model and a spec to a :class:`Plan`.
+"""The partitioner's driver, ``fxpipe.plan()``: from a model and a spec to a :class:`Plan`.
 
-trace (torch.export) -> cost (fake-tensor FLOPs and bytes) -> graph (networkx units) ->
-planner (exact min-bottleneck cut, memory-checked; with ``auto``, every layout of
-:mod:`fxpipe.search` priced by the simulator) -> split (stage boundaries) -> Plan.
-
-Also here, because they need both the partitioner and the runtime's schedule tools:
-:func:`materialize_stages` (a worker rebuilds its stage modules from a Plan) and
-:func:`simulate_spec` (``fxpipe simulate``).
+Takes an ``nn.Module`` (real or on the meta device), a spec and one micro-batch of example
+inputs; gives a :class:`~fxpipe.plans.plan.Plan`. The steps, each in its own module: trace
+(torch.export) -> cost (fake-tensor FLOPs and bytes) -> graph (networkx units) -> the cut problem
+-> the exact solvers (min-bottleneck cut, memory-checked; with ``auto``, every layout of
+:mod:`fxpipe.partitioner.search` priced by the simulator) -> boundaries (stage inputs and
+outputs) -> Plan.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 from typing import Any
 
 import networkx as nx
 import torch
 import torch.nn as nn
 
+from fxpipe.data.batches import example_microbatch
 from fxpipe.errors import PlanError, TraceError
-from fxpipe.partitioner.chain import CutProblem, PartitionResult, Value
+from fxpipe.partitioner.boundaries import stage_boundaries
 from fxpipe.partitioner.cost import NodeCost, price
 from fxpipe.partitioner.graph import PricedGraph, build_graph
-from fxpipe.partitioner.planner import optimal_partition
-from fxpipe.partitioner.split import build_stage_module, stage_boundaries
+from fxpipe.partitioner.problem import CutProblem, PartitionResult, Value
+from fxpipe.partitioner.search import Candidate, candidates, stage_inflight
+from fxpipe.partitioner.solvers import optimal_partition
 from fxpipe.partitioner.trace import TracedModel, trace
-from fxpipe.plan_data import Plan, StagePlan
-from fxpipe.runtime.schedules import SCHEDULE_NAMES
-from fxpipe.runtime.simulate import predict, simulate_plan
-from fxpipe.runtime.validate import ScheduleError
-from fxpipe.search import Candidate, candidates, stage_inflight
-from fxpipe.specs.loader import load_spec, spec_location
-from fxpipe.specs.schema import ParallelSpec
+from fxpipe.plans.placement import pair_crosses_nodes
+from fxpipe.plans.plan import Plan, StagePlan
+from fxpipe.plans.values import needs_grad
+from fxpipe.schedule.simulate import predict
+from fxpipe.specs.loader import build_model, load_spec
+from fxpipe.specs.schema import OPTIMIZER_STATE_FACTOR, ParallelSpec, stages_per_rank
 
-#: state bytes per parameter byte: weights + gradients (+ 2 Adam moments)
-STATE_FACTOR = {"adamw": 4.0, "sgd": 2.0}
-def _as_spec(spec: Any) -> ParallelSpec:
+
+def as_spec(spec: Any) -> ParallelSpec:
+    """A :class:`ParallelSpec` as it is, or loaded from a YAML path, bundled name or dict."""
     return spec if isinstance(spec, ParallelSpec) else load_spec(spec)
 
 
-def _boundary_bandwidths(spec: ParallelSpec, stage_to_rank: list[int]) -> list[float]:
-    """Bytes/s of the link between stage j and j+1 (replica 0: global rank = pipeline rank).
-    Stages on one rank exchange values in memory (infinite bandwidth)."""
+def _boundary_bandwidths(spec: ParallelSpec, cand: Candidate, stage_to_rank: list[int]
+                         ) -> list[float]:
+    """Bytes/s of the link between stage j and j+1 (inter-node when any replica's pair spans
+    two nodes). Stages on one rank exchange values in memory (infinite bandwidth)."""
     links, dpn = spec.cluster.links, spec.cluster.devices_per_node
     out = []
     for a, b in zip(stage_to_rank[:-1], stage_to_rank[1:]):
         if a == b:
             out.append(float("inf"))
-        elif a // dpn == b // dpn:
-            out.append(links.intra_node_GBps * 1e9)
-        else:
+        elif pair_crosses_nodes(a, b, cand.pipeline, cand.dp, dpn):
             out.append(links.inter_node_GBps * 1e9)
+        else:
+            out.append(links.intra_node_GBps * 1e9)
     return out
 
 
@@ -67,17 +67,16 @@ def _cut_problem(pg: PricedGraph, spec: ParallelSpec, cand: Candidate, scale: fl
     for row in pg.values:
         users = tuple(u for u in row.user_positions if u < n)  # n = the loss, on the last stage
         if users:
-            dtype = pg.value_info(row.name)[1]
-            grad = dtype.startswith(("float", "bfloat", "complex"))
+            grad = needs_grad(pg.value_info(row.name)[1])
             values.append(Value(row.producer_pos, users, row.nbytes * scale, grad, row.name))
     inflight, stage_to_rank = stage_inflight(cand)
     k = cand.num_stages
     return CutProblem(
         compute, params, saved, values, k,
-        bandwidth_Bps=_boundary_bandwidths(spec, stage_to_rank) if k > 1 else 1.0,
+        bandwidth_Bps=_boundary_bandwidths(spec, cand, stage_to_rank) if k > 1 else 1.0,
         latency_s=spec.cluster.links.latency_s,
         capacity_bytes=spec.cluster.memory_gb * 1e9,
-        param_multiplier=STATE_FACTOR[spec.train.optimizer],
+        param_multiplier=OPTIMIZER_STATE_FACTOR[spec.train.optimizer],
         inflight=inflight,
         forced_cuts=pg.forced_cuts,
         pins=pg.pins,
@@ -129,7 +128,7 @@ def _assemble(traced: TracedModel, pg: PricedGraph, costs: dict[str, NodeCost],
         model=traced.model_name or type(traced.gm).__name__,
         num_stages=cand.num_stages, pipeline=cand.pipeline, dp=cand.dp,
         microbatches=cand.microbatches, schedule=cand.schedule,
-        virtual_stages=2 if cand.schedule == "zb-v" else cand.virtual_stages,
+        virtual_stages=stages_per_rank(cand.schedule, cand.virtual_stages),
         microbatch_size=microbatch_size, stages=stages, values=values,
         model_inputs=list(bounds.model_inputs), model_output=bounds.model_outputs[0],
         shared_params=dict(bounds.shared_params), param_aliases=dict(bounds.param_aliases),
@@ -158,7 +157,7 @@ def plan_with_graph(model: nn.Module, spec: Any, example_inputs: tuple | None = 
                     ) -> tuple[Plan, "nx.DiGraph"]:
     """:func:`plan`, also returning the priced networkx graph of planning units (for
     ``plan.dump(dir, graph)``'s DOT drawing)."""
-    spec = _as_spec(spec)
+    spec = as_spec(spec)
     if example_inputs is None:
         example_inputs = example_microbatch(spec, 1)
     if isinstance(example_inputs, torch.Tensor):
@@ -226,7 +225,7 @@ def plan(model: nn.Module, spec: Any, example_inputs: tuple | None = None) -> Pl
             size the plan chooses; the final plan is re-traced at that size.
 
     Returns:
-        The :class:`~fxpipe.plan_data.Plan` (with ``predicted`` filled by the simulator).
+        The :class:`~fxpipe.plans.plan.Plan` (with ``predicted`` filled by the simulator).
 
     Raises:
         SpecError: bad spec. TraceError: the model cannot be traced. PlanError: no partition fits
@@ -235,70 +234,9 @@ def plan(model: nn.Module, spec: Any, example_inputs: tuple | None = None) -> Pl
     return plan_with_graph(model, spec, example_inputs)[0]
 
 
-def _example_batch(spec: ParallelSpec) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
-    """Batch 0 of the spec's dataset as ``(inputs, target)``, checked.
-
-    Raises:
-        SpecError: the dataset cannot be built (see :func:`fxpipe.data_loading.make_batches`),
-            or its ``get(0, "train")`` raises or does not return ``(inputs, target)`` tensors.
-    """
-    from fxpipe.data_loading import as_tuple, make_batches
-    from fxpipe.errors import SpecError
-
-    batches = make_batches(spec)
-    where = spec_location(spec, "data.dataset")
-    head = f"{where}: data.dataset" if where else "data.dataset"
-    try:
-        batch = batches.get(0, "train")
-    except SpecError:
-        raise
-    except Exception as err:  # the user's get() failed
-        raise SpecError(f"{head}: get(0, 'train') of the object that {spec.data.dataset} "
-                        f"returned raised {type(err).__name__}: "
-                        f"{' '.join(str(err).split())[:300]}; fix its get(step, split) method"
-                        ) from err
-    if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
-        raise SpecError(f"{head}: get(0, 'train') of the object that {spec.data.dataset} "
-                        f"returned gave a {type(batch).__name__}, not a pair (inputs, target); "
-                        "make get() return (inputs, target)")
-    inputs = as_tuple(batch[0])
-    if not inputs or not all(isinstance(t, torch.Tensor) for t in inputs):
-        raise SpecError(f"{head}: get(0, 'train') returned inputs that are not tensors "
-                        f"({', '.join(type(t).__name__ for t in inputs) or 'none'}); return a "
-                        "tensor or a tuple of tensors, each [batch_size, ...]")
-    if not isinstance(batch[1], torch.Tensor):
-        raise SpecError(f"{head}: get(0, 'train') returned a {type(batch[1]).__name__} target; "
-                        "return the target as a tensor [batch_size, ...]")
-    return inputs, batch[1]
-
-
-def example_microbatch(spec: ParallelSpec, size: int | None = None) -> tuple:
-    """One micro-batch of real inputs from the spec's dataset (dim 0 = ``size``, default the
-    spec's micro-batch size when the parallel sizes are fixed, else 1).
-
-    Raises:
-        SpecError: see :func:`_example_batch`.
-    """
-    if size is None:
-        par = spec.parallel
-        if isinstance(par.data, int) and isinstance(par.microbatches, int):
-            size = spec.data.batch_size // (par.data * par.microbatches)
-        else:
-            size = 1
-    inputs, _ = _example_batch(spec)
-    return tuple(t[:size] for t in inputs)
-
-
-def example_target(spec: ParallelSpec, size: int) -> torch.Tensor:
-    """The targets of one micro-batch of ``size`` samples from the spec's dataset."""
-    return _example_batch(spec)[1][:size]
-
-
 def plan_from_spec(spec: Any) -> tuple[Plan, "nx.DiGraph"]:
     """Build the spec's model on the meta device (no weight memory) and plan it."""
-    from fxpipe.specs.loader import build_model
-
-    spec = _as_spec(spec)
+    spec = as_spec(spec)
     with torch.device("meta"):
         model = build_model(spec)
     inputs = tuple(t.to("meta") for t in example_microbatch(spec))
@@ -312,84 +250,3 @@ def plan_from_spec(spec: Any) -> tuple[Plan, "nx.DiGraph"]:
         ) from None
 
 
-def materialize_stages(plan: Plan, model: nn.Module, stage_ids: list[int],
-                       device: torch.device | str = "cpu") -> dict[int, nn.Module]:
-    """Rebuild the stage modules ``stage_ids`` of ``plan`` from ``model`` (a worker's step 1).
-
-    The model (already on ``device``) is traced again with zero inputs of the plan's micro-batch
-    shapes on ``device``, so device-dependent constants land on the right device; the plan's node
-    assignment is applied and the boundaries are checked against the plan.
-
-    Returns stage index -> GraphModule (``forward(*inputs) -> tuple(outputs)``, parameters are the
-    model's own Parameter objects under their original FQNs).
-
-    Raises:
-        PlanError: the traced graph no longer matches the plan (the model changed since planning).
-    """
-    from fxpipe.specs.loader import load_spec as _load
-
-    spec = _load(plan.spec)
-    inputs = []
-    for name in plan.model_inputs:
-        v = plan.values[name]
-        inputs.append(torch.zeros(v.shape, dtype=getattr(torch, v.dtype), device=device))
-    traced = trace(model, tuple(inputs), spec.model.tracer)
-    node_stage = plan.stage_of_node()
-    computed = {n.name for n in traced.compute_nodes()} - {"_guards_fn"}
-    if set(node_stage) != computed:
-        missing = sorted(set(node_stage) - computed)[:5]
-        extra = sorted(computed - set(node_stage))[:5]
-        raise PlanError(
-            f"the model's graph differs from the plan (nodes only in the plan: {missing}, only in "
-            f"the model: {extra}); re-create the plan with `fxpipe plan`"
-        )
-    bounds = stage_boundaries(traced.gm, node_stage, plan.num_stages)
-    for sb, st in zip(bounds.stages, plan.stages):
-        if sb.inputs != st.inputs or sb.outputs != st.outputs:
-            raise PlanError(f"stage {st.index}'s inputs/outputs differ from the plan; re-plan")
-    return {s: build_stage_module(traced.gm, bounds, s) for s in stage_ids}
-
-
-def simulate_spec(spec: Any, out_dir: str | Path | None = None) -> str:
-    """``fxpipe simulate``: plan the spec, then price every schedule on the same stages.
-
-    Returns the side-by-side table (text). With ``out_dir``, writes ``simulated_<schedule>.json``
-    (Chrome trace) for each schedule that applies.
-    """
-    from fxpipe.runtime.timeline import write_chrome_trace
-
-    plan, _ = plan_from_spec(spec)
-    lines = [plan.summary(), "",
-             f"{'schedule':12s} {'step time':>12s} {'bubble':>8s} {'peak memory per stage':s}"]
-    for name in SCHEDULE_NAMES:
-        if name in ("interleaved", "zb-v") and plan.virtual_stages == 1:
-            p2 = _replan_virtual(spec, name)
-            if p2 is None:
-                lines.append(f"{name:12s} {'n/a':>12s}   (needs a re-plan with 2 stages per rank)")
-                continue
-            target = p2
-        else:
-            target = plan
-        try:
-            res = simulate_plan(target, name)
-        except (ScheduleError, PlanError) as e:
-            lines.append(f"{name:12s} {'n/a':>12s}   ({e})")
-            continue
-        mem = ", ".join(f"{b / 2**20:.1f}" for b in res.peak_memory_bytes)
-        lines.append(f"{name:12s} {res.step_time_s * 1e3:10.2f}ms {res.bubble_fraction:8.3f} "
-                     f"[{mem}] MiB")
-        if out_dir:
-            Path(out_dir).mkdir(parents=True, exist_ok=True)
-            write_chrome_trace(res.events, Path(out_dir) / f"simulated_{name}.json",
-                               process_name=f"fxpipe simulated {name}")
-    return "\n".join(lines)
-
-
-def _replan_virtual(spec: Any, schedule: str) -> Plan | None:
-    spec = _as_spec(spec)
-    par = spec.parallel.model_copy(update={"schedule": schedule,
-                                           "virtual_stages": 2 if schedule == "interleaved" else 1})
-    try:
-        return plan_from_spec(spec.model_copy(update={"parallel": par}))[0]
-    except (PlanError, ScheduleError):
-        return None

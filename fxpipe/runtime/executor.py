@@ -1,7 +1,7 @@
 """The pipeline executor: runs this rank's action list over torch.distributed, exactly.
 
 Every rank holds the stage modules its pipeline rank owns (``schedule.stages_of_rank``) and runs
-its action list from the :class:`~fxpipe.runtime.actions.Schedule` once per training step:
+its action list from the :class:`~fxpipe.schedule.actions.Schedule` once per training step:
 
 * ``F`` - forward of one micro-batch; the stage that produces ``plan.model_output`` also computes
   ``loss_fn(output, target_mb) / m`` (so gradients accumulated over the ``m`` micro-batches equal
@@ -47,17 +47,17 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from fxpipe.errors import FxpipeError, RuntimeFailure
-from fxpipe.plan_data import MODEL_INPUT, Plan
+from fxpipe.errors import FxpipeError, PlanError, RuntimeFailure, ScheduleError
+from fxpipe.plans.plan import Plan
+from fxpipe.plans.values import MODEL_INPUT, needs_grad
 from fxpipe.runtime import p2p
-from fxpipe.runtime.actions import Action, Op, Schedule
-from fxpipe.runtime.backward_split import WeightWork, backward_input, backward_weight
+from fxpipe.runtime.checks import check_actions, check_fits
 from fxpipe.runtime.data_parallel import GradSynchronizer
 from fxpipe.runtime.mesh import Mesh
 from fxpipe.runtime.precision import LossScaler, autocast_dtype, found_nonfinite
-from fxpipe.runtime.timeline import TimelineEvent, action_label
-
-from fxpipe.runtime.validate import ScheduleError
+from fxpipe.runtime.stage import StageWork
+from fxpipe.schedule.actions import Action, Op, Schedule
+from fxpipe.schedule.timeline import TimelineEvent, action_label
 
 #: receives posted ahead of their RECV action (in list order, so NCCL's per-pair ordering holds):
 #: the peer's data then flows while this rank computes, as the simulator assumes, instead of
@@ -65,67 +65,21 @@ from fxpipe.runtime.validate import ScheduleError
 RECV_LOOKAHEAD = 4
 
 #: one wall-clock event per executed action: ``TimelineEvent(global rank, action_label(action),
-#: start_s, end_s, "compute")`` (a tuple, the format of :mod:`fxpipe.runtime.timeline` and the
+#: start_s, end_s, "compute")`` (a tuple, the format of :mod:`fxpipe.schedule.timeline` and the
 #: simulator); seconds since the epoch (monotonic within a process), comparable across the ranks
 #: of one host. Receives are blocking, so a RECV event spans the wait for the peer.
 Event = TimelineEvent
 
 
-def stage_edges(plan: Plan) -> dict[tuple[int, int], list[str]]:
-    """Values flowing between stages: ``(producer, consumer) -> value names``.
-
-    Derived from every stage's ``inputs`` (the order of the consumer module's arguments); model
-    inputs (producer ``MODEL_INPUT``) are not edges. This is what a schedule's send/receive actions
-    must cover (``fxpipe.runtime.schedules.schedule_for_plan`` builds them from the plan).
-
-    Raises:
-        RuntimeFailure: a stage reads a value the plan does not describe, or a value produced by a
-            later stage (not a pipeline).
-    """
-    edges: dict[tuple[int, int], list[str]] = {}
-    for sp in plan.stages:
-        for name in sp.inputs:
-            info = plan.values.get(name)
-            if info is None:
-                raise RuntimeFailure(
-                    f"stage {sp.index} reads {name!r}, which plan.values does not describe; "
-                    "re-create the plan with `fxpipe plan SPEC`")
-            if info.producer == MODEL_INPUT:
-                continue
-            if info.producer >= sp.index:
-                raise RuntimeFailure(
-                    f"stage {sp.index} reads {name!r} produced by stage {info.producer}, which "
-                    "is not an earlier stage; the plan's stages are not a pipeline - re-create the plan")
-            edges.setdefault((info.producer, sp.index), []).append(name)
-    return edges
-
-
-def _is_float(dtype: torch.dtype) -> bool:
-    return dtype.is_floating_point or dtype.is_complex
-
-
-@dataclass
-class _Fwd:
-    """Saved state of one (stage, micro-batch) between its forward and its last backward."""
-
-    leaves: list[tuple[str, torch.Tensor]]  # received float inputs (autograd leaves)
-    outs: dict[str, torch.Tensor]
-    loss: torch.Tensor | None
-    pending_w: WeightWork | None = None  # after a split B: what W needs
-
-
 @dataclass
 class _StepState:
+    """What one step's actions hand each other across stages and ranks."""
+
     chunks: dict[str, tuple[torch.Tensor, ...]]
     target: tuple[torch.Tensor, ...] | None
     inputs: dict[tuple[int, int], dict[str, torch.Tensor]] = field(default_factory=dict)
-    fwd: dict[tuple[int, int], _Fwd] = field(default_factory=dict)
-    grads: dict[tuple[int, int], dict[str, torch.Tensor]] = field(default_factory=dict)
-    grad_counts: dict[tuple[int, int], dict[str, int]] = field(default_factory=dict)
     send_grads: dict[tuple[int, int], dict[str, torch.Tensor]] = field(default_factory=dict)
     sends: list[tuple[p2p.Pending, str]] = field(default_factory=list)
-    inflight: dict[int, int] = field(default_factory=dict)
-    peak: dict[int, int] = field(default_factory=dict)
     loss_sum: torch.Tensor | None = None
     stepped: bool = False
     posted: dict[int, list[tuple[str, p2p.Pending]]] = field(default_factory=dict)  # by index
@@ -161,7 +115,7 @@ class PipelineExecutor:
 
     Attributes:
         events: one :data:`Event` ``(rank, label, start_s, end_s, lane)`` per executed action,
-            all steps; ``fxpipe.runtime.timeline.write_chrome_trace(ex.events, path)`` dumps them.
+            all steps; ``fxpipe.schedule.timeline.write_chrome_trace(ex.events, path)`` dumps them.
         peak_inflight: stage -> peak micro-batches with activations held, over all steps.
         last_peak_inflight: the same for the last step.
         step_times_s: wall-clock seconds of each :meth:`step`.
@@ -190,7 +144,7 @@ class PipelineExecutor:
         self.device = mesh.device
         self.rank = mesh.rank
         self.m = plan.microbatches
-        self._check_shapes(plan, schedule, mesh)
+        check_fits(plan, schedule, mesh)
         self.local_stages = schedule.stages_of_rank(mesh.pipe_rank)
         if sorted(self.modules) != self.local_stages:
             raise RuntimeFailure(
@@ -198,7 +152,10 @@ class PipelineExecutor:
                 f"{self.local_stages} in the schedule but was given modules for stages "
                 f"{sorted(self.modules)}; pass exactly the stages of schedule.stages_of_rank()")
         self.stage_plans = {sp.index: sp for sp in plan.stages}
-        self.edges = stage_edges(plan)
+        try:
+            self.edges = plan.stage_edges()
+        except PlanError as e:
+            raise RuntimeFailure(str(e)) from None
         self._stage_rank = list(schedule.stage_to_rank)
         self._value_index = {name: i for i, name in enumerate(sorted(plan.values))}
         self._dtypes = {name: getattr(torch, v.dtype) for name, v in plan.values.items()}
@@ -211,8 +168,13 @@ class PipelineExecutor:
                 self._consumers.setdefault(n, []).append(t)
         self.loss_stage = self._find_loss_stage(plan)
         self._split = bool(schedule.split_backward)
-        self._check_actions()
-        self._stage_params = {s: self._params_of(self.modules[s]) for s in self.local_stages}
+        check_actions(schedule, mesh.pipe_rank, self.local_stages, self.edges, self._dtypes)
+        self.work = {s: StageWork(self.stage_plans[s], self.modules[s], plan.values,
+                                  self._consumers, self._split, self._autocast,
+                                  lambda i: self._ctx(self._action),
+                                  plan.model_output if s == self.loss_stage else None)
+                     for s in self.local_stages}
+        self._stage_params = {s: w.params for s, w in self.work.items()}
         self._sync = GradSynchronizer(self._stage_params, self._shared_map(), mesh,
                                       grad_compression)
         # stages whose ALLREDUCE the schedule leaves out: launched after their last backward
@@ -249,29 +211,6 @@ class PipelineExecutor:
         self._unscaled: set[int] = set()
         self._clock0 = time.time() - time.perf_counter()
 
-    # ------------------------------------------------------------------ construction checks
-    @staticmethod
-    def _check_shapes(plan: Plan, schedule: Schedule, mesh: Mesh) -> None:
-        problems = []
-        if plan.pipeline != mesh.pipeline or plan.dp != mesh.dp:
-            problems.append(f"plan is pipeline={plan.pipeline} x dp={plan.dp} but the mesh is "
-                            f"{mesh.pipeline} x {mesh.dp}; build Mesh(plan.pipeline, plan.dp)")
-        if schedule.num_ranks != plan.pipeline or len(schedule.actions) != plan.pipeline:
-            problems.append(f"schedule has {schedule.num_ranks} ranks ({len(schedule.actions)} "
-                            f"action lists) but the plan has pipeline={plan.pipeline}")
-        if schedule.num_stages != plan.num_stages or len(schedule.stage_to_rank) != plan.num_stages:
-            problems.append(f"schedule has {schedule.num_stages} stages but the plan has "
-                            f"{plan.num_stages}")
-        if schedule.microbatches != plan.microbatches:
-            problems.append(f"schedule runs {schedule.microbatches} micro-batches but the plan "
-                            f"has {plan.microbatches}")
-        if sorted(sp.index for sp in plan.stages) != list(range(plan.num_stages)):
-            problems.append("plan.stages indices are not 0..num_stages-1")
-        if problems:
-            raise ScheduleError("schedule does not fit the plan: " + "; ".join(problems)
-                                + ". Generate the schedule from this plan's pipeline, stages "
-                                "and micro-batches")
-
     def _find_loss_stage(self, plan: Plan) -> int:
         holders = [sp.index for sp in plan.stages if plan.model_output in sp.outputs]
         if len(holders) != 1:
@@ -279,76 +218,6 @@ class PipelineExecutor:
                 f"the model output {plan.model_output!r} is in the outputs of stages {holders}; "
                 "exactly one stage must return it - re-create the plan")
         return holders[0]
-
-    def _check_actions(self) -> None:
-        """Every local stage needs F, B (and W) once per micro-batch, and every edge to another
-        rank its sends/receives; raise ScheduleError naming what is missing."""
-        pr = self.mesh.pipe_rank
-        acts = self.schedule.actions[pr]
-        seen: dict[tuple, int] = {}
-        for a in acts:
-            if a.stage not in self.modules:
-                raise ScheduleError(
-                    f"pipeline rank {pr}'s action {a} belongs to stage {a.stage}, which rank {pr} "
-                    f"does not hold (it holds {self.local_stages}); the schedule is corrupt")
-            if a.op in (Op.SEND_F, Op.RECV_F, Op.SEND_B, Op.RECV_B):
-                pair = (a.stage, a.peer) if a.op in (Op.SEND_F, Op.RECV_B) else (a.peer, a.stage)
-                if pair not in self.edges:
-                    raise ScheduleError(
-                        f"action {a} on pipeline rank {pr}: no values flow from stage {pair[0]} "
-                        f"to stage {pair[1]} in the plan; build the schedule from this plan "
-                        "(fxpipe.runtime.schedules.schedule_for_plan)")
-            if a.op in (Op.F, Op.B, Op.W, Op.SEND_F, Op.RECV_F, Op.SEND_B, Op.RECV_B) and not (
-                    0 <= a.microbatch < self.m):
-                raise ScheduleError(f"action {a} on pipeline rank {pr}: micro-batch "
-                                    f"{a.microbatch} is outside 0..{self.m - 1}")
-            key = (a.op, a.stage, a.microbatch, a.peer)
-            seen[key] = seen.get(key, 0) + 1
-        last_bwd = Op.W if self._split else Op.B
-        for pos, a in enumerate(acts):
-            if a.op is Op.ALLREDUCE and any(b.op is last_bwd and b.stage == a.stage
-                                            for b in acts[pos + 1:]):
-                raise ScheduleError(
-                    f"pipeline rank {pr}: {a} comes before the last {last_bwd.value} of stage "
-                    f"{a.stage}, so it would all-reduce incomplete gradients; place ALLREDUCE "
-                    "after the stage's last backward")
-        missing, dup = [], [k for k, n in seen.items() if n > 1 and k[0] is not Op.ALLREDUCE]
-        compute = [Op.F, Op.B] + ([Op.W] if self._split else [])
-        for s in self.local_stages:
-            for i in range(self.m):
-                missing += [Action(op, s, i) for op in compute if (op, s, i, -1) not in seen]
-        for (s, t), names in self.edges.items():
-            if self._stage_rank[s] == self._stage_rank[t]:
-                continue
-            grads = any(_is_float(self._dtypes[n]) for n in names)
-            for i in range(self.m):
-                if s in self.modules:
-                    need = [Op.SEND_F] + ([Op.RECV_B] if grads else [])
-                    missing += [Action(op, s, i, t) for op in need if (op, s, i, t) not in seen]
-                if t in self.modules:
-                    need = [Op.RECV_F] + ([Op.SEND_B] if grads else [])
-                    missing += [Action(op, t, i, s) for op in need if (op, t, i, s) not in seen]
-        if missing or dup:
-            text = []
-            if missing:
-                text.append("missing " + " ".join(str(a) for a in missing[:12])
-                            + (f" (+{len(missing) - 12} more)" if len(missing) > 12 else ""))
-            if dup:
-                text.append("repeated " + " ".join(str(Action(*k)) for k in dup[:12]))
-            raise ScheduleError(
-                f"schedule {self.schedule.name!r} for pipeline rank {pr}: " + "; ".join(text)
-                + ". Every stage needs F and B (and W when split_backward) once per micro-batch, "
-                "and every edge between ranks a send and a receive in each direction: build it "
-                "with fxpipe.runtime.schedules.schedule_for_plan(plan)")
-
-    @staticmethod
-    def _params_of(module: nn.Module) -> list[nn.Parameter]:
-        out, seen = [], set()
-        for p in module.parameters():
-            if p.requires_grad and id(p) not in seen:
-                seen.add(id(p))
-                out.append(p)
-        return out
 
     def _shared_map(self) -> dict[int, tuple[tuple[int, ...], str]]:
         """Parameter object id -> (pipeline ranks holding it, canonical FQN), for shared params.
@@ -408,7 +277,7 @@ class PipelineExecutor:
         labels = self._labels
         for idx, a in enumerate(acts):
             start = time.perf_counter()
-            st.index = idx
+            st.index, self._action = idx, a
             try:
                 # keep the next RECV_LOOKAHEAD receives posted (the current one included)
                 while posted_upto < len(recvs) and recvs[posted_upto] < idx:
@@ -428,14 +297,15 @@ class PipelineExecutor:
         if not st.stepped:
             first = self.local_stages[0] if self.local_stages else -1
             self._finish_step(st, Action(Op.STEP, first))
-        leftovers = [f"{s}:{i}" for (s, i) in st.fwd] + [f"{s}:{i}" for (s, i) in st.send_grads]
+        leftovers = ([f"{s}:{i}" for s, w in self.work.items() for i in w.leftovers()]
+                     + [f"{s}:{i}" for (s, i) in st.send_grads])
         if leftovers:
             raise ScheduleError(
                 f"rank {self.rank}: the schedule left stage:micro-batch {leftovers} without their "
                 "backward or gradient send; check the schedule with the validator")
         loss = self._reduce_loss(st)
-        self.last_peak_inflight = dict(st.peak)
-        for s, v in st.peak.items():
+        self.last_peak_inflight = {s: w.peak for s, w in self.work.items()}
+        for s, v in self.last_peak_inflight.items():
             self.peak_inflight[s] = max(self.peak_inflight.get(s, 0), v)
         self.step_times_s.append(time.perf_counter() - t0)
         self._steps_run += 1
@@ -457,9 +327,9 @@ class PipelineExecutor:
                 raise RuntimeFailure(f"rank {self.rank} holds the loss stage {self.loss_stage} but "
                                      "step() got target=None; pass the batch's targets")
             tgt = self._chunk("target", target)
-        return _StepState(chunks=chunks, target=tgt,
-                          inflight={s: 0 for s in self.local_stages},
-                          peak={s: 0 for s in self.local_stages})
+        for w in self.work.values():
+            w.reset()
+        return _StepState(chunks=chunks, target=tgt)
 
     def _chunk(self, name: str, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         b, m, mbs = x.shape[0], self.m, self.plan.microbatch_size
@@ -488,10 +358,9 @@ class PipelineExecutor:
     # ------------------------------------------------------------------ compute
     def _forward(self, a: Action, st: _StepState) -> None:
         s, i = a.stage, a.microbatch
-        sp = self.stage_plans[s]
         received = st.inputs.pop((s, i), {})
-        args, leaves = [], []
-        for name in sp.inputs:
+        args = []
+        for name in self.stage_plans[s].inputs:
             if name in self._model_inputs:
                 args.append(st.chunks[name][i])
                 continue
@@ -500,133 +369,40 @@ class PipelineExecutor:
                 raise ScheduleError(f"{self._ctx(a)}: input {name!r} has not arrived (its RECV_F "
                                     "or the producing stage's F comes later in the schedule)")
             args.append(t)
-            if t.requires_grad:
-                leaves.append((name, t))
-        with self._autocast():
-            out = self.modules[s](*args)
-        if isinstance(out, torch.Tensor):
-            out = (out,)
-        if not isinstance(out, (tuple, list)) or len(out) != len(sp.outputs):
-            raise RuntimeFailure(
-                f"{self._ctx(a)}: the stage module returned "
-                f"{len(out) if isinstance(out, (tuple, list)) else type(out).__name__} values but "
-                f"the plan lists {len(sp.outputs)} outputs {sp.outputs}; build the stage modules "
-                "from this plan")
-        outs = dict(zip(sp.outputs, out))
-        if self._amp_dtype is not None:
-            outs = {name: self._to_plan_dtype(name, t) for name, t in outs.items()}
-        for name, t in outs.items():
-            info = self.plan.values.get(name)
-            if info is not None and name in self._consumers and (
-                    list(t.shape) != list(info.shape) or t.dtype != self._dtypes[name]):
-                raise RuntimeFailure(
-                    f"{self._ctx(a)}: value {name!r} is {tuple(t.shape)} {t.dtype} but the plan "
-                    f"says {tuple(info.shape)} {info.dtype} per micro-batch; re-plan with the "
-                    "batch size and sequence length used for training")
-        loss = None
-        if s == self.loss_stage:
-            with self._autocast():
-                loss = self.loss_fn(outs[self.plan.model_output], st.target[i]) / self.m
-            d = loss.detach().float()
-            st.loss_sum = d.clone() if st.loss_sum is None else st.loss_sum + d
-            if self.loss_scaler is not None:  # the backward starts from the scaled loss
-                loss = loss.float() * self.loss_scaler.scale
-        st.fwd[(s, i)] = _Fwd(leaves, outs, loss)
-        st.grads[(s, i)] = {}
-        st.grad_counts[(s, i)] = {}
+        scale = self.loss_scaler.scale if self.loss_scaler is not None else None
+        target = st.target[i] if s == self.loss_stage else None
+        outs, loss = self.work[s].forward(i, args, self._microbatch_loss, target, scale)
+        if loss is not None:
+            st.loss_sum = loss.clone() if st.loss_sum is None else st.loss_sum + loss
         # same-rank hand-over (interleaved / V placements): a fresh leaf, like a received value
         for (p, t), names in self.edges.items():
             if p == s and t in self.modules:
                 slot = st.inputs.setdefault((t, i), {})
                 for n in names:
                     v = outs[n].detach()
-                    slot[n] = v.requires_grad_() if _is_float(v.dtype) else v
-        st.inflight[s] += 1
-        st.peak[s] = max(st.peak[s], st.inflight[s])
+                    slot[n] = v.requires_grad_() if needs_grad(v.dtype) else v
+
+    def _microbatch_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The loss of one micro-batch as its share of the step's mean (gradients accumulated
+        over the ``m`` micro-batches then equal those of the whole batch's mean loss)."""
+        return self.loss_fn(output, target) / self.m
 
     def _autocast(self):
         """``torch.autocast`` for this rank's device with the precision's dtype (off for fp32)."""
         return torch.autocast(self.device.type, dtype=self._amp_dtype or torch.float32,
                               enabled=self._amp_dtype is not None)
 
-    def _to_plan_dtype(self, name: str, t: torch.Tensor) -> torch.Tensor:
-        """Cast a stage output that other stages read to its plan dtype (autocast may have made it
-        16-bit); differentiable, so its gradient comes back in the plan dtype as well."""
-        want = self._dtypes.get(name)
-        if (want is None or name not in self._consumers or not isinstance(t, torch.Tensor)
-                or t.dtype == want or not (t.dtype.is_floating_point and want.is_floating_point)):
-            return t
-        return t.to(want)
-
-    def _outputs_and_grads(self, a: Action, st: _StepState, f: _Fwd):
-        s, i = a.stage, a.microbatch
-        tensors, grads = [], []
-        if f.loss is not None:
-            tensors.append(f.loss)
-            grads.append(None)
-        got, counts = st.grads.pop((s, i)), st.grad_counts.pop((s, i))
-        for name, out in f.outs.items():
-            consumers = self._consumers.get(name, [])
-            if not consumers or not _is_float(out.dtype):
-                continue
-            if counts.get(name, 0) != len(consumers):
-                raise ScheduleError(
-                    f"{self._ctx(a)}: backward started with {counts.get(name, 0)} of "
-                    f"{len(consumers)} gradients of {name!r} (consumers: stages {consumers}); a "
-                    "RECV_B or a consumer's B must come before this B")
-            if out.requires_grad:
-                tensors.append(out)
-                grads.append(got[name])
-        return tensors, grads
-
     def _backward(self, a: Action, st: _StepState) -> None:
         s, i = a.stage, a.microbatch
-        f = st.fwd.get((s, i))
-        if f is None or f.pending_w is not None:
-            raise ScheduleError(f"{self._ctx(a)}: backward before forward (or twice)")
-        tensors, grads = self._outputs_and_grads(a, st, f)
-        names = [n for n, _ in f.leaves]
-        leaves = [t for _, t in f.leaves]
-        if not self._split:
-            if tensors:
-                torch.autograd.backward(tensors, grads)
-            in_grads = [t.grad for t in leaves]
-            del st.fwd[(s, i)]  # frees the micro-batch's activations
-            st.inflight[s] -= 1
-        else:
-            in_grads, f.pending_w = backward_input(tensors, grads, leaves, self._stage_params[s])
-            f.leaves = []
-        self._route_input_grads(a, st, names, leaves, in_grads)
-
-    def _route_input_grads(self, a, st, names, leaves, in_grads) -> None:
-        s, i = a.stage, a.microbatch
-        for name, leaf, g in zip(names, leaves, in_grads):
-            if g is None:
-                g = torch.zeros_like(leaf)
+        for name, g in self.work[s].backward(i):
             producer = self.plan.values[name].producer
             if producer in self.modules:
-                self._accumulate(st, producer, i, name, g)
+                self.work[producer].add_output_grad(i, name, g)
             else:
                 st.send_grads.setdefault((s, i), {})[name] = g
 
-    @staticmethod
-    def _accumulate(st: _StepState, s: int, i: int, name: str, g: torch.Tensor) -> None:
-        got = st.grads.get((s, i))
-        if got is None:
-            raise ScheduleError(f"gradient of {name!r} for stage {s} micro-batch {i} arrived "
-                                "before that stage's forward")
-        got[name] = g if name not in got else got[name] + g
-        counts = st.grad_counts[(s, i)]
-        counts[name] = counts.get(name, 0) + 1
-
     def _weight(self, a: Action, st: _StepState) -> None:
-        s, i = a.stage, a.microbatch
-        f = st.fwd.get((s, i))
-        if f is None or f.pending_w is None:
-            raise ScheduleError(f"{self._ctx(a)}: W before its B")
-        backward_weight(f.pending_w)
-        del st.fwd[(s, i)]
-        st.inflight[s] -= 1
+        self.work[a.stage].weight(a.microbatch)
 
     # ------------------------------------------------------------------ communication
     def _peer_rank(self, stage: int) -> int:
@@ -643,12 +419,9 @@ class PipelineExecutor:
         s, t, i = a.stage, a.peer, a.microbatch
         if self._same_rank(s, t):
             return
-        f = st.fwd.get((s, i))
-        if f is None:
-            raise ScheduleError(f"{self._ctx(a)}: send before the stage's forward")
         ctx, dst = self._ctx(a), self._peer_rank(t)
         for name in self.edges[(s, t)]:
-            pend = p2p.isend(f.outs[name], dst, self._tag(name, t, i, False),
+            pend = p2p.isend(self.work[s].output(i, name), dst, self._tag(name, t, i, False),
                              f"send of {name!r} to stage {t}", ctx, self.timeout_s)
             st.sends.append((pend, ctx))
 
@@ -677,10 +450,10 @@ class PipelineExecutor:
         slot = st.inputs.setdefault((t, i), {})
         for name, pd in pend:
             buf = p2p.wait(pd, ctx, self.timeout_s)
-            slot[name] = buf.requires_grad_() if _is_float(buf.dtype) else buf
+            slot[name] = buf.requires_grad_() if needs_grad(buf.dtype) else buf
 
     def _float_names(self, s: int, t: int) -> list[str]:
-        return [n for n in self.edges[(s, t)] if _is_float(self._dtypes[n])]
+        return [n for n in self.edges[(s, t)] if self.plan.values[n].requires_grad]
 
     def _send_b(self, a: Action, st: _StepState) -> None:
         t, s, i = a.stage, a.peer, a.microbatch
@@ -707,7 +480,7 @@ class PipelineExecutor:
         ctx = self._ctx(a)
         pend = st.posted.pop(st.index, None) or self._post_recv(a)
         for n, pd in pend:
-            self._accumulate(st, s, i, n, p2p.wait(pd, ctx, self.timeout_s))
+            self.work[s].add_output_grad(i, n, p2p.wait(pd, ctx, self.timeout_s))
 
     # ------------------------------------------------------------------ step end
     def _stage_done(self, stage: int) -> None:

@@ -1,6 +1,6 @@
 """Exact pipeline-stage partitioning: minimise the slowest stage, subject to memory and placement.
 
-Given a :class:`~fxpipe.partitioner.chain.CutProblem` (units in a fixed topological order, the
+Given a :class:`~fxpipe.partitioner.problem.CutProblem` (units in a fixed topological order, the
 values between them, per-stage memory and links), :func:`optimal_partition` finds the cut into
 ``k`` contiguous non-empty stages whose largest stage cost (compute + communication, seconds per
 micro-batch) is the smallest possible, with every stage fitting its device memory, every pinned
@@ -21,10 +21,8 @@ PipeDream's planner, Narayanan et al., SOSP 2019):
   over ``B`` (bisection, snapping to attained stage costs, then a certificate one float below the
   answer) finds the exact optimum in a few dozen sweeps.
 
-Baselines for benchmarks, priced by the same :func:`~fxpipe.partitioner.chain.evaluate`:
-:func:`equal_layers_partition` (equal unit or block counts per stage) and
-:func:`param_balanced_partition` (DeepSpeed ``PipelineModule(partition_method='parameters')``
-style: balance parameter bytes). :func:`brute_force_partition` enumerates every cut set (tests).
+:func:`brute_force_partition` enumerates every cut set (the tests' reference). The baselines
+live in :mod:`fxpipe.partitioner.baselines`.
 
 Pure Python + numpy; no torch.
 """
@@ -33,42 +31,35 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from fxpipe.errors import PlanError
-from fxpipe.partitioner.chain import (
+from fxpipe.partitioner.problem import (
     CutProblem,
     PartitionResult,
-    Value,
-    ValueTable,
     comm_seconds,
     evaluate,
-    format_bytes,
-    inflight_1f1b,
-    inflight_gpipe,
-    node_boundary_bandwidths,
     stage_memory,
 )
+from fxpipe.units import human_bytes, plural
 
-__all__ = [
-    "CutProblem",
-    "Value",
-    "ValueTable",
-    "PartitionResult",
-    "evaluate",
-    "optimal_partition",
-    "brute_force_partition",
-    "equal_layers_partition",
-    "param_balanced_partition",
-    "inflight_1f1b",
-    "inflight_gpipe",
-    "node_boundary_bandwidths",
-]
+__all__ = ["optimal_partition", "brute_force_partition"]
 
 _NEG = -np.inf
+
+#: Relative slack on a bottleneck bound when pruning stage ends by prefix weights: wide enough
+#: that float rounding in the prefix sums never prunes a feasible end.
+PRUNE_SLACK = 1e-9
+#: Absolute floor of that slack (keeps a zero bound from pruning zero-cost ends).
+PRUNE_FLOOR = 1e-300
+#: Relative width below which the parametric search stops bisecting values and steps one float
+#: below the incumbent instead (a certificate that nothing smaller is feasible).
+BISECT_RELATIVE_WIDTH = 1e-9
+#: Factor on the lower bound handed to the parametric search, so that a bound attained exactly
+#: (up to rounding) is still tested as feasible from below.
+LOWER_BOUND_MARGIN = 1 - 1e-12
 
 
 # ---------------------------------------------------------------------------------------------
@@ -77,7 +68,7 @@ _NEG = -np.inf
 
 
 @dataclass
-class _Bounds:
+class Bounds:
     """Index bounds shared by the solvers, for ``n`` units and ``k`` stages.
 
     ``start_min[b]``: smallest start ``a`` of a stage ending at ``b`` allowed by forced cuts.
@@ -93,7 +84,7 @@ class _Bounds:
     end_hi: np.ndarray
 
 
-def _bounds(n: int, k: int, forced: np.ndarray, pin_units: np.ndarray, pin_stages: np.ndarray) -> _Bounds:
+def index_bounds(n: int, k: int, forced: np.ndarray, pin_units: np.ndarray, pin_stages: np.ndarray) -> Bounds:
     marker = np.full(n + 1, -1, dtype=np.int64)
     if forced.size:
         marker[forced + 2] = forced  # a stage ending at b > f+1 must start after f
@@ -106,7 +97,7 @@ def _bounds(n: int, k: int, forced: np.ndarray, pin_units: np.ndarray, pin_stage
     j = np.arange(k)
     end_lo = np.maximum(j + 1, pin_hi + 1)
     end_hi = n - (k - 1 - j)
-    return _Bounds(n, k, start_min, pin_lo, end_lo, end_hi)
+    return Bounds(n, k, start_min, pin_lo, end_lo, end_hi)
 
 
 def _check_structure(problem: CutProblem) -> None:
@@ -115,8 +106,8 @@ def _check_structure(problem: CutProblem) -> None:
     n, k = problem.n, problem.num_stages
     if k > n:
         raise PlanError(
-            f"cannot cut {_plural(n, 'unit')} into {_plural(k, 'stage')}: every stage needs at least "
-            f"one unit; use at most {_plural(n, 'pipeline stage')} or price the model at a finer "
+            f"cannot cut {plural(n, 'unit')} into {plural(k, 'stage')}: every stage needs at least "
+            f"one unit; use at most {plural(n, 'pipeline stage')} or price the model at a finer "
             "granularity"
         )
     forced = problem.forced
@@ -185,7 +176,7 @@ def _group(e: np.ndarray, *cols: np.ndarray, n: int) -> tuple[np.ndarray, list[n
     return ptr, [c[order] for c in cols]
 
 
-def _solve_dp(problem: CutProblem, bd: _Bounds) -> list[int] | None:
+def _solve_dp(problem: CutProblem, bd: Bounds) -> list[int] | None:
     """Exact O(k n^2) DP for any value structure. Returns stage starts, or None if infeasible."""
     n, k = problem.n, problem.num_stages
     T, P, A = problem.T, problem.P, problem.A
@@ -278,7 +269,7 @@ def _f2k(x: float) -> int:
     return i if i >= 0 else -(i + (1 << 63))
 
 
-class _Separable:
+class SeparableSweep:
     """Minimise ``max_j F[j][b_j] - G[j][a_j]`` over partitions (stage j = [a_j, b_j)).
 
     ``F``/``G``: per stage float64 ``(n+1,)`` arrays with ``F[j][b] >= G[j][a]`` for ``a < b``.
@@ -298,7 +289,7 @@ class _Separable:
 
     def __init__(
         self,
-        bd: _Bounds,
+        bd: Bounds,
         F: list[np.ndarray],
         G: list[np.ndarray],
         start_lo: list[np.ndarray | None],
@@ -331,7 +322,7 @@ class _Separable:
         hi = self.end_hi.copy()
         if self.base is not None and math.isfinite(B):
             W = self.base
-            Bm = B * (1 + 1e-9) + 1e-300  # conservative: never prunes a feasible end
+            Bm = B * (1 + PRUNE_SLACK) + PRUNE_FLOOR  # conservative: never prunes a feasible end
             j = np.arange(k)
             hi = np.minimum(hi, np.searchsorted(W, (j + 1) * Bm, "right") - 1)
             lo = np.maximum(lo, np.searchsorted(W, W[n] - (k - 1 - j) * Bm, "left"))
@@ -437,7 +428,7 @@ class _Separable:
             return self.trace(r)[0]
         # invariant: feasible(hi) (hi is an attained bottleneck), not feasible(lo)
         while _f2k(hi) - _f2k(lo) > 1:
-            if hi - lo > 1e-9 * abs(hi):
+            if hi - lo > BISECT_RELATIVE_WIDTH * abs(hi):
                 mid = lo + (hi - lo) / 2
             else:  # narrow: try one float below the incumbent (a certificate), else bisect bits
                 below = float(np.nextafter(hi, -np.inf))
@@ -483,7 +474,7 @@ def _memory_start_lo(problem: CutProblem, j: int) -> np.ndarray:
     return lo
 
 
-def _start_lo(problem: CutProblem, bd: _Bounds, use_memory: bool) -> list[np.ndarray | None]:
+def _start_lo(problem: CutProblem, bd: Bounds, use_memory: bool) -> list[np.ndarray | None]:
     k = problem.num_stages
     forced = problem.forced.size > 0
     out: list[np.ndarray | None] = []
@@ -500,7 +491,7 @@ def _start_lo(problem: CutProblem, bd: _Bounds, use_memory: bool) -> list[np.nda
     return out
 
 
-def _solve_chain(problem: CutProblem, bd: _Bounds) -> list[int] | None:
+def _solve_chain(problem: CutProblem, bd: Bounds) -> list[int] | None:
     """Exact parametric search for chains (every value read only by the next unit)."""
     k, T = problem.num_stages, problem.T
     wb, wc, _ = problem.boundary_comm()
@@ -515,9 +506,9 @@ def _solve_chain(problem: CutProblem, bd: _Bounds) -> list[int] | None:
             cache[key] = (T + send, T - recv)
         F.append(cache[key][0])
         G.append(cache[key][1])
-    solver = _Separable(bd, F, G, _start_lo(problem, bd, use_memory=True), base=T)
+    solver = SeparableSweep(bd, F, G, _start_lo(problem, bd, use_memory=True), base=T)
     t = np.diff(T)
-    lb = max(problem.lower_bound_s, float(t.max())) * (1 - 1e-12)
+    lb = max(problem.lower_bound_s, float(t.max())) * LOWER_BOUND_MARGIN
     return solver.solve(lb)
 
 
@@ -545,7 +536,7 @@ def optimal_partition(problem: CutProblem, method: str = "auto") -> PartitionRes
     if method not in ("auto", "dp", "chain"):
         raise PlanError(f"unknown planner method {method!r}; use 'auto', 'dp' or 'chain'")
     _check_structure(problem)
-    bd = _bounds(problem.n, problem.num_stages, problem.forced, problem.pin_units, problem.pin_stages)
+    bd = index_bounds(problem.n, problem.num_stages, problem.forced, problem.pin_units, problem.pin_stages)
     if method == "auto":
         method = "chain" if problem.is_chain else "dp"
     if method == "chain" and not problem.is_chain:
@@ -562,7 +553,7 @@ def optimal_partition(problem: CutProblem, method: str = "auto") -> PartitionRes
     return result
 
 
-def _infeasible(problem: CutProblem, bd: _Bounds) -> PlanError:
+def _infeasible(problem: CutProblem, bd: Bounds) -> PlanError:
     """Explain why no partition exists (after :func:`_check_structure` passed)."""
     n, k = problem.n, problem.num_stages
     if problem.cap is None:
@@ -573,7 +564,7 @@ def _infeasible(problem: CutProblem, bd: _Bounds) -> PlanError:
     # The split needing the least memory (relative to each stage's capacity) still does not fit.
     mult = float(problem.param_multiplier)
     F = [stage_memory(mult, problem.P, float(problem.inflight_arr[j]), problem.A) / float(problem.cap[j]) for j in range(k)]
-    solver = _Separable(bd, F, F, _start_lo(problem, bd, use_memory=False))
+    solver = SeparableSweep(bd, F, F, _start_lo(problem, bd, use_memory=False))
     cuts = solver.solve(0.0)
     if cuts is None:
         return PlanError(
@@ -587,18 +578,13 @@ def _infeasible(problem: CutProblem, bd: _Bounds) -> PlanError:
     what = problem.unit_label(a) + " alone" if b - a == 1 else f"units {a}..{b - 1}"
     m = float(problem.inflight_arr[j])
     return PlanError(
-        f"no split of {_plural(n, 'unit')} into {_plural(k, 'stage')} fits device memory: even "
-        f"the split that needs the least memory puts {format_bytes(res.memory_bytes[j])} on stage "
-        f"{j} ({what}: {format_bytes(res.param_bytes[j])} of parameters x {mult:g} for weights, "
+        f"no split of {plural(n, 'unit')} into {plural(k, 'stage')} fits device memory: even "
+        f"the split that needs the least memory puts {human_bytes(res.memory_bytes[j], decimal=True)} on stage "
+        f"{j} ({what}: {human_bytes(res.param_bytes[j], decimal=True)} of parameters x {mult:g} for weights, "
         f"gradients and optimizer state, plus {m:g} micro-batch{'' if m == 1 else 'es'} in flight "
-        f"x {format_bytes(res.saved_bytes[j])} of activations) but the device has "
-        f"{format_bytes(problem.cap[j])}; " + _memory_fixes(problem, res, j)
+        f"x {human_bytes(res.saved_bytes[j], decimal=True)} of activations) but the device has "
+        f"{human_bytes(problem.cap[j], decimal=True)}; " + _memory_fixes(problem, res, j)
     )
-
-
-def _plural(n: int, word: str) -> str:
-    """``"1 unit"``, ``"2 units"``."""
-    return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
 
 def _memory_fixes(problem: CutProblem, res: PartitionResult, j: int) -> str:
@@ -626,7 +612,7 @@ def _memory_fixes(problem: CutProblem, res: PartitionResult, j: int) -> str:
                          "data.batch_size)")
     elif params_alone >= float(problem.cap[j]):
         note = (f" (the parameters alone, with gradients and optimizer state, need "
-                f"{format_bytes(params_alone)})")
+                f"{human_bytes(params_alone, decimal=True)})")
     fixes.append("a device with more memory")
     head = ", ".join(fixes[:-1])
     return "use " + (f"{head}, or {fixes[-1]}" if head else fixes[-1]) + note
@@ -661,60 +647,3 @@ def brute_force_partition(problem: CutProblem, max_candidates: int = 1_000_000) 
     return best
 
 
-def _blocks(problem: CutProblem, block_starts: Sequence[int] | None) -> np.ndarray:
-    n, k = problem.n, problem.num_stages
-    if block_starts is None:
-        bs = np.arange(n, dtype=np.int64)
-    else:
-        bs = np.unique(np.asarray(list(block_starts), dtype=np.int64))
-        if bs.size == 0 or bs[0] != 0 or bs[-1] >= n:
-            raise PlanError(
-                f"block_starts must start at 0 and stay below {n} (one entry per block's first unit); "
-                f"got {list(block_starts)[:8]}"
-            )
-    if bs.size < k:
-        raise PlanError(
-            f"{bs.size} blocks cannot fill {k} stages; use at most {bs.size} stages or finer blocks"
-        )
-    return bs
-
-
-def equal_layers_partition(problem: CutProblem, block_starts: Sequence[int] | None = None) -> PartitionResult:
-    """Baseline: the same number of units (or of blocks, e.g. transformer layers) per stage.
-
-    Stage ``j`` starts at block ``round(j * nblocks / k)``. Pins, forced cuts and memory are not
-    honoured; breaches are listed in the result's ``violations``.
-
-    Args:
-        block_starts: first unit of every block (sorted, starting at 0); None = one unit per block.
-
-    Raises:
-        PlanError: fewer blocks than stages, or malformed ``block_starts``.
-    """
-    bs = _blocks(problem, block_starts)
-    k, nb = problem.num_stages, bs.size
-    idx = [int(math.floor(j * nb / k + 0.5)) for j in range(k)]
-    return evaluate(problem, [int(bs[i]) for i in idx], method="equal_layers")
-
-
-def param_balanced_partition(problem: CutProblem, block_starts: Sequence[int] | None = None) -> PartitionResult:
-    """Baseline: balance parameter bytes per stage, as DeepSpeed's
-    ``PipelineModule(partition_method='parameters')`` does (min-max of per-stage parameter bytes
-    over contiguous splits of the blocks; exact, via the separable solver).
-
-    Pins, forced cuts, compute, communication and memory limits are ignored for the choice (priced
-    afterwards by :func:`evaluate`; breaches are listed in ``violations``).
-
-    Args:
-        block_starts: first unit of every block (sorted, starting at 0); None = one unit per block.
-
-    Raises:
-        PlanError: fewer blocks than stages, or malformed ``block_starts``.
-    """
-    bs = _blocks(problem, block_starts)
-    k, nb = problem.num_stages, bs.size
-    Pb = problem.P[np.append(bs, problem.n)]  # (nb+1,) parameter bytes before each block boundary
-    bd = _bounds(nb, k, np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
-    cuts = _Separable(bd, [Pb] * k, [Pb] * k, [None] * k, base=Pb).solve(0.0)
-    assert cuts is not None  # nb >= k: always feasible without constraints
-    return evaluate(problem, [int(bs[i]) for i in cuts], method="param_balanced")

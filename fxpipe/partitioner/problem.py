@@ -36,7 +36,7 @@ two Adam moments; ``inflight[j]`` is the number of micro-batches whose activatio
 keeps alive on stage ``j`` (1F1B: ``p - j``; GPipe: ``m``; see :func:`inflight_1f1b`).
 
 :func:`evaluate` prices any cut set with this cost function. The planner's dynamic programs
-(:mod:`fxpipe.partitioner.planner`) use the same :func:`comm_seconds` and :func:`stage_memory`
+(:mod:`fxpipe.partitioner.solvers`) use the same :func:`comm_seconds` and :func:`stage_memory`
 formulas on the same prefix sums, so their optimum and ``evaluate`` agree up to float rounding
 (memory feasibility agrees exactly).
 
@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,6 +55,7 @@ from typing import Any
 import numpy as np
 
 from fxpipe.errors import PlanError
+from fxpipe.units import human_bytes
 
 __all__ = [
     "Value",
@@ -66,7 +68,6 @@ __all__ = [
     "inflight_1f1b",
     "inflight_gpipe",
     "node_boundary_bandwidths",
-    "format_bytes",
 ]
 
 
@@ -132,15 +133,6 @@ def node_boundary_bandwidths(
         inter_node_Bps if (j + 1) % stages_per_node == 0 else intra_node_Bps
         for j in range(num_stages - 1)
     ]
-
-
-def format_bytes(nbytes: float) -> str:
-    """Human-readable decimal size: ``9.1 GB``, ``512 MB``, ``3 B``."""
-    nbytes = float(nbytes)
-    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(nbytes) >= scale:
-            return f"{nbytes / scale:.3g} {unit}"
-    return f"{nbytes:.3g} B"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -316,160 +308,12 @@ class CutProblem:
     forced_cuts: Sequence[int] = ()
     pins: Mapping[int, int] = field(default_factory=dict)
     unit_names: Sequence[str] | None = None
-
-    # derived (filled by __post_init__)
-    n: int = field(init=False, repr=False)
-    T: np.ndarray = field(init=False, repr=False)  # (n+1,) prefix sums of compute_s
-    P: np.ndarray = field(init=False, repr=False)  # (n+1,) prefix sums of param_bytes
-    A: np.ndarray = field(init=False, repr=False)  # (n+1,) prefix sums of saved_bytes
-    table: ValueTable = field(init=False, repr=False)  # communicated values only (producer >= 0)
-    inv_bw_in: np.ndarray = field(init=False, repr=False)  # (k,) s/byte of stage j's incoming link
-    inv_bw_out: np.ndarray = field(init=False, repr=False)  # (k,) s/byte of stage j's outgoing link
-    cap: np.ndarray | None = field(init=False, repr=False)  # (k,) bytes or None
-    inflight_arr: np.ndarray = field(init=False, repr=False)  # (k,) float
-    forced: np.ndarray = field(init=False, repr=False)  # sorted unique int64 positions
-    pin_units: np.ndarray = field(init=False, repr=False)  # int64, sorted
-    pin_stages: np.ndarray = field(init=False, repr=False)  # int64, aligned with pin_units
-    is_chain: bool = field(init=False, repr=False)
+    derived: Derived = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        s = object.__setattr__
-        t = _unit_array("compute_s", self.compute_s, None)
-        n = int(t.shape[0])
-        if n < 1:
-            raise PlanError("the problem has no units; give at least one unit to place")
-        p = _unit_array("param_bytes", self.param_bytes, n)
-        a = _unit_array("saved_bytes", self.saved_bytes, n)
-        k = self.num_stages
-        if not isinstance(k, (int, np.integer)) or k < 1:
-            raise PlanError(f"num_stages is {k!r}; use a positive whole number of pipeline stages")
-        k = int(k)
-        s(self, "n", n)
-        zero = np.zeros(1)
-        s(self, "T", np.concatenate([zero, np.cumsum(t)]))
-        s(self, "P", np.concatenate([zero, np.cumsum(p)]))
-        s(self, "A", np.concatenate([zero, np.cumsum(a)]))
-
-        # values -> table of communicated values
-        vt = self.values if isinstance(self.values, ValueTable) else ValueTable.from_values(self.values)
-        self._check_values(vt, n)
-        counts = np.diff(vt.user_ptr)
-        keep = (vt.producer >= 0) & (counts > 0)
-        if not keep.all():
-            idx = np.flatnonzero(keep)
-            kc = counts[idx]
-            starts = vt.user_ptr[idx]
-            ptr = np.concatenate([[0], np.cumsum(kc)]).astype(np.int64)
-            # gather each kept value's user slice
-            gather = np.repeat(starts - ptr[:-1], kc) + np.arange(ptr[-1])
-            vt = ValueTable(vt.producer[idx], vt.nbytes[idx], vt.grad[idx], ptr, vt.users[gather])
-        s(self, "table", vt)
-        cnt = np.diff(vt.user_ptr)
-        s(
-            self,
-            "is_chain",
-            bool(np.all(cnt == 1) and np.array_equal(vt.users, vt.producer + 1)),
-        )
-
-        # links
-        s(self, "inv_bw_in", np.zeros(k))
-        s(self, "inv_bw_out", np.zeros(k))
-        inv_boundary = self._boundary_inverse_bandwidths(k)
-        self.inv_bw_in[1:] = inv_boundary
-        self.inv_bw_out[:-1] = inv_boundary
-        lat = float(self.latency_s)
-        if not math.isfinite(lat) or lat < 0:
-            raise PlanError(f"latency_s = {self.latency_s!r}; use a finite, non-negative number of seconds")
-        mult = float(self.param_multiplier)
-        if not math.isfinite(mult) or mult < 0:
-            raise PlanError(f"param_multiplier = {self.param_multiplier!r}; use a non-negative number (4 for Adam)")
-        s(self, "cap", _per_stage("capacity_bytes", self.capacity_bytes, k, allow_none=True, positive=True))
-        s(self, "inflight_arr", _per_stage("inflight", self.inflight, k))
-
-        # forced cuts and pins
-        forced = np.unique(np.asarray(list(self.forced_cuts), dtype=np.int64))
-        if forced.size and (forced[0] < 0 or forced[-1] > n - 2):
-            bad = int(forced[0] if forced[0] < 0 else forced[-1])
-            raise PlanError(
-                f"forced cut after unit {bad} is out of range: cuts fall after units 0..{n - 2} "
-                f"(a cut after the last unit is the end of the pipeline); remove it"
-            )
-        s(self, "forced", forced)
-        items = sorted((int(u), int(st)) for u, st in dict(self.pins).items())
-        pu = np.asarray([u for u, _ in items], dtype=np.int64)
-        ps = np.asarray([st for _, st in items], dtype=np.int64)
-        for u, st in items:
-            if not 0 <= u < n:
-                raise PlanError(f"pin on unit {u} is out of range (units are 0..{n - 1}); remove or fix the pin")
-            if not 0 <= st < k:
-                raise PlanError(
-                    f"{self.unit_label(u)} is pinned to stage {st} but there are only {k} stages "
-                    f"(0..{k - 1}); pin it to an existing stage or use more pipeline stages"
-                )
-        s(self, "pin_units", pu)
-        s(self, "pin_stages", ps)
-        if self.unit_names is not None and len(self.unit_names) != n:
-            raise PlanError(f"unit_names has {len(self.unit_names)} entries for {n} units; give one name per unit")
-
-    # -- helpers ---------------------------------------------------------------------------------
-
-    @staticmethod
-    def _check_values(vt: ValueTable, n: int) -> None:
-        m = len(vt)
-        if not (vt.nbytes.shape == (m,) and vt.grad.shape == (m,) and vt.user_ptr.shape == (m + 1,)):
-            raise PlanError("value table arrays have inconsistent lengths; build it with ValueTable.from_values")
-        if m == 0:
-            return
-        bad = ~np.isfinite(vt.nbytes) | (vt.nbytes < 0)
-        if bad.any():
-            i = int(np.flatnonzero(bad)[0])
-            raise PlanError(f"value {i} has nbytes = {float(vt.nbytes[i])!r}; sizes must be finite and non-negative")
-        if vt.producer.min() < -1 or vt.producer.max() > n - 1:
-            i = int(np.flatnonzero((vt.producer < -1) | (vt.producer > n - 1))[0])
-            raise PlanError(
-                f"value {i} has producer {int(vt.producer[i])}; producers are unit positions 0..{n - 1} "
-                f"or -1 for a model input"
-            )
-        if vt.users.size:
-            owner = np.repeat(np.arange(m), np.diff(vt.user_ptr))
-            bad = (vt.users <= vt.producer[owner]) | (vt.users > n - 1)
-            if bad.any():
-                j = int(np.flatnonzero(bad)[0])
-                i = int(owner[j])
-                raise PlanError(
-                    f"value {i} (producer {int(vt.producer[i])}) has user {int(vt.users[j])}; users must "
-                    f"come after their producer in the unit order and be < {n} (give a topological order)"
-                )
-            same = np.diff(vt.users) <= 0
-            same &= owner[1:] == owner[:-1]
-            if same.any():
-                raise PlanError(
-                    f"value {int(owner[1:][same][0])} has unsorted or repeated users; "
-                    f"build the table with ValueTable.from_values"
-                )
-
-    def _boundary_inverse_bandwidths(self, k: int) -> np.ndarray:
-        bw = self.bandwidth_Bps
-        arr = np.asarray(bw, dtype=np.float64)
-        if arr.ndim == 0:
-            b = np.full(k - 1, float(arr))
-        elif arr.ndim == 1:
-            if arr.shape[0] != k - 1:
-                raise PlanError(
-                    f"bandwidth_Bps has {arr.shape[0]} entries but {k} stages have {k - 1} boundaries; "
-                    f"give one bandwidth, one per boundary, or a {k}x{k} matrix"
-                )
-            b = arr
-        elif arr.ndim == 2 and arr.shape == (k, k):
-            b = np.asarray([arr[j, j + 1] for j in range(k - 1)], dtype=np.float64)
-        else:
-            raise PlanError(
-                f"bandwidth_Bps has shape {arr.shape}; give one bandwidth, {k - 1} (one per boundary) "
-                f"or a {k}x{k} matrix"
-            )
-        if np.any(np.isnan(b)) or np.any(b <= 0):
-            raise PlanError(f"bandwidth_Bps = {b.tolist()} must be positive bytes/s (inf for free links)")
-        return 1.0 / b
+        # the derived arrays are built once, by a function, and held in one field; every field
+        # of :class:`Derived` (``n``, ``T``, ``P``, ``A``, ``table``, ...) reads through
+        object.__setattr__(self, "derived", derive(self))
 
     def unit_label(self, i: int) -> str:
         """``unit 7 ('h.1.mlp')`` or ``unit 7``."""
@@ -522,6 +366,179 @@ class CutProblem:
             compute_s, param_bytes, saved_bytes, ValueTable.chain(boundary_bytes, grad),
             num_stages, bandwidth_Bps, **kwargs,
         )
+
+
+@dataclass(frozen=True, eq=False)
+class Derived:
+    """Arrays derived from a :class:`CutProblem`'s inputs, checked (built by :func:`derive`).
+
+    Attributes:
+        n: number of units.
+        T / P / A: ``(n+1,)`` prefix sums of compute seconds, parameter bytes, saved bytes.
+        table: the communicated values only (producer >= 0, at least one user).
+        is_chain: every value is read only by the unit right after its producer.
+        inv_bw_in / inv_bw_out: ``(k,)`` seconds per byte of stage j's incoming / outgoing link.
+        cap: ``(k,)`` device bytes, or None for no limit.
+        inflight_arr: ``(k,)`` micro-batches in flight.
+        forced: sorted unique forced cut positions; pin_units / pin_stages: the pins, sorted.
+    """
+
+    n: int
+    T: np.ndarray
+    P: np.ndarray
+    A: np.ndarray
+    table: ValueTable
+    is_chain: bool
+    inv_bw_in: np.ndarray
+    inv_bw_out: np.ndarray
+    cap: np.ndarray | None
+    inflight_arr: np.ndarray
+    forced: np.ndarray
+    pin_units: np.ndarray
+    pin_stages: np.ndarray
+
+
+def _communicated(vt: ValueTable) -> ValueTable:
+    """The values of ``vt`` that cross units (producer >= 0, at least one user)."""
+    counts = np.diff(vt.user_ptr)
+    keep = (vt.producer >= 0) & (counts > 0)
+    if keep.all():
+        return vt
+    idx = np.flatnonzero(keep)
+    kc = counts[idx]
+    starts = vt.user_ptr[idx]
+    ptr = np.concatenate([[0], np.cumsum(kc)]).astype(np.int64)
+    gather = np.repeat(starts - ptr[:-1], kc) + np.arange(ptr[-1])  # each kept value's users
+    return ValueTable(vt.producer[idx], vt.nbytes[idx], vt.grad[idx], ptr, vt.users[gather])
+
+
+def _check_values(vt: ValueTable, n: int) -> None:
+    m = len(vt)
+    if not (vt.nbytes.shape == (m,) and vt.grad.shape == (m,) and vt.user_ptr.shape == (m + 1,)):
+        raise PlanError("value table arrays have inconsistent lengths; build it with ValueTable.from_values")
+    if m == 0:
+        return
+    bad = ~np.isfinite(vt.nbytes) | (vt.nbytes < 0)
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise PlanError(f"value {i} has nbytes = {float(vt.nbytes[i])!r}; sizes must be finite and non-negative")
+    if vt.producer.min() < -1 or vt.producer.max() > n - 1:
+        i = int(np.flatnonzero((vt.producer < -1) | (vt.producer > n - 1))[0])
+        raise PlanError(
+            f"value {i} has producer {int(vt.producer[i])}; producers are unit positions 0..{n - 1} "
+            f"or -1 for a model input"
+        )
+    if vt.users.size:
+        owner = np.repeat(np.arange(m), np.diff(vt.user_ptr))
+        bad = (vt.users <= vt.producer[owner]) | (vt.users > n - 1)
+        if bad.any():
+            j = int(np.flatnonzero(bad)[0])
+            i = int(owner[j])
+            raise PlanError(
+                f"value {i} (producer {int(vt.producer[i])}) has user {int(vt.users[j])}; users must "
+                f"come after their producer in the unit order and be < {n} (give a topological order)"
+            )
+        same = np.diff(vt.users) <= 0
+        same &= owner[1:] == owner[:-1]
+        if same.any():
+            raise PlanError(
+                f"value {int(owner[1:][same][0])} has unsorted or repeated users; "
+                f"build the table with ValueTable.from_values"
+            )
+
+
+def _boundary_inverse_bandwidths(bw: Any, k: int) -> np.ndarray:
+    arr = np.asarray(bw, dtype=np.float64)
+    if arr.ndim == 0:
+        b = np.full(k - 1, float(arr))
+    elif arr.ndim == 1:
+        if arr.shape[0] != k - 1:
+            raise PlanError(
+                f"bandwidth_Bps has {arr.shape[0]} entries but {k} stages have {k - 1} boundaries; "
+                f"give one bandwidth, one per boundary, or a {k}x{k} matrix"
+            )
+        b = arr
+    elif arr.ndim == 2 and arr.shape == (k, k):
+        b = np.asarray([arr[j, j + 1] for j in range(k - 1)], dtype=np.float64)
+    else:
+        raise PlanError(
+            f"bandwidth_Bps has shape {arr.shape}; give one bandwidth, {k - 1} (one per boundary) "
+            f"or a {k}x{k} matrix"
+        )
+    if np.any(np.isnan(b)) or np.any(b <= 0):
+        raise PlanError(f"bandwidth_Bps = {b.tolist()} must be positive bytes/s (inf for free links)")
+    return 1.0 / b
+
+
+def _pins(problem: "CutProblem", n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    items = sorted((int(u), int(st)) for u, st in dict(problem.pins).items())
+    for u, st in items:
+        if not 0 <= u < n:
+            raise PlanError(f"pin on unit {u} is out of range (units are 0..{n - 1}); remove or fix the pin")
+        if not 0 <= st < k:
+            label = f"unit {u} ({problem.unit_names[u]!r})" if problem.unit_names is not None else f"unit {u}"
+            raise PlanError(
+                f"{label} is pinned to stage {st} but there are only {k} stages "
+                f"(0..{k - 1}); pin it to an existing stage or use more pipeline stages"
+            )
+    return (np.asarray([u for u, _ in items], dtype=np.int64),
+            np.asarray([st for _, st in items], dtype=np.int64))
+
+
+def derive(problem: "CutProblem") -> Derived:
+    """Check a problem's inputs and build its derived arrays.
+
+    Raises:
+        PlanError: malformed input (see :class:`CutProblem`).
+    """
+    t = _unit_array("compute_s", problem.compute_s, None)
+    n = int(t.shape[0])
+    if n < 1:
+        raise PlanError("the problem has no units; give at least one unit to place")
+    p = _unit_array("param_bytes", problem.param_bytes, n)
+    a = _unit_array("saved_bytes", problem.saved_bytes, n)
+    k = problem.num_stages
+    if not isinstance(k, (int, np.integer)) or k < 1:
+        raise PlanError(f"num_stages is {k!r}; use a positive whole number of pipeline stages")
+    k = int(k)
+    vt = problem.values if isinstance(problem.values, ValueTable) else ValueTable.from_values(problem.values)
+    _check_values(vt, n)
+    vt = _communicated(vt)
+    is_chain = bool(np.all(np.diff(vt.user_ptr) == 1) and np.array_equal(vt.users, vt.producer + 1))
+    inv_boundary = _boundary_inverse_bandwidths(problem.bandwidth_Bps, k)
+    inv_in, inv_out = np.zeros(k), np.zeros(k)
+    inv_in[1:] = inv_boundary
+    inv_out[:-1] = inv_boundary
+    lat = float(problem.latency_s)
+    if not math.isfinite(lat) or lat < 0:
+        raise PlanError(f"latency_s = {problem.latency_s!r}; use a finite, non-negative number of seconds")
+    mult = float(problem.param_multiplier)
+    if not math.isfinite(mult) or mult < 0:
+        raise PlanError(f"param_multiplier = {problem.param_multiplier!r}; use a non-negative number (4 for Adam)")
+    forced = np.unique(np.asarray(list(problem.forced_cuts), dtype=np.int64))
+    if forced.size and (forced[0] < 0 or forced[-1] > n - 2):
+        bad = int(forced[0] if forced[0] < 0 else forced[-1])
+        raise PlanError(
+            f"forced cut after unit {bad} is out of range: cuts fall after units 0..{n - 2} "
+            f"(a cut after the last unit is the end of the pipeline); remove it"
+        )
+    pin_units, pin_stages = _pins(problem, n, k)
+    if problem.unit_names is not None and len(problem.unit_names) != n:
+        raise PlanError(f"unit_names has {len(problem.unit_names)} entries for {n} units; give one name per unit")
+    zero = np.zeros(1)
+    return Derived(
+        n=n, T=np.concatenate([zero, np.cumsum(t)]), P=np.concatenate([zero, np.cumsum(p)]),
+        A=np.concatenate([zero, np.cumsum(a)]), table=vt, is_chain=is_chain,
+        inv_bw_in=inv_in, inv_bw_out=inv_out,
+        cap=_per_stage("capacity_bytes", problem.capacity_bytes, k, allow_none=True, positive=True),
+        inflight_arr=_per_stage("inflight", problem.inflight, k),
+        forced=forced, pin_units=pin_units, pin_stages=pin_stages,
+    )
+
+
+for _f in dataclasses.fields(Derived):  # CutProblem.T is CutProblem.derived.T, and so on
+    setattr(CutProblem, _f.name, property(operator.attrgetter(f"derived.{_f.name}")))
+del _f
 
 
 # ---------------------------------------------------------------------------------------------
@@ -676,7 +693,7 @@ def evaluate(problem: CutProblem, cuts: Sequence[int], method: str = "given") ->
     if problem.cap is not None:
         for j in np.flatnonzero(mem > problem.cap):
             violations.append(
-                f"stage {j} needs {format_bytes(mem[j])} but its device has {format_bytes(problem.cap[j])}"
+                f"stage {j} needs {human_bytes(mem[j], decimal=True)} but its device has {human_bytes(problem.cap[j], decimal=True)}"
             )
     stage_of = np.repeat(np.arange(k), ends - c)
     for u, st in zip(problem.pin_units.tolist(), problem.pin_stages.tolist()):

@@ -1,6 +1,6 @@
 """The per-rank training worker started by ``fxpipe run`` (through torchrun).
 
-``python -m fxpipe.train --plan OUT/plan.json --out OUT`` on every rank:
+``python -m fxpipe.training.worker --plan OUT/plan.json --out OUT`` on every rank:
 rebuild the model from the plan's spec (same seed everywhere), re-trace it, keep this rank's
 stages, and train with the plan's schedule in the spec's ``train.precision`` (fp32, or bf16/fp16
 autocast with fp32 master weights; fp16 with dynamic loss scaling). Rank 0 prints progress (step,
@@ -50,16 +50,16 @@ def train(plan_path: Path, out: Path) -> None:
     import torch
     import torch.distributed as dist
 
-    from fxpipe.api import materialize_stages
-    from fxpipe.checkpoint import save_checkpoint
-    from fxpipe.data_loading import as_tuple, make_batches
-    from fxpipe.losses import resolve_loss
-    from fxpipe.plan_data import Plan
-    from fxpipe.runtime.execute import PipelineExecutor
+    from fxpipe.data.batches import as_tuple, make_batches
+    from fxpipe.partitioner.split import materialize_stages
+    from fxpipe.plans.plan import Plan
+    from fxpipe.runtime.executor import PipelineExecutor
     from fxpipe.runtime.mesh import Mesh, init_distributed
-    from fxpipe.runtime.schedules import schedule_for_plan
-    from fxpipe.runtime.timeline import write_chrome_trace
+    from fxpipe.schedule.lowering import schedule_for_plan
+    from fxpipe.schedule.timeline import write_chrome_trace
     from fxpipe.specs.loader import build_model, load_spec
+    from fxpipe.training.checkpoint import save_checkpoint
+    from fxpipe.training.losses import resolve_loss
 
     plan = Plan.load(plan_path)
     spec = load_spec(plan.spec)
@@ -137,7 +137,7 @@ def train(plan_path: Path, out: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Worker entry point; returns the exit code (2 on an fxpipe error, 130 on Ctrl-C)."""
-    ap = argparse.ArgumentParser(prog="python -m fxpipe.train")
+    ap = argparse.ArgumentParser(prog="python -m fxpipe.training.worker")
     ap.add_argument("--plan", required=True, type=Path)
     ap.add_argument("--out", required=True, type=Path)
     args = ap.parse_args(argv)

@@ -23,8 +23,10 @@ graph node whose ``nn_module_stack`` contains that module's path (innermost anno
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import sys
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.nn as nn
@@ -68,9 +70,20 @@ def _known_split_ops() -> tuple[Any, ...]:
 #: operator targets that mark a forced stage boundary in a traced graph.
 PIPE_SPLIT_OPS = _known_split_ops()
 
-#: the ``torch.fx.Tracer`` currently tracing inside ``fxpipe.partitioner.trace(tracer="fx")``,
-#: so :func:`pipe_split` can record itself (symbolic tracing never sees a call with no Proxy args).
-_ACTIVE_FX_TRACER: Any = None
+#: The ``torch.fx.Tracer`` of fxpipe's ``tracer="fx"`` while it traces (per thread and task);
+#: :func:`pipe_split` records itself with it. Set through :func:`fx_tracer_active`.
+_ACTIVE_FX_TRACER: contextvars.ContextVar[Any] = contextvars.ContextVar("fxpipe_fx_tracer",
+                                                                          default=None)
+
+
+@contextlib.contextmanager
+def fx_tracer_active(tracer: Any) -> Iterator[None]:
+    """Make ``tracer`` the one :func:`pipe_split` records with, for the ``with`` block."""
+    token = _ACTIVE_FX_TRACER.set(tracer)
+    try:
+        yield
+    finally:
+        _ACTIVE_FX_TRACER.reset(token)
 
 
 def is_pipe_split(node: torch.fx.Node) -> bool:
@@ -115,7 +128,7 @@ def pipe_split() -> None:
     Returns:
         None.
     """
-    tracer = _ACTIVE_FX_TRACER
+    tracer = _ACTIVE_FX_TRACER.get()
     if tracer is None and _fx_symbolic_tracing():
         tracer = _find_fx_tracer()
     if tracer is not None:

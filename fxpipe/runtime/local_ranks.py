@@ -1,4 +1,5 @@
-"""Test helper: run a function on N local gloo ranks (spawned processes) with a hard deadline.
+"""Local ranks: run a function on N gloo ranks of this machine (spawned processes) with a hard
+deadline, for tests, benchmarks and trying a pipeline without torchrun.
 
 ``run_ranks(fn, world_size, *args, timeout_s=...)`` starts ``world_size`` processes (start method
 ``forkserver``: children fork from a clean server process that imported torch and fxpipe once but
@@ -6,8 +7,8 @@ never ran an op, so no fork of a parent whose OpenMP pool is live, and no per-ch
 of about 2 s CPU), sets torchrun's environment (RANK,
 WORLD_SIZE, LOCAL_RANK, MASTER_ADDR=127.0.0.1, a free MASTER_PORT), limits each to one thread,
 joins the default gloo group, calls ``fn(rank, *args)`` and sends its (picklable) return value
-back. The parent kills every child still alive at the deadline and fails the test, so a hang can
-never outlive ``timeout_s``. A rank that exits with status 0 without returning gives ``None``.
+back. The parent kills every child still alive at the deadline and raises, so a hang can never
+outlive ``timeout_s``. A rank that exits with status 0 without returning gives ``None``.
 """
 
 from __future__ import annotations
@@ -21,9 +22,11 @@ from typing import Any, Callable
 
 import torch.multiprocessing as mp
 
+from fxpipe.errors import RuntimeFailure
+
 #: modules the fork server imports once (its children start with them loaded)
 PRELOAD = ["torch", "torch.distributed", "torch.export", "torch._dynamo",
-           "fxpipe.runtime.execute", "fxpipe.runtime.schedules", "fxpipe.partitioner.split",
+           "fxpipe.runtime.executor", "fxpipe.schedule.generators", "fxpipe.partitioner.split",
            "fxpipe.examples.gpt", "fxpipe.examples.cnn"]
 
 
@@ -63,9 +66,11 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 60.0
               dist_timeout_s: float = 30.0) -> list[Any]:
     """Run ``fn(rank, *args)`` on ``world_size`` gloo ranks; return the results by rank.
 
-    ``fn`` must be importable by module name (defined at module level). Raises AssertionError
-    when a rank raised (its traceback included), exited with a non-zero status, or the deadline
-    passed (all children are then killed).
+    ``fn`` must be importable by module name (defined at module level).
+
+    Raises:
+        RuntimeFailure: a rank raised (its traceback included), exited with a non-zero status,
+            or the deadline passed (all children are then killed).
     """
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)  # no effect once the server runs
@@ -107,10 +112,10 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 60.0
                 p.join(timeout=5)
     errors = [f"rank {r}:\n{out}" for r, (status, out) in sorted(got.items()) if status == "error"]
     if errors:
-        raise AssertionError("ranks failed:\n" + "\n".join(errors))
+        raise RuntimeFailure("ranks failed:\n" + "\n".join(errors))
     missing = [r for r in range(world_size) if r not in got]
     bad_exit = [(r, procs[r].exitcode) for r in missing if procs[r].exitcode not in (0,)]
     if bad_exit:
-        raise AssertionError(f"ranks exited abnormally or passed the {timeout_s:g} s deadline "
+        raise RuntimeFailure(f"ranks exited abnormally or passed the {timeout_s:g} s deadline "
                              f"without reporting (rank, exit code): {bad_exit}")
     return [got[r][1] if r in got else None for r in range(world_size)]

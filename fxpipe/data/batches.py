@@ -1,4 +1,5 @@
-"""Turn a spec's ``data`` section into batches.
+"""Data: the spec's ``data`` section becomes batches (the partitioner's example inputs, every
+rank's training and validation batches).
 
 ``data.dataset`` names a callable (``"package.module:function"``). It may return:
 
@@ -19,6 +20,8 @@ import torch
 
 from fxpipe.errors import SpecError
 from fxpipe.examples.data import ByteBatches
+from fxpipe.specs.loader import resolve_callable, spec_location
+from fxpipe.specs.schema import ParallelSpec
 
 
 class Batches(Protocol):
@@ -31,8 +34,6 @@ class Batches(Protocol):
 
 def _head(spec) -> str:
     """``"FILE:LINE: data.dataset"`` (or just ``"data.dataset"`` for a spec without a file)."""
-    from fxpipe.specs.loader import spec_location
-
     where = spec_location(spec, "data.dataset")
     return f"{where}: data.dataset" if where else "data.dataset"
 
@@ -56,8 +57,6 @@ def make_batches(spec) -> Batches:
             short text corpus for ``data.seq_len``; it returns an object whose ``get`` is not
             callable, or something that is neither text nor such an object.
     """
-    from fxpipe.specs.loader import resolve_callable
-
     ref = spec.data.dataset
     fn = resolve_callable(ref, "data.dataset", spec=spec)
     try:
@@ -104,3 +103,58 @@ def make_batches(spec) -> Batches:
 def as_tuple(inputs: Any) -> tuple[torch.Tensor, ...]:
     """Model inputs as a tuple of tensors (a single tensor becomes a 1-tuple)."""
     return tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+
+
+def _example_batch(spec: ParallelSpec) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """Batch 0 of the spec's dataset as ``(inputs, target)``, checked.
+
+    Raises:
+        SpecError: the dataset cannot be built (see :func:`fxpipe.data.batches.make_batches`),
+            or its ``get(0, "train")`` raises or does not return ``(inputs, target)`` tensors.
+    """
+    batches = make_batches(spec)
+    head = _head(spec)
+    try:
+        batch = batches.get(0, "train")
+    except SpecError:
+        raise
+    except Exception as err:  # the user's get() failed
+        raise SpecError(f"{head}: get(0, 'train') of the object that {spec.data.dataset} "
+                        f"returned raised {type(err).__name__}: "
+                        f"{' '.join(str(err).split())[:300]}; fix its get(step, split) method"
+                        ) from err
+    if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+        raise SpecError(f"{head}: get(0, 'train') of the object that {spec.data.dataset} "
+                        f"returned gave a {type(batch).__name__}, not a pair (inputs, target); "
+                        "make get() return (inputs, target)")
+    inputs = as_tuple(batch[0])
+    if not inputs or not all(isinstance(t, torch.Tensor) for t in inputs):
+        raise SpecError(f"{head}: get(0, 'train') returned inputs that are not tensors "
+                        f"({', '.join(type(t).__name__ for t in inputs) or 'none'}); return a "
+                        "tensor or a tuple of tensors, each [batch_size, ...]")
+    if not isinstance(batch[1], torch.Tensor):
+        raise SpecError(f"{head}: get(0, 'train') returned a {type(batch[1]).__name__} target; "
+                        "return the target as a tensor [batch_size, ...]")
+    return inputs, batch[1]
+
+
+def example_microbatch(spec: ParallelSpec, size: int | None = None) -> tuple:
+    """One micro-batch of real inputs from the spec's dataset (dim 0 = ``size``, default the
+    spec's micro-batch size when the parallel sizes are fixed, else 1).
+
+    Raises:
+        SpecError: see :func:`_example_batch`.
+    """
+    if size is None:
+        par = spec.parallel
+        if isinstance(par.data, int) and isinstance(par.microbatches, int):
+            size = spec.data.batch_size // (par.data * par.microbatches)
+        else:
+            size = 1
+    inputs, _ = _example_batch(spec)
+    return tuple(t[:size] for t in inputs)
+
+
+def example_target(spec: ParallelSpec, size: int) -> torch.Tensor:
+    """The targets of one micro-batch of ``size`` samples from the spec's dataset."""
+    return _example_batch(spec)[1][:size]

@@ -71,7 +71,7 @@ def _check_launchable(spec, nnodes: int, endpoint: str | None) -> None:
     """Everything that would otherwise fail only after the workers start."""
     import torch
 
-    from fxpipe.losses import resolve_loss
+    from fxpipe.training.losses import resolve_loss
 
     if nnodes < 1:
         raise FxpipeError(f"--nnodes must be at least 1 (got {nnodes})")
@@ -104,10 +104,10 @@ def _check_loss_fits(spec, plan) -> None:
     """
     import torch
 
-    from fxpipe.api import example_target
+    from fxpipe.data.batches import example_target
     from fxpipe.errors import SpecError
-    from fxpipe.losses import resolve_loss
     from fxpipe.specs.loader import spec_location
+    from fxpipe.training.losses import resolve_loss
 
     out = plan.values[plan.model_output]
     output = torch.empty(out.shape, dtype=getattr(torch, out.dtype), device="meta")
@@ -132,7 +132,7 @@ def run(args) -> int:
     output folder is touched. Returns 0 on success. Raises FxpipeError (printed cleanly by the
     CLI) on failure, KeyboardInterrupt when interrupted.
     """
-    from fxpipe.api import plan_from_spec
+    from fxpipe.partitioner.driver import plan_from_spec
     from fxpipe.specs.loader import load_spec
 
     spec = load_spec(args.spec)
@@ -169,7 +169,7 @@ def run(args) -> int:
         rdzv_configs={"join_timeout": wait, "timeout": wait}, max_restarts=0,
         monitor_interval=0.5, start_method="spawn",
     )
-    worker_args = ["-m", "fxpipe.train", "--plan", str(out / "plan.json"), "--out", str(out)]
+    worker_args = ["-m", "fxpipe.training.worker", "--plan", str(out / "plan.json"), "--out", str(out)]
     print(f"launching {nnodes} x {per_node} worker(s), rendezvous at {endpoint}", flush=True)
     try:
         elastic_launch(config, sys.executable)(*worker_args)
@@ -190,7 +190,7 @@ def run(args) -> int:
             "--rdzv-id"
         ) from None
     if nnodes == 1:  # multi-node: checkpoint shards live on several machines
-        from fxpipe.evaluate import evaluate_run
+        from fxpipe.training.evaluate import evaluate_run
 
         figures = evaluate_run(spec, out)
         if figures:

@@ -1,0 +1,61 @@
+"""``fxpipe simulate``: one spec planned once, then every schedule priced on its stages.
+
+Takes a spec (or its path/name); gives a side-by-side text table of predicted step time, bubble
+and peak memory per schedule, and optionally one simulated Chrome trace per schedule. Schedules
+that hold two stages per rank (interleaved, zb-v) are re-planned with that many stages.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from fxpipe.errors import PlanError, ScheduleError
+from fxpipe.partitioner.driver import as_spec, plan_from_spec
+from fxpipe.plans.plan import Plan
+from fxpipe.schedule.simulate import simulate_plan
+from fxpipe.schedule.timeline import write_chrome_trace
+from fxpipe.specs.schema import SCHEDULES, stages_per_rank
+
+
+def simulate_spec(spec: Any, out_dir: str | Path | None = None) -> str:
+    """``fxpipe simulate``: plan the spec, then price every schedule on the same stages.
+
+    Returns the side-by-side table (text). With ``out_dir``, writes ``simulated_<schedule>.json``
+    (Chrome trace) for each schedule that applies.
+    """
+    plan, _ = plan_from_spec(spec)
+    lines = [plan.summary(), "",
+             f"{'schedule':12s} {'step time':>12s} {'bubble':>8s} {'peak memory per stage':s}"]
+    for name in SCHEDULES:
+        if stages_per_rank(name, 2) > 1 and plan.virtual_stages == 1:
+            p2 = _replan_virtual(spec, name)
+            if p2 is None:
+                lines.append(f"{name:12s} {'n/a':>12s}   (needs a re-plan with 2 stages per rank)")
+                continue
+            target = p2
+        else:
+            target = plan
+        try:
+            res = simulate_plan(target, name)
+        except (ScheduleError, PlanError) as e:
+            lines.append(f"{name:12s} {'n/a':>12s}   ({e})")
+            continue
+        mem = ", ".join(f"{b / 2**20:.1f}" for b in res.peak_memory_bytes)
+        lines.append(f"{name:12s} {res.step_time_s * 1e3:10.2f}ms {res.bubble_fraction:8.3f} "
+                     f"[{mem}] MiB")
+        if out_dir:
+            Path(out_dir).mkdir(parents=True, exist_ok=True)
+            write_chrome_trace(res.events, Path(out_dir) / f"simulated_{name}.json",
+                               process_name=f"fxpipe simulated {name}")
+    return "\n".join(lines)
+
+
+def _replan_virtual(spec: Any, schedule: str) -> Plan | None:
+    spec = as_spec(spec)
+    par = spec.parallel.model_copy(update={"schedule": schedule,
+                                           "virtual_stages": 2 if schedule == "interleaved" else 1})
+    try:
+        return plan_from_spec(spec.model_copy(update={"parallel": par}))[0]
+    except (PlanError, ScheduleError):
+        return None

@@ -1,0 +1,10 @@
+"""The Plan: plain data where the partitioner and the runtime meet.
+
+Takes what the partitioner decided (stage cuts, the values crossing them, placement, schedule,
+predictions); gives a :class:`~fxpipe.plans.plan.Plan` with its JSON round trip (``plan.json``),
+its derived views (stage edges, stage -> rank, :mod:`~fxpipe.plans.placement`) and its readable
+views: the text table (:mod:`~fxpipe.plans.summary`), the DOT drawing (:mod:`~fxpipe.plans.dot`)
+and the dump folder (:mod:`~fxpipe.plans.dump`). Imports only errors and units, no torch.
+
+(The package is ``plans``, not ``plan``, so that ``fxpipe.plan`` stays the planning function.)
+"""

@@ -1,0 +1,141 @@
+"""The plan's text table: what ``fxpipe plan`` prints and ``summary.txt`` holds.
+
+Takes a :class:`~fxpipe.plans.plan.Plan` (read through its attributes; this module does not
+import the class, which imports it); gives plain fixed-width text, one row per stage plus footer
+lines (bottleneck, lower bound, world size, schedule, prediction, tied parameters, explanations).
+Units: seconds in the plan, shown as milliseconds; bytes with binary prefixes (KiB = 1024 B);
+FLOPs with SI prefixes (G = 10^9).
+"""
+
+from __future__ import annotations
+
+from fxpipe.units import human_bytes, human_flops, ms, plural
+
+__all__ = ["summary_table", "bottleneck_position"]
+
+
+def bottleneck_position(plan: "Plan") -> int:
+    """Position in ``plan.stages`` of the bottleneck stage (plan's choice; argmax as fallback)."""
+    for pos, st in enumerate(plan.stages):
+        if st.index == plan.bottleneck_stage:
+            return pos
+    if not plan.stages:
+        return -1
+    return max(range(len(plan.stages)), key=lambda i: plan.stages[i].time_s)
+
+
+# ---------------------------------------------------------------------------- summary table
+def summary_table(plan: "Plan") -> str:
+    """Readable fixed-width table of the plan's stages, followed by footer lines.
+
+    Columns (one row per stage): stage index, pipeline rank holding it (see :meth:`Plan.stage_ranks`),
+    number of FX nodes, parameters (FQN count / bytes), forward and backward FLOPs per
+    micro-batch, bytes received and sent per micro-batch (forward direction), compute, comm and
+    total (``time_s``) milliseconds per micro-batch, predicted peak memory, and ``*`` in the
+    ``slowest`` column on the bottleneck stage. Footer: bottleneck and its time, lower bound
+    (``plan.lower_bound_s``) and the ratio bottleneck / lower bound, ``pipeline x dp = world
+    size``, micro-batches, schedule,
+    the simulator's prediction when ``plan.predicted`` is set, tied parameters and the stages that
+    hold them, and ``plan.explain``.
+
+    Args:
+        plan: any :class:`Plan` (an empty stage list gives a table with no rows).
+
+    Returns:
+        Plain text (no colour codes, no trailing newline), safe to write to ``summary.txt``.
+    """
+    ranks = plan.stage_ranks()
+    bpos = bottleneck_position(plan)
+    headers = [
+        "stage", "rank", "nodes", "params", "fwd FLOPs", "bwd FLOPs",
+        "recv/mb", "send/mb", "compute ms", "comm ms", "total ms", "memory", "slowest",
+    ]
+    rows: list[list[str]] = []
+    for pos, st in enumerate(plan.stages):
+        rows.append([
+            str(st.index),
+            str(ranks[pos]),
+            str(len(st.nodes)),
+            f"{len(st.params)} / {human_bytes(st.param_bytes)}",
+            human_flops(st.fwd_flops),
+            human_flops(st.bwd_flops),
+            human_bytes(st.recv_bytes),
+            human_bytes(st.send_bytes),
+            ms(st.compute_time_s),
+            ms(st.comm_time_s),
+            ms(st.time_s),
+            human_bytes(st.memory_bytes),
+            "*" if pos == bpos else "",
+        ])
+    widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
+    left = {0, 1, 2, 3}  # left-aligned columns: stage/rank/nodes/params read better that way
+
+    def fmt(cells: list[str]) -> str:
+        out = [c.ljust(w) if i in left or i == len(cells) - 1 else c.rjust(w)
+               for i, (c, w) in enumerate(zip(cells, widths))]
+        return "  ".join(out).rstrip()
+
+    v = plan.virtual_stages
+    title = (f"fxpipe plan: {plan.model}  |  {plural(plan.num_stages, 'stage')} on "
+             f"{plural(plan.pipeline, 'pipeline rank')}" + (f" x {v} virtual" if v > 1 else "")
+             + f"  |  schedule {plan.schedule}")
+    lines = [title, fmt(headers), fmt(["-" * w for w in widths])]
+    lines += [fmt(r) for r in rows]
+    lines.append("")
+
+    if bpos >= 0:
+        b = plan.stages[bpos]
+        lines.append(f"bottleneck:   stage {b.index} (rank {ranks[bpos]}), {ms(b.time_s)} ms per "
+                     f"micro-batch (compute {ms(b.compute_time_s)} + comm {ms(b.comm_time_s)})")
+        if plan.lower_bound_s > 0:
+            ratio = b.time_s / plan.lower_bound_s
+            lines.append(f"lower bound:  {ms(plan.lower_bound_s)} ms (total compute / "
+                         f"{plural(plan.num_stages, 'stage')}); bottleneck / lower bound = "
+                         f"{ratio:.3f}x")
+        else:
+            lines.append(f"lower bound:  {ms(plan.lower_bound_s)} ms (not computed); "
+                         "bottleneck / lower bound = n/a")
+    if v > 1 and plan.stages:
+        per_rank = [0.0] * max(1, plan.pipeline)
+        for pos, st in enumerate(plan.stages):
+            per_rank[ranks[pos]] += st.time_s
+        lines.append("per rank:     " + ", ".join(
+            f"rank {r} {ms(t)} ms" for r, t in enumerate(per_rank)))
+    lines.append(f"parallelism:  pipeline {plan.pipeline} x dp {plan.dp} = world size "
+                 f"{plan.world_size}")
+    lines.append(f"micro-batches: {plan.microbatches} per step per replica, "
+                 f"{plural(plan.microbatch_size, 'sample')} each")
+    lines.append(f"schedule:     {plan.schedule}" + (f" ({v} virtual stages per rank)" if v > 1
+                                                      else ""))
+    pred = plan.predicted
+    if pred is not None:
+        lines.append(f"predicted:    step {ms(pred.step_time_s)} ms, bubble "
+                     f"{100.0 * pred.bubble_fraction:.1f} %")
+        if pred.peak_memory_bytes:
+            peak = max(range(len(pred.peak_memory_bytes)), key=lambda i: pred.peak_memory_bytes[i])
+            per = ", ".join(human_bytes(m) for m in pred.peak_memory_bytes)
+            lines.append(f"peak memory:  {human_bytes(pred.peak_memory_bytes[peak])} "
+                         f"(stage {peak}); per stage: {per}")
+        if pred.peak_inflight:
+            lines.append("in flight:    micro-batches held per stage: "
+                         + ", ".join(str(k) for k in pred.peak_inflight))
+    if plan.shared_params:
+        aliases: dict[str, list[str]] = {}
+        for alias, canon in sorted(plan.param_aliases.items()):
+            aliases.setdefault(canon, []).append(alias)
+        lines.append("shared (tied) parameters, gradients summed across their stages:")
+        for fqn, stages in sorted(plan.shared_params.items()):
+            extra = f" (alias {', '.join(aliases[fqn])})" if fqn in aliases else ""
+            lines.append(f"  {fqn}{extra}: stages {', '.join(str(s) for s in stages)}")
+    if plan.explain:
+        lines.append("explain:")
+        lines += [f"  {e}" for e in plan.explain]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------- DOT
+
+
+# ---------------------------------------------------------------------------- dump
+
+

@@ -1,0 +1,231 @@
+"""One stage on this rank: its module, its parameters, and each micro-batch's F / B / W state.
+
+A :class:`StageWork` runs the compute actions of one (virtual) stage and keeps what a
+micro-batch needs between them: the received float inputs (autograd leaves), the outputs, the
+loss (on the stage that computes it), the gradients of its outputs as they arrive from the
+stages that read them, and, after a split B, what W still has to do
+(:mod:`fxpipe.runtime.backward_split`). It knows nothing of ranks or communication: the
+executor (:mod:`fxpipe.runtime.executor`) feeds it inputs and routes what it returns.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+from fxpipe.errors import RuntimeFailure, ScheduleError
+from fxpipe.plans.plan import StagePlan
+from fxpipe.plans.values import ValueInfo, needs_grad
+from fxpipe.runtime.backward_split import WeightWork, backward_input, backward_weight
+
+
+@dataclass
+class _Microbatch:
+    """Saved state of one micro-batch between its forward and its last backward."""
+
+    leaves: list[tuple[str, torch.Tensor]]  # received float inputs (autograd leaves)
+    outs: dict[str, torch.Tensor]
+    loss: torch.Tensor | None
+    grads: dict[str, torch.Tensor]  # gradient of each output, summed over its consumers
+    grad_counts: dict[str, int]
+    pending_w: WeightWork | None = None  # after a split B: what W needs
+
+
+def trainable_parameters(module: nn.Module) -> list[nn.Parameter]:
+    """The module's parameters that require gradients, each once (tied ones deduplicated)."""
+    out, seen = [], set()
+    for p in module.parameters():
+        if p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            out.append(p)
+    return out
+
+
+class StageWork:
+    """Forward, backward and weight-gradient work of one stage, micro-batch by micro-batch.
+
+    Args:
+        plan_stage: the stage's :class:`~fxpipe.plans.plan.StagePlan` (inputs, outputs).
+        module: ``module(*inputs) -> tuple(outputs)`` in ``plan_stage`` order.
+        values: the plan's values (shape and dtype per micro-batch of what is sent).
+        consumers: value name -> stages that read it (how many gradients to wait for).
+        split_backward: B computes input gradients only and W the weight gradients.
+        autocast: a factory of the autocast context for the forward and the loss.
+        context: a factory of the text naming (stage, micro-batch) for error messages.
+        loss_input: on the stage that computes the loss, the name of the output it reads (the
+            model's output); None elsewhere.
+    """
+
+    def __init__(self, plan_stage: StagePlan, module: nn.Module, values: dict[str, ValueInfo],
+                 consumers: dict[str, list[int]], split_backward: bool,
+                 autocast: Callable[[], AbstractContextManager],
+                 context: Callable[[int], str], loss_input: str | None = None):
+        self.plan_stage, self.module, self.index = plan_stage, module, plan_stage.index
+        self.loss_input = loss_input
+        self.params = trainable_parameters(module)
+        self._values, self._consumers = values, consumers
+        self._dtypes = {n: getattr(torch, v.dtype) for n, v in values.items()}
+        self._split, self._autocast, self._ctx = split_backward, autocast, context
+        self._mb: dict[int, _Microbatch] = {}
+        self.peak = 0  # micro-batches held at once this step
+
+    # ------------------------------------------------------------------ bookkeeping
+    @property
+    def inflight(self) -> int:
+        """Micro-batches whose activations are held (forward done, last backward not)."""
+        return len(self._mb)
+
+    def reset(self) -> None:
+        """Forget the last step's micro-batches and peak."""
+        self._mb.clear()
+        self.peak = 0
+
+    def leftovers(self) -> list[int]:
+        """Micro-batches still held (after a step: the schedule missed their backward)."""
+        return sorted(self._mb)
+
+    # ------------------------------------------------------------------ F
+    def forward(self, i: int, args: list[torch.Tensor], loss_fn: Callable | None = None,
+                target: torch.Tensor | None = None, scale: float | None = None
+                ) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+        """Forward of micro-batch ``i`` on ``args`` (in ``plan_stage.inputs`` order; received
+        float inputs must already be autograd leaves). On the loss stage, also the loss
+        ``loss_fn(outputs[loss_input], target)`` (``scale``: loss-scaling factor for the
+        backward).
+
+        Returns the outputs by name (cast back to their plan dtype when autocast changed it) and
+        the unscaled loss (detached), or None.
+
+        Raises:
+            RuntimeFailure: the module returned a wrong number of values, or values whose shape or
+                dtype differ from the plan (say, another sequence length than planned).
+        """
+        sp = self.plan_stage
+        leaves = [(n, t) for n, t in zip(sp.inputs, args) if t.requires_grad and t.is_leaf]
+        with self._autocast():
+            out = self.module(*args)
+        if isinstance(out, torch.Tensor):
+            out = (out,)
+        if not isinstance(out, (tuple, list)) or len(out) != len(sp.outputs):
+            raise RuntimeFailure(
+                f"{self._ctx(i)}: the stage module returned "
+                f"{len(out) if isinstance(out, (tuple, list)) else type(out).__name__} values but "
+                f"the plan lists {len(sp.outputs)} outputs {sp.outputs}; build the stage modules "
+                "from this plan")
+        outs = {name: self._to_plan_dtype(name, t) for name, t in zip(sp.outputs, out)}
+        self._check_outputs(i, outs)
+        loss = shown = None
+        if self.loss_input is not None:
+            with self._autocast():
+                loss = loss_fn(outs[self.loss_input], target)
+            shown = loss.detach().float()
+            if scale is not None:  # the backward starts from the scaled loss
+                loss = loss.float() * scale
+        self._mb[i] = _Microbatch(leaves, outs, loss, {}, {})
+        self.peak = max(self.peak, len(self._mb))
+        return outs, shown
+
+    def _to_plan_dtype(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """Cast an output that other stages read to its plan dtype (autocast may have made it
+        16-bit); differentiable, so its gradient comes back in the plan dtype as well."""
+        want = self._dtypes.get(name)
+        if (want is None or name not in self._consumers or not isinstance(t, torch.Tensor)
+                or t.dtype == want or not (t.dtype.is_floating_point and want.is_floating_point)):
+            return t
+        return t.to(want)
+
+    def _check_outputs(self, i: int, outs: dict[str, torch.Tensor]) -> None:
+        for name, t in outs.items():
+            info = self._values.get(name)
+            if info is not None and name in self._consumers and (
+                    list(t.shape) != list(info.shape) or t.dtype != self._dtypes[name]):
+                raise RuntimeFailure(
+                    f"{self._ctx(i)}: value {name!r} is {tuple(t.shape)} {t.dtype} but the plan "
+                    f"says {tuple(info.shape)} {info.dtype} per micro-batch; re-plan with the "
+                    "batch size and sequence length used for training")
+
+    def output(self, i: int, name: str) -> torch.Tensor:
+        """Output ``name`` of micro-batch ``i`` (to send or hand over).
+
+        Raises:
+            ScheduleError: micro-batch ``i`` has not run its forward.
+        """
+        mb = self._mb.get(i)
+        if mb is None:
+            raise ScheduleError(f"{self._ctx(i)}: send before the stage's forward")
+        return mb.outs[name]
+
+    # ------------------------------------------------------------------ gradients in
+    def add_output_grad(self, i: int, name: str, g: torch.Tensor) -> None:
+        """Add one consumer's gradient of output ``name`` of micro-batch ``i``.
+
+        Raises:
+            ScheduleError: the gradient arrived before the forward.
+        """
+        mb = self._mb.get(i)
+        if mb is None:
+            raise ScheduleError(f"gradient of {name!r} for stage {self.index} micro-batch {i} "
+                                "arrived before that stage's forward")
+        mb.grads[name] = g if name not in mb.grads else mb.grads[name] + g
+        mb.grad_counts[name] = mb.grad_counts.get(name, 0) + 1
+
+    def _outputs_and_grads(self, i: int, mb: _Microbatch):
+        tensors, grads = [], []
+        if mb.loss is not None:
+            tensors.append(mb.loss)
+            grads.append(None)
+        for name, out in mb.outs.items():
+            consumers = self._consumers.get(name, [])
+            if not consumers or not needs_grad(out.dtype):
+                continue
+            if mb.grad_counts.get(name, 0) != len(consumers):
+                raise ScheduleError(
+                    f"{self._ctx(i)}: backward started with {mb.grad_counts.get(name, 0)} of "
+                    f"{len(consumers)} gradients of {name!r} (consumers: stages {consumers}); a "
+                    "RECV_B or a consumer's B must come before this B")
+            if out.requires_grad:
+                tensors.append(out)
+                grads.append(mb.grads[name])
+        return tensors, grads
+
+    # ------------------------------------------------------------------ B and W
+    def backward(self, i: int) -> list[tuple[str, torch.Tensor]]:
+        """Backward of micro-batch ``i``: full, or input gradients only when the backward is
+        split. Returns ``(input name, gradient)`` for every received float input (zeros where
+        the input did not influence the outputs); frees the micro-batch unless W is pending.
+
+        Raises:
+            ScheduleError: no forward for ``i`` (or B twice), or gradients still missing.
+        """
+        mb = self._mb.get(i)
+        if mb is None or mb.pending_w is not None:
+            raise ScheduleError(f"{self._ctx(i)}: backward before forward (or twice)")
+        tensors, grads = self._outputs_and_grads(i, mb)
+        names = [n for n, _ in mb.leaves]
+        leaves = [t for _, t in mb.leaves]
+        if not self._split:
+            if tensors:
+                torch.autograd.backward(tensors, grads)
+            in_grads = [t.grad for t in leaves]
+            del self._mb[i]  # frees the micro-batch's activations
+        else:
+            in_grads, mb.pending_w = backward_input(tensors, grads, leaves, self.params)
+            mb.leaves = []
+        return [(n, g if g is not None else torch.zeros_like(t))
+                for n, t, g in zip(names, leaves, in_grads)]
+
+    def weight(self, i: int) -> None:
+        """Weight gradients of micro-batch ``i`` after its split B; frees the micro-batch.
+
+        Raises:
+            ScheduleError: W before its B.
+        """
+        mb = self._mb.get(i)
+        if mb is None or mb.pending_w is None:
+            raise ScheduleError(f"{self._ctx(i)}: W before its B")
+        backward_weight(mb.pending_w)
+        del self._mb[i]
