@@ -285,7 +285,10 @@ def test_virtual_stages_need_interleaved(tmp_path):
 def test_missing_required_key(tmp_path):
     path = write(tmp_path, "data: {batch_size: 8}\nmodel:\n  args: {}\n")
     msg = spec_error(path)
-    assert msg.startswith(f"{path}:2: model.factory: required key 'factory' is missing in model")
+    assert msg.startswith(f"{path}:3: model: name the model with exactly one of model.factory")
+    path = write(tmp_path, "data: {batch_size: 8}\n")
+    msg = spec_error(path)
+    assert "model" in msg and "missing" in msg
 
 
 def test_several_errors_one_per_line_in_file_order(tmp_path):

@@ -14,6 +14,7 @@ Every rank calls the same callable with the same seed, so all ranks see identica
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -100,50 +101,148 @@ def make_batches(spec) -> Batches:
     )
 
 
+@dataclass
+class Batch:
+    """One batch (global, per replica or per micro-batch) in the form the model takes it.
+
+    Attributes:
+        args: positional model inputs, each ``[batch, ...]``.
+        kwargs: keyword model inputs by name (e.g. ``input_ids``, ``attention_mask``, and
+            ``labels`` when the model computes its own loss), each ``[batch, ...]``.
+        target: what the loss compares the model output with, ``[batch, ...]``; None when the
+            model computes its own loss.
+    """
+
+    args: tuple[torch.Tensor, ...]
+    kwargs: dict[str, torch.Tensor]
+    target: torch.Tensor | None
+
+    @property
+    def size(self) -> int:
+        """Samples in the batch (dim 0 of the first input)."""
+        first = self.args[0] if self.args else next(iter(self.kwargs.values()))
+        return int(first.shape[0])
+
+    def named(self, model_inputs: list[str], input_kwargs: list[str]) -> dict[str, torch.Tensor]:
+        """The inputs by graph input name: positional inputs take the names of the plan's
+        positional model inputs in order, keyword inputs keep theirs (those the model does not
+        take are left out).
+
+        Raises:
+            SpecError: the batch has another number of positional inputs than planned.
+        """
+        positional = [n for n in model_inputs if n not in input_kwargs]
+        if len(self.args) != len(positional):
+            raise SpecError(f"the batch has {len(self.args)} positional input(s) but the plan "
+                            f"takes {len(positional)} ({positional}); feed batches like the ones "
+                            "planned")
+        named = dict(zip(positional, self.args))
+        named.update({k: v for k, v in self.kwargs.items() if k in model_inputs})
+        return named
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The model inputs in call order: positional, then keyword."""
+        return [*self.args, *self.kwargs.values()]
+
+    def slice(self, lo: int, hi: int) -> "Batch":
+        """Samples ``lo .. hi-1`` of every input and of the target."""
+        return Batch(tuple(a[lo:hi] for a in self.args),
+                     {k: v[lo:hi] for k, v in self.kwargs.items()},
+                     None if self.target is None else self.target[lo:hi])
+
+    def to(self, device: Any) -> "Batch":
+        """Every tensor on ``device``."""
+        return Batch(tuple(a.to(device) for a in self.args),
+                     {k: v.to(device) for k, v in self.kwargs.items()},
+                     None if self.target is None else self.target.to(device))
+
+
+def as_batch(raw: Any, model_loss: bool, head: str = "data.dataset") -> Batch:
+    """Read what a dataset's ``get(step, split)`` returned as a :class:`Batch`.
+
+    Accepted forms: ``(inputs, target)`` with ``inputs`` a tensor, a tuple/list of tensors or a
+    dict of named tensors (keyword inputs); or a dict of named tensors alone. In a dict batch,
+    ``labels`` is the target for a built-in or user loss, and a model input when the model
+    computes its own loss (``model_loss``). A pair's target may be None only with ``model_loss``.
+
+    Raises:
+        SpecError: any other form (the message says what was returned and what to return).
+    """
+    what = f"{head}: get(step, split) returned"
+    target = None
+    if isinstance(raw, dict):
+        kwargs = dict(raw)
+        if not model_loss:
+            if "labels" not in kwargs:
+                raise SpecError(f"{what} a dict without 'labels' ({', '.join(map(str, kwargs))}) "
+                                "but train.loss needs a target; add 'labels' (the target), return "
+                                "(inputs, target), or set train.loss: model when the model "
+                                "computes its own loss")
+            target = kwargs.pop("labels")
+        args: tuple = ()
+    elif isinstance(raw, (tuple, list)) and len(raw) == 2:
+        inputs, target = raw
+        if isinstance(inputs, dict):
+            args, kwargs = (), dict(inputs)
+        else:
+            args, kwargs = as_tuple(inputs), {}
+    else:
+        raise SpecError(f"{what} a {type(raw).__name__}, not a pair (inputs, target) or a dict of "
+                        "named tensors; make get() return one of those")
+    bad = [f"{k}: {type(v).__name__}" for k, v in [*enumerate(args), *kwargs.items()]
+           if not isinstance(v, torch.Tensor)]
+    if bad or not (args or kwargs):
+        raise SpecError(f"{what} inputs that are not tensors ({', '.join(bad) or 'none'}); return "
+                        "tensors (positional, or named in a dict), each [batch_size, ...]")
+    if not all(isinstance(k, str) and k.isidentifier() for k in kwargs):
+        raise SpecError(f"{what} named inputs {list(kwargs)}; their names must be the model's "
+                        "forward() argument names")
+    if target is None and not model_loss:
+        raise SpecError(f"{what} no target; return (inputs, target), or set train.loss: model "
+                        "when the model computes its own loss")
+    if target is not None and not isinstance(target, torch.Tensor):
+        raise SpecError(f"{what} a {type(target).__name__} target; return the target as a "
+                        "tensor [batch_size, ...]")
+    sizes = {int(v.shape[0]) if v.dim() else -1
+             for v in [*args, *kwargs.values(), *([target] if target is not None else [])]}
+    if len(sizes) != 1 or -1 in sizes:
+        raise SpecError(f"{what} tensors whose first dimensions differ or are missing "
+                        f"({sorted(sizes)}); every input and the target need the batch first")
+    return Batch(tuple(args), kwargs, target)
+
+
 def as_tuple(inputs: Any) -> tuple[torch.Tensor, ...]:
     """Model inputs as a tuple of tensors (a single tensor becomes a 1-tuple)."""
     return tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
 
 
-def _example_batch(spec: ParallelSpec) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
-    """Batch 0 of the spec's dataset as ``(inputs, target)``, checked.
+def get_batch(batches: Batches, spec: ParallelSpec, step: int, split: str = "train") -> Batch:
+    """The global batch of ``step`` as a :class:`Batch` (``train.loss: model`` decides where
+    ``labels`` of a dict batch go).
 
     Raises:
-        SpecError: the dataset cannot be built (see :func:`fxpipe.data.batches.make_batches`),
-            or its ``get(0, "train")`` raises or does not return ``(inputs, target)`` tensors.
+        SpecError: ``get`` raised (its type and message are named) or returned another form.
     """
-    batches = make_batches(spec)
     head = _head(spec)
     try:
-        batch = batches.get(0, "train")
+        raw = batches.get(step, split)
     except SpecError:
         raise
     except Exception as err:  # the user's get() failed
-        raise SpecError(f"{head}: get(0, 'train') of the object that {spec.data.dataset} "
+        raise SpecError(f"{head}: get({step}, {split!r}) of the object that {spec.data.dataset} "
                         f"returned raised {type(err).__name__}: "
                         f"{' '.join(str(err).split())[:300]}; fix its get(step, split) method"
                         ) from err
-    if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
-        raise SpecError(f"{head}: get(0, 'train') of the object that {spec.data.dataset} "
-                        f"returned gave a {type(batch).__name__}, not a pair (inputs, target); "
-                        "make get() return (inputs, target)")
-    inputs = as_tuple(batch[0])
-    if not inputs or not all(isinstance(t, torch.Tensor) for t in inputs):
-        raise SpecError(f"{head}: get(0, 'train') returned inputs that are not tensors "
-                        f"({', '.join(type(t).__name__ for t in inputs) or 'none'}); return a "
-                        "tensor or a tuple of tensors, each [batch_size, ...]")
-    if not isinstance(batch[1], torch.Tensor):
-        raise SpecError(f"{head}: get(0, 'train') returned a {type(batch[1]).__name__} target; "
-                        "return the target as a tensor [batch_size, ...]")
-    return inputs, batch[1]
+    return as_batch(raw, spec.train.loss == "model", head)
 
 
-def example_microbatch(spec: ParallelSpec, size: int | None = None) -> tuple:
-    """One micro-batch of real inputs from the spec's dataset (dim 0 = ``size``, default the
-    spec's micro-batch size when the parallel sizes are fixed, else 1).
+def example_microbatch(spec: ParallelSpec, size: int | None = None) -> Batch:
+    """One micro-batch of real inputs (and target) from the spec's dataset: the first ``size``
+    samples of batch 0 (default: the spec's micro-batch size when the parallel sizes are fixed,
+    else 1).
 
     Raises:
-        SpecError: see :func:`_example_batch`.
+        SpecError: see :func:`make_batches` and :func:`get_batch`.
     """
     if size is None:
         par = spec.parallel
@@ -151,10 +250,4 @@ def example_microbatch(spec: ParallelSpec, size: int | None = None) -> tuple:
             size = spec.data.batch_size // (par.data * par.microbatches)
         else:
             size = 1
-    inputs, _ = _example_batch(spec)
-    return tuple(t[:size] for t in inputs)
-
-
-def example_target(spec: ParallelSpec, size: int) -> torch.Tensor:
-    """The targets of one micro-batch of ``size`` samples from the spec's dataset."""
-    return _example_batch(spec)[1][:size]
+    return get_batch(make_batches(spec), spec, 0).slice(0, size)

@@ -23,15 +23,17 @@ from fxpipe.partitioner.boundaries import stage_boundaries
 from fxpipe.partitioner.cost import NodeCost, price
 from fxpipe.partitioner.graph import PricedGraph, build_graph
 from fxpipe.partitioner.problem import CutProblem, PartitionResult, Value
+from fxpipe.partitioner.recompute import apply_recompute, cheap_values, is_clone
 from fxpipe.partitioner.search import Candidate, candidates, stage_inflight
 from fxpipe.partitioner.solvers import optimal_partition
-from fxpipe.partitioner.trace import TracedModel, trace
+from fxpipe.partitioner.trace import TracedModel, fake_on_device, trace
 from fxpipe.plans.placement import pair_crosses_nodes
 from fxpipe.plans.plan import Plan, StagePlan
 from fxpipe.plans.values import needs_grad
 from fxpipe.schedule.simulate import predict
 from fxpipe.specs.loader import build_model, load_spec
 from fxpipe.specs.schema import OPTIMIZER_STATE_FACTOR, ParallelSpec, stages_per_rank
+from fxpipe.units import human_bytes
 
 
 def as_spec(spec: Any) -> ParallelSpec:
@@ -55,7 +57,25 @@ def _boundary_bandwidths(spec: ParallelSpec, cand: Candidate, stage_to_rank: lis
     return out
 
 
-def _cut_problem(pg: PricedGraph, spec: ParallelSpec, cand: Candidate, scale: float) -> CutProblem:
+def _cheap_values(pg: PricedGraph, spec: ParallelSpec) -> set[str]:
+    """Values cheaper to rebuild in each stage than to send (:mod:`fxpipe.partitioner.recompute`):
+    priced over the fastest link, so the choice holds wherever a cut falls."""
+    traced = pg.traced
+    params = {k for k, fqn in traced.param_fqns.items() if fqn not in traced.buffer_fqns}
+    sizes = {}
+    for row in pg.values:
+        dtype = pg.value_info(row.name)[1]
+        sizes[row.name] = (row.nbytes, needs_grad(dtype))
+    links = spec.cluster.links
+    return cheap_values(traced.gm, {n: c.fwd_flops for n, c in pg.costs.items()}, params, sizes,
+                        spec.cluster.device_tflops * 1e12,
+                        max(links.intra_node_GBps, links.inter_node_GBps) * 1e9, links.latency_s)
+
+
+def _cut_problem(pg: PricedGraph, spec: ParallelSpec, cand: Candidate, scale: float,
+                 cheap: set[str] = frozenset()) -> CutProblem:
+    """The cut problem of one candidate layout; values in ``cheap`` cross cuts for free (each
+    stage rebuilds them)."""
     flops_per_s = spec.cluster.device_tflops * 1e12
     g = pg.graph
     units = pg.order
@@ -66,7 +86,7 @@ def _cut_problem(pg: PricedGraph, spec: ParallelSpec, cand: Candidate, scale: fl
     values = []
     for row in pg.values:
         users = tuple(u for u in row.user_positions if u < n)  # n = the loss, on the last stage
-        if users:
+        if users and row.name not in cheap:
             grad = needs_grad(pg.value_info(row.name)[1])
             values.append(Value(row.producer_pos, users, row.nbytes * scale, grad, row.name))
     inflight, stage_to_rank = stage_inflight(cand)
@@ -86,16 +106,33 @@ def _cut_problem(pg: PricedGraph, spec: ParallelSpec, cand: Candidate, scale: fl
 
 def _assemble(traced: TracedModel, pg: PricedGraph, costs: dict[str, NodeCost],
               result: PartitionResult, cand: Candidate, spec: ParallelSpec,
-              microbatch_size: int, explain: list[str], scale: float = 1.0) -> Plan:
+              microbatch_size: int, explain: list[str], cheap: set[str], scale: float = 1.0,
+              final: bool = True) -> Plan:
     """Turn a partition of units into a Plan (stage boundaries from the traced graph).
 
     ``scale`` (micro-batch size / traced batch size) scales FLOPs and value bytes when ranking
-    candidates of another micro-batch size than the one traced; the final plan uses 1."""
+    candidates of another micro-batch size than the one traced; the final plan uses 1. The
+    final plan rewrites ``traced.gm`` so that each stage rebuilds the ``cheap`` values it reads
+    (:func:`~fxpipe.partitioner.recompute.apply_recompute`); a ranking plan leaves the graph as
+    it is and prices those values at 0 bytes instead."""
     g = pg.graph
     node_stage: dict[str, int] = {}
     for pos, stage in enumerate(result.stage_of()):
         for member in g.nodes[pg.order[pos]]["members"]:
             node_stage[member] = stage
+    recomputed: dict[str, list[int]] = {}
+    if final and cheap:
+        for name in sorted(cheap):
+            s = node_stage.get(name)
+            readers = {node_stage[u.name] for u in traced.node(name).users
+                       if node_stage.get(u.name, s) != s}
+            if s is not None and readers:
+                recomputed[name] = sorted(readers)
+        node_stage = apply_recompute(traced.gm, recomputed, node_stage)
+        costs = dict(costs)
+        for n in node_stage:
+            if is_clone(n):
+                costs[n] = costs[n.rsplit("__r", 1)[0]]
     bounds = stage_boundaries(traced.gm, node_stage, cand.num_stages)
     flops_per_s = spec.cluster.device_tflops * 1e12
     stages = []
@@ -116,14 +153,8 @@ def _assemble(traced: TracedModel, pg: PricedGraph, costs: dict[str, NodeCost],
             fwd_time_s=fwd / flops_per_s, bwd_input_time_s=(bwd - bwd_w) / flops_per_s,
             bwd_weight_time_s=bwd_w / flops_per_s,
         ))
-    if len(bounds.model_outputs) != 1:
-        raise PlanError(
-            f"the model returns {len(bounds.model_outputs)} values; fxpipe trains models that "
-            "return one tensor (the loss input). Wrap the model so forward returns one tensor"
-        )
-    values = bounds.values
-    if scale != 1.0:
-        values = {k: dataclasses.replace(v, nbytes=int(v.nbytes * scale)) for k, v in values.items()}
+    values = {k: dataclasses.replace(v, nbytes=0 if k in cheap else int(v.nbytes * scale))
+              for k, v in bounds.values.items()}
     plan = Plan(
         model=traced.model_name or type(traced.gm).__name__,
         num_stages=cand.num_stages, pipeline=cand.pipeline, dp=cand.dp,
@@ -133,41 +164,74 @@ def _assemble(traced: TracedModel, pg: PricedGraph, costs: dict[str, NodeCost],
         model_inputs=list(bounds.model_inputs), model_output=bounds.model_outputs[0],
         shared_params=dict(bounds.shared_params), param_aliases=dict(bounds.param_aliases),
         bottleneck_stage=result.bottleneck, lower_bound_s=result.lower_bound_s,
-        explain=list(explain), spec=spec.model_dump(mode="json"),
+        explain=list(explain), spec=spec.model_dump(mode="json"), recomputed=recomputed,
     )
     plan.predicted = predict(plan)
     return plan
 
 
-def _resize_batch(inputs: tuple, size: int) -> tuple:
-    """Example inputs with dim 0 resized to ``size`` (repeating or slicing)."""
-    out = []
-    for t in inputs:
-        if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] == size:
-            out.append(t)
-        elif t.shape[0] > size:
-            out.append(t[:size])
-        else:
-            reps = -(-size // t.shape[0])
-            out.append(t.repeat(reps, *([1] * (t.dim() - 1)))[:size])
-    return tuple(out)
+def _resize(t: Any, size: int) -> Any:
+    """A tensor with dim 0 resized to ``size`` (repeating or slicing); other values as they are."""
+    if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] == size:
+        return t
+    if t.shape[0] > size:
+        return t[:size]
+    reps = -(-size // t.shape[0])
+    return t.repeat(reps, *([1] * (t.dim() - 1)))[:size]
 
 
-def plan_with_graph(model: nn.Module, spec: Any, example_inputs: tuple | None = None
-                    ) -> tuple[Plan, "nx.DiGraph"]:
+def _model_device(model: nn.Module) -> str:
+    for t in [*model.parameters(), *model.buffers()]:
+        return t.device.type
+    return "cpu"
+
+
+def tracing_model(model: nn.Module, args: tuple, kwargs: dict, device: str
+                  ) -> tuple[nn.Module, tuple, dict, str]:
+    """What to trace so that the graph is the one a worker on ``device`` traces: the model
+    itself when it already lives there, else a fake copy on ``device`` (:func:`fake_on_device`;
+    a meta model costs no memory), or on meta when ``device`` is CUDA and this machine has none
+    (the workers then check the graph and explain a difference). Returns the model, inputs and
+    the device type traced on."""
+    here = _model_device(model)
+    if device == "cuda" and not torch.cuda.is_available():
+        if here == "cuda":  # pragma: no cover - a CUDA model without CUDA cannot exist
+            return model, args, kwargs, here
+        meta = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+        fake, fargs, fkw = fake_on_device(model, tuple(a.to("meta") for a in args), meta, "meta")
+        return fake, fargs, fkw, "meta"
+    if here == device:
+        return model, tuple(a.to(device) for a in args), {
+            k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}, device
+    fake, fargs, fkw = fake_on_device(model, args, kwargs, device)
+    return fake, fargs, fkw, device
+
+
+def plan_with_graph(model: nn.Module, spec: Any, example_inputs: Any = None,
+                    example_kwargs: dict | None = None) -> tuple[Plan, "nx.DiGraph"]:
     """:func:`plan`, also returning the priced networkx graph of planning units (for
     ``plan.dump(dir, graph)``'s DOT drawing)."""
     spec = as_spec(spec)
-    if example_inputs is None:
-        example_inputs = example_microbatch(spec, 1)
-    if isinstance(example_inputs, torch.Tensor):
-        example_inputs = (example_inputs,)
-    example_inputs = tuple(example_inputs)
-    b0 = next((t.shape[0] for t in example_inputs if isinstance(t, torch.Tensor) and t.dim()), 1)
-    traced = trace(model, example_inputs, spec.model.tracer)
+    if example_inputs is None and example_kwargs is None:
+        batch = example_microbatch(spec, 1)
+        args, kwargs = batch.args, batch.kwargs
+    else:
+        if isinstance(example_inputs, torch.Tensor):
+            example_inputs = (example_inputs,)
+        args, kwargs = tuple(example_inputs or ()), dict(example_kwargs or {})
+    tensors = [t for t in [*args, *kwargs.values()] if isinstance(t, torch.Tensor) and t.dim()]
+    b0 = int(tensors[0].shape[0]) if tensors else 1
+    model, args, kwargs, traced_on = tracing_model(model, args, kwargs, spec.cluster.device)
+    key = spec.loss_output
+
+    def traced_at(size: int) -> TracedModel:
+        return trace(model, tuple(_resize(a, size) for a in args), spec.model.tracer,
+                     example_kwargs={k: _resize(v, size) for k, v in kwargs.items()}, output=key)
+
+    traced = traced_at(b0)
     costs = price(traced)
     pg = build_graph(traced, costs)
-
+    cheap = _cheap_values(pg, spec)
     ranked = []
     errors = []
     # cheap impossibilities first: more stages than units never fits, and building the schedule
@@ -178,7 +242,7 @@ def plan_with_graph(model: nn.Module, spec: Any, example_inputs: tuple | None = 
             continue
         scale = mbs / b0
         try:
-            problem = _cut_problem(pg, spec, cand, scale)
+            problem = _cut_problem(pg, spec, cand, scale, cheap)
             result = optimal_partition(problem)
         except PlanError as e:
             errors.append(f"{cand.label()}: {e}")
@@ -191,7 +255,8 @@ def plan_with_graph(model: nn.Module, spec: Any, example_inputs: tuple | None = 
     if len(ranked) > 1:
         scored = []
         for cand, result, mbs in ranked:
-            plan = _assemble(traced, pg, costs, result, cand, spec, mbs, [], scale=mbs / b0)
+            plan = _assemble(traced, pg, costs, result, cand, spec, mbs, [], cheap,
+                             scale=mbs / b0, final=False)
             scored.append((plan.predicted.step_time_s, cand, result, mbs))
         scored.sort(key=lambda x: (x[0], x[1].label()))
         explain.append(f"auto search: {len(scored)} feasible candidates, {len(errors)} infeasible; "
@@ -202,51 +267,75 @@ def plan_with_graph(model: nn.Module, spec: Any, example_inputs: tuple | None = 
     else:
         cand, result, mbs = ranked[0]
     if mbs != b0:  # re-trace at the real micro-batch size so the plan's shapes are exact
-        example_inputs = _resize_batch(example_inputs, mbs)
-        traced = trace(model, example_inputs, spec.model.tracer)
+        traced = traced_at(mbs)
         costs = price(traced)
         pg = build_graph(traced, costs)
-        result = optimal_partition(_cut_problem(pg, spec, cand, 1.0))
+        cheap = _cheap_values(pg, spec)
+        result = optimal_partition(_cut_problem(pg, spec, cand, 1.0, cheap))
     if traced.pins or traced.split_after:
         explain.append(f"honoured {len(traced.split_after)} pipe_split() marker(s) and "
                        f"{len(set(traced.pins.values()))} annotate() pin(s)")
-    return _assemble(traced, pg, costs, result, cand, spec, mbs, explain), pg.graph
+    if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
+        explain.append(f"BatchNorm: statistics are computed over each micro-batch of {mbs} "
+                       "sample(s), as in GPipe, not over the whole batch; everything else equals "
+                       "single-process training")
+    plan = _assemble(traced, pg, costs, result, cand, spec, mbs, explain, cheap)
+    if plan.recomputed:
+        plan.explain.append("recomputed in each stage that reads them (cheaper than sending): "
+                            + ", ".join(f"{v} ({human_bytes(bounds_bytes)}) in stages "
+                                        f"{', '.join(map(str, s))}"
+                                        for v, s in plan.recomputed.items()
+                                        for bounds_bytes in [pg.value_info(v)[2]]))
+    plan.input_kwargs = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
+    plan.traced_on = traced_on
+    missing = [k for k in plan.input_kwargs if k not in plan.model_inputs]
+    if missing:
+        raise TraceError(f"keyword inputs {missing} do not appear as inputs of the traced graph "
+                         f"(its inputs: {plan.model_inputs}); pass them by their forward() names")
+    return plan, pg.graph
 
 
-def plan(model: nn.Module, spec: Any, example_inputs: tuple | None = None) -> Plan:
+def plan(model: nn.Module, spec: Any, example_inputs: Any = None,
+         example_kwargs: dict | None = None) -> Plan:
     """Trace, price and partition ``model`` according to ``spec``.
 
     Args:
-        model: an ordinary ``nn.Module`` (may live on the meta device: nothing is computed).
+        model: an ordinary ``nn.Module``; it may live on the meta device (nothing is computed:
+            a fake copy on ``cluster.device`` is traced, so the graph is the one the workers
+            trace there).
         spec: a :class:`~fxpipe.specs.schema.ParallelSpec`, a YAML path, a bundled spec name or
             a dict.
-        example_inputs: ONE micro-batch of inputs (tensor or tuple of tensors, dim 0 = batch).
-            Default: taken from the spec's dataset. Costs scale linearly with the micro-batch
-            size the plan chooses; the final plan is re-traced at that size.
+        example_inputs: ONE micro-batch of positional inputs (tensor or tuple of tensors, dim 0
+            = batch).
+        example_kwargs: ONE micro-batch of keyword inputs by forward() argument name, e.g.
+            ``{"input_ids": ids, "attention_mask": mask, "labels": ids}`` for a transformers
+            model that computes its own loss. Default for both: batch 0 of the spec's dataset.
+            Costs scale linearly with the micro-batch size the plan chooses; the final plan is
+            re-traced at that size.
 
     Returns:
         The :class:`~fxpipe.plans.plan.Plan` (with ``predicted`` filled by the simulator).
 
     Raises:
-        SpecError: bad spec. TraceError: the model cannot be traced. PlanError: no partition fits
-        (e.g. device memory too small), or the model returns several tensors.
+        SpecError: bad spec. TraceError: the model cannot be traced, or it returns several
+        values and ``model.output`` does not name the one the loss reads. PlanError: no
+        partition fits (e.g. device memory too small).
     """
-    return plan_with_graph(model, spec, example_inputs)[0]
+    return plan_with_graph(model, spec, example_inputs, example_kwargs)[0]
 
 
 def plan_from_spec(spec: Any) -> tuple[Plan, "nx.DiGraph"]:
     """Build the spec's model on the meta device (no weight memory) and plan it."""
     spec = as_spec(spec)
     with torch.device("meta"):
-        model = build_model(spec)
-    inputs = tuple(t.to("meta") for t in example_microbatch(spec))
+        model = build_model(spec, load_weights=False)
+    batch = example_microbatch(spec)
     try:
-        return plan_with_graph(model, spec, inputs)
+        return plan_with_graph(model, spec, batch.args, batch.kwargs)
     except TraceError as e:
-        shapes = ", ".join(f"{str(t.dtype).replace('torch.', '')}{list(t.shape)}" for t in inputs)
+        shapes = ", ".join(f"{name}: {str(t.dtype).replace('torch.', '')}{list(t.shape)}"
+                           for name, t in [*enumerate(batch.args), *batch.kwargs.items()])
         raise TraceError(
             f"{e}\n(the example inputs came from data.dataset {spec.data.dataset}: {shapes}; if "
             "they do not fit the model, fix the dataset or data.seq_len rather than the tracer)"
         ) from None
-
-

@@ -17,6 +17,7 @@ import torch.nn as nn
 
 from fxpipe.errors import PlanError, SplitError
 from fxpipe.partitioner.boundaries import GUARDS_FN, Boundaries, resolve_attr, stage_boundaries
+from fxpipe.partitioner.recompute import apply_recompute, is_clone
 from fxpipe.partitioner.trace import trace
 from fxpipe.plans.plan import Plan
 from fxpipe.specs.loader import load_spec
@@ -155,37 +156,68 @@ def split_graph(gm: fx.GraphModule, node_stage: dict[str, int],
     return b, [build_stage_module(gm, b, s) for s in range(num_stages)]
 
 
+def example_zeros(plan: Plan, device: torch.device | str) -> tuple[tuple, dict]:
+    """Zero tensors of one micro-batch of the plan's model inputs: ``(positional, keyword)``."""
+    zeros = {n: torch.zeros(plan.values[n].shape, dtype=getattr(torch, plan.values[n].dtype),
+                            device=device) for n in plan.model_inputs}
+    args = tuple(zeros[n] for n in plan.model_inputs if n not in plan.input_kwargs)
+    return args, {n: zeros[n] for n in plan.input_kwargs}
+
+
+def _graph_difference(plan: Plan, traced, device: torch.device | str) -> str:
+    """Why a worker's graph differs from the plan's, and what fixes it."""
+    node_stage = plan.stage_of_node()
+    computed = [n for n in traced.compute_nodes() if n.name != GUARDS_FN]
+    names = {n.name for n in computed}
+    only_plan = sorted(n for n in node_stage if n not in names and not is_clone(n))
+    only_here = [n for n in computed if n.name not in node_stage]
+    ops = sorted({str(n.target) for n in only_here})[:4]
+    dev = torch.device(device).type
+    cause = (f"the plan was traced on {plan.traced_on} and this worker traces on {dev}, where "
+             f"some kernels differ (here the graph has {len(only_here)} extra node(s): "
+             f"{', '.join(ops) or 'none'})" if plan.traced_on != dev else
+             "the model or the input shapes changed since planning")
+    fix = (f"create the plan where {dev} is available (fxpipe run plans on the launching "
+           "machine, so launch it there), or use attention that traces the same everywhere "
+           "(model.config.attn_implementation: eager)" if plan.traced_on != dev else
+           "re-create the plan with `fxpipe plan` from the same model, spec and data")
+    return (f"the model's graph differs from the plan: {cause} (nodes only in the plan: "
+            f"{only_plan[:5]}, only here: {[n.name for n in only_here][:5]}); {fix}")
+
+
 def materialize_stages(plan: Plan, model: nn.Module, stage_ids: list[int],
                        device: torch.device | str = "cpu") -> dict[int, nn.Module]:
     """Rebuild the stage modules ``stage_ids`` of ``plan`` from ``model`` (a worker's step 1).
 
     The model (already on ``device``) is traced again with zero inputs of the plan's micro-batch
-    shapes on ``device``, so device-dependent constants land on the right device; the plan's node
-    assignment is applied and the boundaries are checked against the plan.
+    shapes on ``device`` (positional and keyword as planned, the same output kept), so
+    device-dependent constants land on the right device; the plan's node assignment (with its
+    recomputed values) is applied and the boundaries are checked against the plan.
 
     Returns stage index -> GraphModule (``forward(*inputs) -> tuple(outputs)``, parameters are the
     model's own Parameter objects under their original FQNs).
 
     Raises:
-        PlanError: the traced graph no longer matches the plan (the model changed since planning).
+        PlanError: the traced graph does not match the plan; the message names the cause (the
+            model changed, or the plan was traced on another device type) and the fix.
     """
     spec = load_spec(plan.spec)
-    inputs = []
-    for name in plan.model_inputs:
-        v = plan.values[name]
-        inputs.append(torch.zeros(v.shape, dtype=getattr(torch, v.dtype), device=device))
-    traced = trace(model, tuple(inputs), spec.model.tracer)
+    args, kwargs = example_zeros(plan, device)
+    traced = trace(model, args, spec.model.tracer, example_kwargs=kwargs, output=spec.loss_output)
     node_stage = plan.stage_of_node()
+    base = {n: s for n, s in node_stage.items() if not is_clone(n)}
     computed = {n.name for n in traced.compute_nodes()} - {GUARDS_FN}
-    if set(node_stage) != computed:
-        missing = sorted(set(node_stage) - computed)[:5]
-        extra = sorted(computed - set(node_stage))[:5]
-        raise PlanError(
-            f"the model's graph differs from the plan (nodes only in the plan: {missing}, only in "
-            f"the model: {extra}); re-create the plan with `fxpipe plan`"
-        )
+    if set(base) != computed:
+        raise PlanError(_graph_difference(plan, traced, device))
+    try:
+        apply_recompute(traced.gm, plan.recomputed, base)
+    except KeyError as e:
+        raise PlanError(f"the plan rebuilds {e} in later stages, which this model's graph "
+                        "cannot; re-create the plan with `fxpipe plan`") from None
     bounds = stage_boundaries(traced.gm, node_stage, plan.num_stages)
     for sb, st in zip(bounds.stages, plan.stages):
         if sb.inputs != st.inputs or sb.outputs != st.outputs:
-            raise PlanError(f"stage {st.index}'s inputs/outputs differ from the plan; re-plan")
+            raise PlanError(f"stage {st.index}'s inputs/outputs differ from the plan "
+                            f"({sb.inputs} -> {sb.outputs} here, {st.inputs} -> {st.outputs} "
+                            "planned); re-create the plan with `fxpipe plan`")
     return {s: build_stage_module(traced.gm, bounds, s) for s in stage_ids}

@@ -21,6 +21,7 @@ and Transformation for Deep Learning in Python", MLSys 2022), and
 from __future__ import annotations
 
 import contextlib
+import inspect
 import io
 import logging
 import warnings
@@ -423,8 +424,129 @@ def _pins(model: nn.Module, gm: torch.fx.GraphModule) -> dict[str, int]:
     return pins
 
 
+def fake_on_device(model: nn.Module, args: tuple, kwargs: dict, device: str
+                   ) -> tuple[nn.Module, tuple, dict]:
+    """A copy of ``model`` whose parameters and buffers are fake tensors on ``device`` (no
+    memory, no compute), and fake inputs of the same shapes there.
+
+    Tracing this copy gives the graph that tracing the real model on ``device`` gives (some
+    kernels, e.g. CPU attention, differ from their meta-device versions by a ``contiguous``), so
+    a plan made here matches what the workers trace. A model on the meta device is not copied
+    weight by weight: ``to_empty`` gives every tensor a fake storage.
+    """
+    import copy
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fake = copy.deepcopy(model)
+    tied: dict[int, list[tuple[dict, str]]] = {}  # to_empty unties tied tensors: re-tie them
+    for mod in fake.modules():
+        for slots in (mod._parameters, mod._buffers):
+            for name, t in slots.items():
+                if t is not None:
+                    tied.setdefault(id(t), []).append((slots, name))
+    with mode:
+        fake = fake.to_empty(device=device)
+    for refs in tied.values():
+        first_slots, first_name = refs[0]
+        for slots, name in refs[1:]:
+            slots[name] = first_slots[first_name]
+    with mode:
+
+        def conv(x):
+            return (torch.empty(x.shape, dtype=x.dtype, device=device)
+                    if isinstance(x, torch.Tensor) else x)
+
+        return fake, tuple(conv(a) for a in args), {k: conv(v) for k, v in kwargs.items()}
+
+
+def _forward_params(model: nn.Module) -> set[str]:
+    try:
+        return set(inspect.signature(model.forward).parameters)
+    except (TypeError, ValueError):
+        return set()
+
+
+def trace_kwargs(model: nn.Module, example_kwargs: dict | None) -> dict:
+    """The keyword inputs a model is traced with: the given ones, plus ``use_cache=False`` for a
+    forward() that takes ``use_cache`` (transformers models: a KV cache object cannot leave an
+    exported graph and training does not use it). The planner and every worker apply the same
+    rule, so their graphs agree."""
+    kwargs = dict(example_kwargs or {})
+    if "use_cache" in _forward_params(model) and "use_cache" not in kwargs:
+        kwargs["use_cache"] = False
+    return kwargs
+
+
+def output_index(out_spec: Any, key: str | int | None, model_name: str) -> int | None:
+    """Position among the flattened outputs of the one the loss reads.
+
+    ``key``: a ModelOutput / dict key (``"logits"``, ``"loss"``) or a tuple index; None picks
+    ``logits`` when the output has it, and needs a single output otherwise. Returns None when
+    the model returns one tensor and no key is asked for.
+
+    Raises:
+        TraceError: the key is not an output (the message lists the outputs), or the model
+            returns several values and none is named.
+    """
+    n = out_spec.num_leaves
+    if n == 1 and key is None:
+        return None
+    obj = pytree.tree_unflatten(list(range(n)), out_spec)
+    if isinstance(obj, dict) or hasattr(obj, "keys"):
+        keys = list(obj.keys())
+    elif isinstance(obj, (tuple, list)):
+        keys = list(range(len(obj)))
+    else:
+        keys = []
+    if key is None:
+        key = "logits" if "logits" in keys else None
+    if key is None or key not in keys:
+        shown = ", ".join(map(repr, keys)) or f"{n} values"
+        asked = (f"model.output {key!r} is not one of them" if key is not None else
+                 "name the one the loss reads with model.output")
+        raise TraceError(f"{model_name}.forward() returns {type(obj).__name__} with outputs "
+                         f"{shown}; {asked} (e.g. model.output: logits, or loss with train.loss: "
+                         "model)")
+    picked = obj[key]
+    if not isinstance(picked, int):
+        raise TraceError(f"{model_name}.forward() output {key!r} is a "
+                         f"{type(picked).__name__} of several tensors; the loss reads one "
+                         "tensor: name it with model.output")
+    return picked
+
+
+def pick_output(out: Any, key: str | int | None, model_name: str) -> torch.Tensor:
+    """The output the loss reads from what a real forward() returned (the rule of
+    :func:`output_index`, applied to a value instead of a graph)."""
+    leaves, spec = pytree.tree_flatten(out)
+    i = output_index(spec, key, model_name)
+    return leaves[0 if i is None else i]
+
+
+def _keep_output(gm: torch.fx.GraphModule, key: str | int | None, model_name: str) -> None:
+    """Make ``gm`` return only the output the loss reads; drop what only the others needed."""
+    out_spec = getattr(gm, "_out_spec", None)
+    out_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    if out_spec is None:  # torch.fx: no pytree spec; the output is the args' structure
+        out_spec = pytree.tree_flatten(out_node.args[0])[1]
+    i = output_index(out_spec, key, model_name)
+    if i is None:
+        return
+    leaves = pytree.tree_leaves(out_node.args[0])
+    out_node.args = ((leaves[i],),)
+    leaf = pytree.tree_structure(0)
+    if getattr(gm, "_out_spec", None) is not None:
+        gm._out_spec = leaf
+        codegen = gm.graph._codegen
+        if getattr(codegen, "pytree_info", None) is not None:
+            codegen.pytree_info = codegen.pytree_info._replace(out_spec=leaf)
+    gm.graph.eliminate_dead_code()
+    gm.graph.lint()
+    gm.recompile()
+
+
 def trace(model: nn.Module, example_inputs: tuple, tracer: str = "export", *,
-          example_kwargs: dict | None = None,
+          example_kwargs: dict | None = None, output: str | int | None = None,
           leaf_modules: Iterable[str | type] = ()) -> TracedModel:
     """Trace ``model`` into an FX graph with parameter names, pipe_split cuts and stage pins.
 
@@ -434,7 +556,9 @@ def trace(model: nn.Module, example_inputs: tuple, tracer: str = "export", *,
             ``(torch.zeros(8, 128, dtype=torch.long),)``). Shapes are specialised to these.
         tracer: ``"export"`` (``torch.export.export(strict=False)``, default) or ``"fx"``
             (``torch.fx`` symbolic tracing + fake-tensor shape propagation).
-        example_kwargs: keyword inputs of forward(), if any.
+        example_kwargs: keyword inputs of forward(), if any (see :func:`trace_kwargs`).
+        output: when forward() returns several values (a ModelOutput, dict or tuple), the key or
+            index of the one the loss reads (:func:`output_index`); the graph keeps only it.
         leaf_modules: (``tracer="fx"`` only) module paths or classes to keep as single
             ``call_module`` nodes instead of tracing through them.
 
@@ -457,7 +581,7 @@ def trace(model: nn.Module, example_inputs: tuple, tracer: str = "export", *,
     if not isinstance(example_inputs, tuple):
         raise TraceError(f"example_inputs must be a tuple of forward()'s positional arguments, "
                          f"got {type(example_inputs).__name__}; wrap a single tensor as (x,)")
-    example_kwargs = dict(example_kwargs or {})
+    example_kwargs = trace_kwargs(model, example_kwargs)
     leaf_modules = list(leaf_modules)
     if leaf_modules and tracer != "fx":
         raise TraceError("leaf_modules only applies to tracer='fx' (torch.export traces through "
@@ -469,6 +593,7 @@ def trace(model: nn.Module, example_inputs: tuple, tracer: str = "export", *,
         else:
             gm = _trace_fx(model, example_inputs, example_kwargs, leaf_modules)
 
+    _keep_output(gm, output, type(model).__name__)
     split_after = _remove_pipe_splits(gm)
     by_id, by_name, buffers, shapes = _tensor_names(model)
     param_fqns: dict[str, str] = {}
@@ -488,7 +613,8 @@ def trace(model: nn.Module, example_inputs: tuple, tracer: str = "export", *,
             param_fqns[n.target] = by_name[n.target]
     aliases = {k: v for k, v in by_name.items() if k != v}
 
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"
+                    and isinstance(n.meta.get("val"), torch.Tensor)]  # not use_cache=False
     out_node = next(n for n in gm.graph.nodes if n.op == "output")
     outputs = [a.name for a in pytree.tree_leaves(out_node.args[0]) if isinstance(a, torch.fx.Node)]
     if not outputs:

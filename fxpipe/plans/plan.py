@@ -122,6 +122,12 @@ class Plan:
         predicted: simulator prediction, or None if not simulated.
         explain: free-text lines explaining choices (auto search ranking, annotations honoured).
         spec: the validated spec as a plain dict (so the runtime can rebuild the model).
+        input_kwargs: the model inputs passed by keyword (the rest of ``model_inputs`` are
+            positional, in order).
+        traced_on: the device type the graph was traced on (``cpu``, ``cuda``, ``meta``); a
+            worker on another device type checks that its graph is the same.
+        recomputed: value name -> stages that recompute it from the model inputs instead of
+            receiving it (masks, position ids, rotary tables: cheaper than sending).
     """
 
     model: str
@@ -143,6 +149,9 @@ class Plan:
     predicted: Predicted | None = None
     explain: list[str] = field(default_factory=list)
     spec: dict[str, Any] = field(default_factory=dict)
+    input_kwargs: list[str] = field(default_factory=list)
+    traced_on: str = "cpu"
+    recomputed: dict[str, list[int]] = field(default_factory=dict)
 
     # ------------------------------------------------------------------ derived views
     @property

@@ -81,6 +81,7 @@ class _StepState:
     send_grads: dict[tuple[int, int], dict[str, torch.Tensor]] = field(default_factory=dict)
     sends: list[tuple[p2p.Pending, str]] = field(default_factory=list)
     loss_sum: torch.Tensor | None = None
+    weights: list[float] | None = None  # per micro-batch; None: 1/m each
     stepped: bool = False
     posted: dict[int, list[tuple[str, p2p.Pending]]] = field(default_factory=dict)  # by index
     index: int = -1  # index of the action being run
@@ -112,6 +113,8 @@ class PipelineExecutor:
             between stages keep the plan's dtypes.
         loss_scaler: the :class:`~fxpipe.runtime.precision.LossScaler` to use; default a new one
             for ``"fp16"`` and none otherwise (a scaler given with bf16/fp32 is used too).
+        needs_target: False when the model computes its own loss (its labels are a model
+            input): :meth:`step` then takes ``target=None``.
 
     Attributes:
         events: one :data:`Event` ``(rank, label, start_s, end_s, lane)`` per executed action,
@@ -133,13 +136,14 @@ class PipelineExecutor:
                  mesh: Mesh, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                  optimizer: torch.optim.Optimizer | None, timeout_s: float = 300.0, *,
                  grad_compression: str = "none", precision: str = "fp32",
-                 loss_scaler: LossScaler | None = None):
+                 loss_scaler: LossScaler | None = None, needs_target: bool = True):
         self.plan, self.schedule, self.mesh = plan, schedule, mesh
         self.precision = precision
         self._amp_dtype = autocast_dtype(precision)  # raises on an unknown precision
         self.loss_scaler = loss_scaler if loss_scaler is not None else (
             LossScaler() if precision == "fp16" else None)
         self.loss_fn, self.optimizer, self.timeout_s = loss_fn, optimizer, float(timeout_s)
+        self.needs_target = needs_target
         self.modules = dict(stage_modules)
         self.device = mesh.device
         self.rank = mesh.rank
@@ -250,7 +254,8 @@ class PipelineExecutor:
         return out
 
     # ------------------------------------------------------------------ the step
-    def step(self, inputs: dict[str, torch.Tensor], target: torch.Tensor | None) -> float:
+    def step(self, inputs: dict[str, torch.Tensor], target: torch.Tensor | None,
+             loss_weights: list[float] | None = None) -> float:
         """Run one training step (one pass over this rank's action list).
 
         Args:
@@ -258,7 +263,12 @@ class PipelineExecutor:
                 ``[m * microbatch_size, ...]``; split into ``m`` micro-batches along dim 0.
                 Ranks may pass every input; each stage reads only what it uses.
             target: this replica's targets ``[m * microbatch_size, ...]`` (needed on the rank
-                holding the loss stage; may be ``None`` elsewhere).
+                holding the loss stage unless the model computes its own loss; may be ``None``
+                elsewhere).
+            loss_weights: the weight of each micro-batch's loss in the step's loss, summing to
+                about 1 per replica (``fxpipe.training.losses.microbatch_weights``: the share of
+                the counted targets); default ``1/m`` each. A weight of 0 skips that micro-batch's
+                loss (nothing in it counts).
 
         Returns:
             The step's loss: mean over micro-batches and replicas; the same float on every rank.
@@ -270,6 +280,10 @@ class PipelineExecutor:
         t0 = time.perf_counter()
         self.step_starts_s.append(self._clock0 + t0)
         st = self._prepare(inputs, target)
+        if loss_weights is not None and len(loss_weights) != self.m:
+            raise RuntimeFailure(f"rank {self.rank}: step() got {len(loss_weights)} loss weights "
+                                 f"for {self.m} micro-batches; give one per micro-batch")
+        st.weights = list(loss_weights) if loss_weights is not None else None
         self._done_stages.clear()
         self._unscaled.clear()
         acts = self.schedule.actions[self.mesh.pipe_rank]
@@ -323,10 +337,10 @@ class PipelineExecutor:
         chunks = {n: self._chunk(n, inputs[n]) for n in needed}
         tgt = None
         if self.loss_stage in self.modules:
-            if target is None:
+            if target is None and self.needs_target:
                 raise RuntimeFailure(f"rank {self.rank} holds the loss stage {self.loss_stage} but "
                                      "step() got target=None; pass the batch's targets")
-            tgt = self._chunk("target", target)
+            tgt = None if target is None else self._chunk("target", target)
         for w in self.work.values():
             w.reset()
         return _StepState(chunks=chunks, target=tgt)
@@ -343,6 +357,14 @@ class PipelineExecutor:
                 f"{name!r} has batch {b} = {m} micro-batches of {b // m}, but the plan was made "
                 f"for micro-batches of {mbs} samples (it fixes the shapes sent between stages); pass a "
                 f"per-replica batch of {m * mbs} or re-plan with this batch size")
+        info = self.plan.values.get(name) if name in self._model_inputs else None
+        if info is not None and (list(x.shape[1:]) != list(info.shape[1:])
+                                 or str(x.dtype).removeprefix("torch.") != info.dtype):
+            raise RuntimeFailure(
+                f"model input {name!r} is {tuple(x.shape[1:])} {str(x.dtype).removeprefix('torch.')}"
+                f" per sample but the plan was made for {tuple(info.shape[1:])} {info.dtype} (it "
+                "fixes the shapes sent between stages); feed inputs of the planned shape (e.g. the "
+                "same data.seq_len) or re-plan with this one")
         return x.to(self.device).split(b // m, dim=0)
 
     def _ctx(self, a: Action) -> str:
@@ -370,8 +392,10 @@ class PipelineExecutor:
                                     "or the producing stage's F comes later in the schedule)")
             args.append(t)
         scale = self.loss_scaler.scale if self.loss_scaler is not None else None
-        target = st.target[i] if s == self.loss_stage else None
-        outs, loss = self.work[s].forward(i, args, self._microbatch_loss, target, scale)
+        target = st.target[i] if s == self.loss_stage and st.target is not None else None
+        weight = None if st.weights is None else st.weights[i]
+        outs, loss = self.work[s].forward(
+            i, args, lambda out, tgt: self._microbatch_loss(out, tgt, weight), target, scale)
         if loss is not None:
             st.loss_sum = loss.clone() if st.loss_sum is None else st.loss_sum + loss
         # same-rank hand-over (interleaved / V placements): a fresh leaf, like a received value
@@ -382,10 +406,16 @@ class PipelineExecutor:
                     v = outs[n].detach()
                     slot[n] = v.requires_grad_() if needs_grad(v.dtype) else v
 
-    def _microbatch_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    def _microbatch_loss(self, output: torch.Tensor, target: torch.Tensor | None,
+                         weight: float | None) -> torch.Tensor | None:
         """The loss of one micro-batch as its share of the step's mean (gradients accumulated
-        over the ``m`` micro-batches then equal those of the whole batch's mean loss)."""
-        return self.loss_fn(output, target) / self.m
+        over the micro-batches then equal those of the whole batch's mean loss): ``1/m`` of it,
+        or ``weight``; None when the weight is 0 (nothing counts, no backward from it)."""
+        if weight is None:
+            return self.loss_fn(output, target) / self.m
+        if weight == 0:
+            return None
+        return self.loss_fn(output, target) * weight
 
     def _autocast(self):
         """``torch.autocast`` for this rank's device with the precision's dtype (off for fp32)."""

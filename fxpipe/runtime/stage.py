@@ -122,9 +122,10 @@ class StageWork:
         if self.loss_input is not None:
             with self._autocast():
                 loss = loss_fn(outs[self.loss_input], target)
-            shown = loss.detach().float()
-            if scale is not None:  # the backward starts from the scaled loss
-                loss = loss.float() * scale
+            if loss is not None:
+                shown = loss.detach().float()
+                if scale is not None:  # the backward starts from the scaled loss
+                    loss = loss.float() * scale
         self._mb[i] = _Microbatch(leaves, outs, loss, {}, {})
         self.peak = max(self.peak, len(self._mb))
         return outs, shown

@@ -88,12 +88,15 @@ def resolve_callable(ref: str, what: str, *, spec: Any = None) -> Callable:
     return obj
 
 
-def build_model(spec: Any):
+def build_model(spec: Any, load_weights: bool = True):
     """Instantiate the spec's model: seeds torch with ``train.seed`` (so every rank builds the
-    same initial weights), then calls ``model.factory(**model.args)``.
+    same initial weights), then calls ``model.factory(**model.args)``, or builds the
+    transformers class ``model.hf`` from ``model.config`` (:mod:`fxpipe.specs.hf`).
 
     Args:
         spec: a :class:`~fxpipe.specs.schema.ParallelSpec`.
+        load_weights: read ``model.pretrained`` weights (False when planning: the config is
+            enough).
 
     Returns:
         The ``torch.nn.Module`` (on the current default device; wrap the call in
@@ -108,6 +111,11 @@ def build_model(spec: Any):
     """
     import torch
 
+    if spec.model.hf is not None:
+        from fxpipe.specs.hf import build_transformers_model
+
+        torch.manual_seed(spec.train.seed)
+        return build_transformers_model(spec, load_weights)
     factory = resolve_callable(spec.model.factory, "model.factory", spec=spec)
     args = dict(spec.model.args)
     head = _prefix(spec, "model.args")

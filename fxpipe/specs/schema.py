@@ -61,13 +61,46 @@ class _Section(BaseModel):
 
 
 class ModelSpec(_Section):
-    """``factory``: ``"package.module:Callable"`` returning an ``nn.Module``; ``args``: its
-    keyword arguments. ``tracer``: ``export`` (``torch.export``, default) or ``fx``
-    (``torch.fx.symbolic_trace``)."""
+    """The model, named one of two ways:
 
-    factory: str
+    * ``factory``: ``"package.module:Callable"`` returning an ``nn.Module``; ``args``: its
+      keyword arguments;
+    * ``hf``: a Hugging Face transformers class, ``"GPT2LMHeadModel"`` or
+      ``"transformers:GPT2LMHeadModel"``, built from ``config`` (the keyword arguments of its
+      config class) with random weights, or from a local ``pretrained`` folder
+      (``from_pretrained``; nothing is downloaded).
+
+    ``output``: which output of the model the loss reads when it returns several (a ModelOutput
+    or dict key such as ``logits`` or ``loss``, or a tuple index); default: ``loss`` when
+    ``train.loss`` is ``model``, else ``logits`` when present, else the only output.
+    ``tracer``: ``export`` (``torch.export``, default) or ``fx`` (``torch.fx.symbolic_trace``)."""
+
+    factory: str | None = None
     args: dict[str, Any] = Field(default_factory=dict)
+    hf: str | None = None
+    config: dict[str, Any] = Field(default_factory=dict)
+    pretrained: str | None = None
+    output: Union[str, int, None] = None
     tracer: Literal["export", "fx"] = "export"
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "ModelSpec":
+        if (self.factory is None) == (self.hf is None):
+            raise ValueError("name the model with exactly one of model.factory "
+                             "('package.module:Callable') or model.hf (a transformers class "
+                             "such as GPT2LMHeadModel)")
+        if self.factory is not None and (self.config or self.pretrained):
+            raise ValueError("model.config and model.pretrained go with model.hf; a factory "
+                             "takes its arguments in model.args")
+        if self.hf is not None and self.args:
+            raise ValueError("model.args goes with model.factory; give a transformers model's "
+                             "settings in model.config")
+        return self
+
+    @property
+    def name(self) -> str:
+        """The factory or transformers class named."""
+        return self.factory if self.factory is not None else self.hf
 
 
 class DataSpec(_Section):
@@ -133,7 +166,11 @@ class TrainSpec(_Section):
     fp32 master weights). ``grad_compression``: ``none`` | ``fp16`` | ``bf16`` (all-reduce in 16
     bits). ``updates``: ``sync`` (the only exact mode). ``timeout_s``: a peer silent for this long
     is an error, not a hang. ``eval_batches``: held-out batches on which ``fxpipe run`` measures the
-    loss of the initial and the final model (0: skip)."""
+    loss of the initial and the final model (0: skip). ``loss``: ``cross_entropy``, ``mse``,
+    ``"package.module:function"``, or ``model`` (the model computes its own loss, e.g. a
+    transformers model given ``labels``). ``ignore_index``: target value that does not count
+    (padding, unmasked tokens); the loss is the mean over the targets that count in the whole
+    batch, as in single-process training."""
 
     steps: PositiveInt = 200
     optimizer: Literal["adamw", "sgd"] = "adamw"
@@ -143,6 +180,7 @@ class TrainSpec(_Section):
     seed: int = 0
     loss: str = "cross_entropy"
     grad_compression: Literal["none", "fp16", "bf16"] = "none"
+    ignore_index: int = -100
     updates: Literal["sync"] = "sync"
     log_every: PositiveInt = 10
     timeout_s: PositiveFloat = 300.0
@@ -165,6 +203,15 @@ class ParallelSpec(_Section):
     cluster: ClusterSpec = Field(default_factory=ClusterSpec)
     train: TrainSpec = Field(default_factory=TrainSpec)
     output: OutputSpec = Field(default_factory=OutputSpec)
+
+    @property
+    def loss_output(self) -> str | int | None:
+        """The model output the loss reads: ``model.output``, else ``loss`` when the model
+        computes its own loss (``train.loss: model``), else None (``logits`` when the model
+        returns several outputs, or its only output)."""
+        if self.model.output is not None:
+            return self.model.output
+        return "loss" if self.train.loss == "model" else None
 
     @model_validator(mode="after")
     def _cross_section(self) -> "ParallelSpec":

@@ -20,15 +20,18 @@ from fxpipe.training.checkpoint import load_into_model
 def validation_loss(model: torch.nn.Module, spec, batches: int) -> float:
     """Mean loss of ``model`` over the first ``batches`` validation batches of the spec's dataset
     (each the global ``data.batch_size``)."""
-    from fxpipe.data.batches import as_tuple, make_batches
+    from fxpipe.data.batches import get_batch, make_batches
+    from fxpipe.partitioner.trace import pick_output, trace_kwargs
     from fxpipe.training.losses import resolve_loss
 
-    data, loss_fn = make_batches(spec), resolve_loss(spec.train.loss)
+    data = make_batches(spec)
+    loss_fn = resolve_loss(spec.train.loss, spec.train.ignore_index)
     model.eval()
     total = 0.0
     for k in range(batches):
-        inputs, target = data.get(k, "val")
-        total += float(loss_fn(model(*as_tuple(inputs)), target))
+        b = get_batch(data, spec, k, "val")
+        out = model(*b.args, **trace_kwargs(model, b.kwargs))
+        total += float(loss_fn(pick_output(out, spec.loss_output, type(model).__name__), b.target))
     return total / batches
 
 

@@ -84,7 +84,7 @@ def _check_launchable(spec, nnodes: int, endpoint: str | None) -> None:
         raise FxpipeError("multi-node runs need --rdzv-endpoint HOST:PORT (the same on every node)")
     if endpoint:
         _check_endpoint(endpoint)
-    resolve_loss(spec.train.loss)
+    resolve_loss(spec.train.loss, spec.train.ignore_index)
     if spec.cluster.device == "cuda":
         have = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if have < spec.cluster.devices_per_node:
@@ -104,16 +104,24 @@ def _check_loss_fits(spec, plan) -> None:
     """
     import torch
 
-    from fxpipe.data.batches import example_target
+    from fxpipe.data.batches import example_microbatch
     from fxpipe.errors import SpecError
     from fxpipe.specs.loader import spec_location
-    from fxpipe.training.losses import resolve_loss
+    from fxpipe.training.losses import MODEL_LOSS, resolve_loss
 
     out = plan.values[plan.model_output]
+    if spec.train.loss == MODEL_LOSS:
+        if out.shape:
+            where = spec_location(spec, "train.loss")
+            raise SpecError(f"{where + ': ' if where else ''}train.loss is 'model' but the "
+                            f"output the loss reads ({plan.model_output}, {tuple(out.shape)}) is "
+                            "not a scalar; feed the model its labels (a dict batch with "
+                            "'labels') or set model.output to the loss output")
+        return
     output = torch.empty(out.shape, dtype=getattr(torch, out.dtype), device="meta")
-    target = example_target(spec, plan.microbatch_size).to("meta")
+    target = example_microbatch(spec, plan.microbatch_size).target.to("meta")
     try:
-        resolve_loss(spec.train.loss)(output, target)
+        resolve_loss(spec.train.loss, spec.train.ignore_index)(output, target)
     except Exception as e:  # noqa: BLE001 - the user's loss, any failure
         where = spec_location(spec, "train.loss")
         raise SpecError(

@@ -24,8 +24,12 @@ from fxpipe.errors import FxpipeError
 
 
 def _optimizer(spec, params):
+    """The spec's optimizer over ``params``; None for a rank whose stages hold no parameter (a
+    stage of only activations or reshapes)."""
     import torch
 
+    if not params:
+        return None
     t = spec.train
     if t.optimizer == "sgd":
         return torch.optim.SGD(params, lr=t.lr, weight_decay=t.weight_decay)
@@ -35,7 +39,9 @@ def _optimizer(spec, params):
 def _throughput_unit(plan, batch_size: int) -> tuple[str, int]:
     """``("tokens", batch x seq_len)`` for a token-id input (int64 ``[batch, seq]``), else
     ``("samples", batch)``."""
-    first = plan.values[plan.model_inputs[0]] if plan.model_inputs else None
+    ids = [plan.values[n] for n in plan.model_inputs
+           if plan.values[n].dtype == "int64" and len(plan.values[n].shape) == 2]
+    first = ids[0] if ids else None
     if first is not None and first.dtype == "int64" and len(first.shape) == 2:
         return "tokens", batch_size * first.shape[1]
     return "samples", batch_size
@@ -50,7 +56,7 @@ def train(plan_path: Path, out: Path) -> None:
     import torch
     import torch.distributed as dist
 
-    from fxpipe.data.batches import as_tuple, make_batches
+    from fxpipe.data.batches import get_batch, make_batches
     from fxpipe.partitioner.split import materialize_stages
     from fxpipe.plans.plan import Plan
     from fxpipe.runtime.executor import PipelineExecutor
@@ -59,7 +65,8 @@ def train(plan_path: Path, out: Path) -> None:
     from fxpipe.schedule.timeline import write_chrome_trace
     from fxpipe.specs.loader import build_model, load_spec
     from fxpipe.training.checkpoint import save_checkpoint
-    from fxpipe.training.losses import resolve_loss
+    from fxpipe.training.losses import (MODEL_LOSS, batch_counter, microbatch_weights,
+                                        resolve_loss, shifts_labels)
 
     plan = Plan.load(plan_path)
     spec = load_spec(plan.spec)
@@ -76,10 +83,13 @@ def train(plan_path: Path, out: Path) -> None:
     stages = materialize_stages(plan, model, my_stages, device)
     params = list({id(p): p for m in stages.values() for p in m.parameters()}.values())
     optimizer = _optimizer(spec, params)
-    executor = PipelineExecutor(plan, schedule, stages, mesh, resolve_loss(spec.train.loss),
+    model_loss = spec.train.loss == MODEL_LOSS
+    executor = PipelineExecutor(plan, schedule, stages, mesh,
+                                resolve_loss(spec.train.loss, spec.train.ignore_index),
                                 optimizer, timeout_s=spec.train.timeout_s,
                                 grad_compression=spec.train.grad_compression,
-                                precision=spec.train.precision)
+                                precision=spec.train.precision, needs_target=not model_loss)
+    count = batch_counter(model_loss, spec.train.ignore_index, shifts_labels(model))
 
     per_replica = spec.data.batch_size // plan.dp
     unit, items_per_step = _throughput_unit(plan, spec.data.batch_size)
@@ -88,12 +98,13 @@ def train(plan_path: Path, out: Path) -> None:
     # before any step leaves no loss file, so its folder does not count as an earlier run
     t_start = time.perf_counter()
     for step in range(spec.train.steps):
-        inputs, target = batches.get(step, "train")
-        lo, hi = dp_rank * per_replica, (dp_rank + 1) * per_replica
-        mine = {name: t[lo:hi].to(device) for name, t in zip(plan.model_inputs, as_tuple(inputs))}
+        batch = get_batch(batches, spec, step)
+        weights = microbatch_weights(batch, dp_rank, plan.dp, plan.microbatches, count)
+        mine = batch.slice(dp_rank * per_replica, (dp_rank + 1) * per_replica).to(device)
         t0 = time.perf_counter()
         try:
-            loss = executor.step(mine, target[lo:hi].to(device))
+            loss = executor.step(mine.named(plan.model_inputs, plan.input_kwargs), mine.target,
+                                 weights)
         except FxpipeError as e:
             raise type(e)(f"step {step}: {e}") from None
         dt = time.perf_counter() - t0
