@@ -111,3 +111,36 @@ def synthetic_images(batch_size: int = 32, seed: int = 0) -> ImageBatches:
     """1-channel 8x8 images in 10 classes (the shapes of ``SkipCNN``'s defaults); see
     :class:`ImageBatches`."""
     return ImageBatches(batch_size, seed=seed)
+
+
+class LMBatches:
+    """Padded language-model batches as transformers models take them, over a byte corpus.
+
+    ``get(step, split)`` returns a dict of int64 ``[batch_size, seq_len]`` tensors:
+    ``input_ids`` (bytes, padded with 0 after each row's length), ``attention_mask`` (1 on real
+    tokens) and ``labels`` (``input_ids`` with ``-100`` on padding: a causal LM shifts them
+    itself). Row lengths vary from ``seq_len // 2`` to ``seq_len``, so micro-batches hold
+    different numbers of tokens that count. Deterministic per ``(seed, step, split)``.
+    """
+
+    def __init__(self, text: bytes, batch_size: int, seq_len: int, seed: int = 0):
+        self.inner = ByteBatches(text, batch_size, seq_len, seed)
+        self.seq_len = seq_len
+
+    def get(self, step: int, split: str = "train") -> dict[str, torch.Tensor]:
+        """Batch ``step`` of ``split`` (``"train"``/``"val"``) as a dict of named tensors."""
+        x, _ = self.inner.get(step, split)
+        g = torch.Generator().manual_seed(self.inner.seed * 7_000_003 + step * 2
+                                          + (0 if split == "train" else 1))
+        lengths = torch.randint(max(1, self.seq_len // 2), self.seq_len + 1, (x.shape[0],),
+                                generator=g)
+        mask = (torch.arange(self.seq_len)[None, :] < lengths[:, None]).to(torch.int64)
+        ids = x * mask
+        return {"input_ids": ids, "attention_mask": mask,
+                "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def python_source_lm(batch_size: int = 16, seq_len: int = 128, seed: int = 0) -> LMBatches:
+    """The standard library's sources as padded transformers-style LM batches; see
+    :class:`LMBatches`."""
+    return LMBatches(python_source_text(), batch_size, seq_len, seed)

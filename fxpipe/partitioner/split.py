@@ -22,7 +22,8 @@ from fxpipe.partitioner.trace import trace
 from fxpipe.plans.plan import Plan
 from fxpipe.specs.loader import load_spec
 
-__all__ = ["build_stage_module", "materialize_stages", "split_graph"]
+__all__ = ["build_stage_module", "build_stages", "materialize_stages", "split_graph",
+           "trace_for_plan"]
 
 
 # --------------------------------------------------------------------------------------- helpers
@@ -185,17 +186,13 @@ def _graph_difference(plan: Plan, traced, device: torch.device | str) -> str:
             f"{only_plan[:5]}, only here: {[n.name for n in only_here][:5]}); {fix}")
 
 
-def materialize_stages(plan: Plan, model: nn.Module, stage_ids: list[int],
-                       device: torch.device | str = "cpu") -> dict[int, nn.Module]:
-    """Rebuild the stage modules ``stage_ids`` of ``plan`` from ``model`` (a worker's step 1).
+def trace_for_plan(plan: Plan, model: nn.Module, device: torch.device | str = "cpu"):
+    """Trace ``model`` (already on ``device``) as the plan was traced, on zero inputs of the
+    plan's micro-batch shapes (positional and keyword as planned, the same output kept), and
+    apply the plan's recomputed values. Device-dependent constants land on ``device``.
 
-    The model (already on ``device``) is traced again with zero inputs of the plan's micro-batch
-    shapes on ``device`` (positional and keyword as planned, the same output kept), so
-    device-dependent constants land on the right device; the plan's node assignment (with its
-    recomputed values) is applied and the boundaries are checked against the plan.
-
-    Returns stage index -> GraphModule (``forward(*inputs) -> tuple(outputs)``, parameters are the
-    model's own Parameter objects under their original FQNs).
+    Returns the :class:`~fxpipe.partitioner.trace.TracedModel` whose graph holds exactly the
+    plan's nodes.
 
     Raises:
         PlanError: the traced graph does not match the plan; the message names the cause (the
@@ -204,8 +201,7 @@ def materialize_stages(plan: Plan, model: nn.Module, stage_ids: list[int],
     spec = load_spec(plan.spec)
     args, kwargs = example_zeros(plan, device)
     traced = trace(model, args, spec.model.tracer, example_kwargs=kwargs, output=spec.loss_output)
-    node_stage = plan.stage_of_node()
-    base = {n: s for n, s in node_stage.items() if not is_clone(n)}
+    base = {n: s for n, s in plan.stage_of_node().items() if not is_clone(n)}
     computed = {n.name for n in traced.compute_nodes()} - {GUARDS_FN}
     if set(base) != computed:
         raise PlanError(_graph_difference(plan, traced, device))
@@ -214,10 +210,33 @@ def materialize_stages(plan: Plan, model: nn.Module, stage_ids: list[int],
     except KeyError as e:
         raise PlanError(f"the plan rebuilds {e} in later stages, which this model's graph "
                         "cannot; re-create the plan with `fxpipe plan`") from None
-    bounds = stage_boundaries(traced.gm, node_stage, plan.num_stages)
+    return traced
+
+
+def build_stages(plan: Plan, traced, stage_ids: list[int]) -> dict[int, nn.Module]:
+    """The stage modules ``stage_ids`` of ``plan`` from a graph :func:`trace_for_plan` made.
+
+    Raises:
+        PlanError: a stage's inputs or outputs differ from the plan's.
+    """
+    bounds = stage_boundaries(traced.gm, plan.stage_of_node(), plan.num_stages)
     for sb, st in zip(bounds.stages, plan.stages):
         if sb.inputs != st.inputs or sb.outputs != st.outputs:
             raise PlanError(f"stage {st.index}'s inputs/outputs differ from the plan "
                             f"({sb.inputs} -> {sb.outputs} here, {st.inputs} -> {st.outputs} "
                             "planned); re-create the plan with `fxpipe plan`")
     return {s: build_stage_module(traced.gm, bounds, s) for s in stage_ids}
+
+
+def materialize_stages(plan: Plan, model: nn.Module, stage_ids: list[int],
+                       device: torch.device | str = "cpu") -> dict[int, nn.Module]:
+    """Rebuild the stage modules ``stage_ids`` of ``plan`` from ``model`` (a worker's step 1):
+    :func:`trace_for_plan` then :func:`build_stages`.
+
+    Returns stage index -> GraphModule (``forward(*inputs) -> tuple(outputs)``, parameters are the
+    model's own Parameter objects under their original FQNs).
+
+    Raises:
+        PlanError: see :func:`trace_for_plan` and :func:`build_stages`.
+    """
+    return build_stages(plan, trace_for_plan(plan, model, device), stage_ids)

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from fxpipe.data.batches import Batch
+from fxpipe.partitioner.loss_targets import TargetCounter
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -66,46 +67,40 @@ def resolve_loss(name: str, ignore_index: int = -100) -> LossFn:
     return resolve_callable(name, "train.loss")
 
 
-def shifts_labels(model: torch.nn.Module) -> bool:
-    """Whether the model's own loss predicts token ``t+1`` from position ``t`` (transformers causal
-    language models: the first label of each row never counts)."""
-    fn = getattr(model, "loss_function", None)
-    return getattr(fn, "__name__", "") == "ForCausalLMLoss"
-
-
-def count_targets(target: torch.Tensor, ignore_index: int = -100, shift: bool = False) -> int:
-    """How many targets count toward the mean: integer targets other than ``ignore_index``
-    (without each row's first one when ``shift``), every element of a float target."""
+def count_targets(target: torch.Tensor, ignore_index: int = -100) -> int:
+    """How many targets count toward the mean: integer targets other than ``ignore_index``,
+    every element of a float target."""
     if target.is_floating_point() or target.is_complex():
         return target.numel()
-    if shift:
-        target = target[..., 1:]
     return int((target != ignore_index).sum())
 
 
-def batch_counter(model_loss_mode: bool, ignore_index: int, shift: bool
+def batch_counter(model_inputs: list[str], input_kwargs: list[str], ignore_index: int,
+                  own_loss: TargetCounter | None, model_loss_mode: bool
                   ) -> Callable[[Batch], int]:
-    """Counted targets of a :class:`~fxpipe.data.batches.Batch`: its target's, or with the model's
-    own loss its ``labels``' (samples when it has none)."""
+    """Counted targets of a :class:`~fxpipe.data.batches.Batch` (one micro-batch): its target's
+    (:func:`count_targets`); with the model's own loss, the targets its loss derives from the
+    inputs (``own_loss``, :func:`fxpipe.partitioner.loss_targets.target_counter`), or the samples
+    when the graph shows no such loss."""
 
     def count(b: Batch) -> int:
-        if model_loss_mode:
-            labels = b.kwargs.get("labels")
-            return b.size if labels is None else count_targets(labels, ignore_index, shift)
-        return count_targets(b.target, ignore_index)
+        if not model_loss_mode:
+            return count_targets(b.target, ignore_index)
+        if own_loss is None:
+            return b.size
+        return own_loss(b.named(model_inputs, input_kwargs))
 
     return count
 
 
 def microbatch_weights(global_batch: Batch, replica: int, dp: int, microbatches: int,
                        count: Callable[[Batch], int]) -> list[float]:
-    """Loss weights of replica ``replica``'s micro-batches: ``dp * n_i / N`` (``N`` counted over
-    the whole global batch), so that averaging the replicas' weighted sums, as the data-parallel
-    all-reduce does, gives the global batch's mean. All zeros when nothing counts."""
-    total = count(global_batch)
-    per_replica = global_batch.size // dp
-    mbs = per_replica // microbatches
-    lo = replica * per_replica
-    counts = [count(global_batch.slice(lo + i * mbs, lo + (i + 1) * mbs))
-              for i in range(microbatches)]
-    return [dp * n / total if total else 0.0 for n in counts]
+    """Loss weights of replica ``replica``'s micro-batches: ``dp * n_i / N`` (``N`` summed over
+    every micro-batch of the global batch), so that averaging the replicas' weighted sums, as
+    the data-parallel all-reduce does, gives the global batch's mean. All zeros when nothing
+    counts."""
+    mbs = global_batch.size // (dp * microbatches)
+    counts = [count(global_batch.slice(j * mbs, (j + 1) * mbs)) for j in range(dp * microbatches)]
+    total = sum(counts)
+    mine = counts[replica * microbatches:(replica + 1) * microbatches]
+    return [dp * n / total if total else 0.0 for n in mine]

@@ -57,7 +57,8 @@ def train(plan_path: Path, out: Path) -> None:
     import torch.distributed as dist
 
     from fxpipe.data.batches import get_batch, make_batches
-    from fxpipe.partitioner.split import materialize_stages
+    from fxpipe.partitioner.loss_targets import target_counter
+    from fxpipe.partitioner.split import build_stages, trace_for_plan
     from fxpipe.plans.plan import Plan
     from fxpipe.runtime.executor import PipelineExecutor
     from fxpipe.runtime.mesh import Mesh, init_distributed
@@ -66,7 +67,7 @@ def train(plan_path: Path, out: Path) -> None:
     from fxpipe.specs.loader import build_model, load_spec
     from fxpipe.training.checkpoint import save_checkpoint
     from fxpipe.training.losses import (MODEL_LOSS, batch_counter, microbatch_weights,
-                                        resolve_loss, shifts_labels)
+                                        resolve_loss)
 
     plan = Plan.load(plan_path)
     spec = load_spec(plan.spec)
@@ -80,7 +81,8 @@ def train(plan_path: Path, out: Path) -> None:
     batches = make_batches(spec)
     schedule = schedule_for_plan(plan)
     my_stages = schedule.stages_of_rank(pipe_rank)
-    stages = materialize_stages(plan, model, my_stages, device)
+    traced = trace_for_plan(plan, model, device)
+    stages = build_stages(plan, traced, my_stages)
     params = list({id(p): p for m in stages.values() for p in m.parameters()}.values())
     optimizer = _optimizer(spec, params)
     model_loss = spec.train.loss == MODEL_LOSS
@@ -89,7 +91,9 @@ def train(plan_path: Path, out: Path) -> None:
                                 optimizer, timeout_s=spec.train.timeout_s,
                                 grad_compression=spec.train.grad_compression,
                                 precision=spec.train.precision, needs_target=not model_loss)
-    count = batch_counter(model_loss, spec.train.ignore_index, shifts_labels(model))
+    count = batch_counter(plan.model_inputs, plan.input_kwargs, spec.train.ignore_index,
+                          target_counter(traced.gm) if model_loss else None, model_loss)
+    del traced
 
     per_replica = spec.data.batch_size // plan.dp
     unit, items_per_step = _throughput_unit(plan, spec.data.batch_size)
