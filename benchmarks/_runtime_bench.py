@@ -41,6 +41,8 @@ REPO_OUT = ROOT / "benchmarks" / "out"
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from fxpipe.specs.schema import AUTO_VIRTUAL_STAGES  # noqa: E402
+from fxpipe.specs.schema import stages_per_rank as schema_stages_per_rank  # noqa: E402
 from fxpipe.partitioner.boundaries import compute_nodes
 from fxpipe.partitioner.split import split_graph  # noqa: E402
 from fxpipe.plans.plan import Plan, StagePlan  # noqa: E402
@@ -132,9 +134,9 @@ class RunSpec:
         return f"{self.schedule}{v} p={self.p} m={self.m}"
 
 
-def stages_per_rank(schedule: str, v: int = 2) -> int:
-    """``v`` for ``interleaved``, 2 for ``zb-v``, 1 otherwise."""
-    return v if schedule == "interleaved" else (2 if schedule == "zb-v" else 1)
+def stages_per_rank(schedule: str, v: int = AUTO_VIRTUAL_STAGES) -> int:
+    """Stages per rank (:func:`fxpipe.specs.schema.stages_per_rank`), ``interleaved`` with ``v``."""
+    return schema_stages_per_rank(schedule, v)
 
 
 def equal_split(cfg: StackConfig, num_stages: int, v: int = 1):

@@ -47,6 +47,9 @@ import torch
 
 from benchmarks._report import BENCHMARKS_MD, markdown_table, write_section
 from benchmarks.models import MODELS, TINY, BenchModel, build, layer_paths
+from fxpipe.plans.values import needs_grad  # noqa: E402
+from fxpipe.specs.schema import (DEFAULT_INTER_NODE_GBPS, DEFAULT_INTRA_NODE_GBPS,  # noqa: E402
+                                 DEFAULT_LATENCY_S, OPTIMIZER_STATE_FACTOR)
 from fxpipe.errors import PlanError
 from fxpipe.partitioner.baselines import equal_layers_partition, param_balanced_partition
 from fxpipe.partitioner.cost import price
@@ -58,7 +61,6 @@ from fxpipe.partitioner.trace import trace
 __all__ = ["Cluster", "BalanceRow", "cut_problem", "layer_starts", "compare", "main"]
 
 SECTION = "balance"
-_FLOAT_DTYPES = {"float16", "bfloat16", "float32", "float64"}
 
 
 @dataclass(frozen=True)
@@ -74,10 +76,10 @@ class Cluster:
     """
 
     device_tflops: float = 100.0
-    link_GBps: float = 50.0
-    latency_s: float = 5e-6
+    link_GBps: float = DEFAULT_INTER_NODE_GBPS
+    latency_s: float = DEFAULT_LATENCY_S
     memory_gb: float = 80.0
-    param_multiplier: float = 4.0
+    param_multiplier: float = OPTIMIZER_STATE_FACTOR["adamw"]
 
     def describe(self) -> str:
         return (f"{self.device_tflops:g} TFLOP/s per device, {self.link_GBps:g} GB/s per direction "
@@ -117,7 +119,7 @@ def cut_problem(pg: PricedGraph, num_stages: int, cluster: Cluster) -> CutProble
             continue
         grad = getattr(row, "grad", None)
         if grad is None:
-            grad = pg.value_info(name)[1] in _FLOAT_DTYPES
+            grad = needs_grad(pg.value_info(name)[1])
         values.append(Value(p, tuple(us), float(nbytes), bool(grad), name))
     return CutProblem(
         compute, params, saved, values, num_stages,
@@ -426,7 +428,7 @@ def main(argv: list[str] | None = None) -> list[BalanceRow]:
     ap.add_argument("--tiny", action="store_true", help="tiny models (smoke test)")
     ap.add_argument("--stages", type=int, nargs="+", default=None,
                     help="stage counts (default 2 4 8; 2 4 with --tiny)")
-    ap.add_argument("--links", type=float, nargs="+", default=[50.0, 450.0],
+    ap.add_argument("--links", type=float, nargs="+", default=[DEFAULT_INTER_NODE_GBPS, DEFAULT_INTRA_NODE_GBPS],
                     help="stage-to-stage bandwidths, GB/s per direction (default 50 450: "
                          "InfiniBand-class and NVLink-class)")
     ap.add_argument("--no-write", action="store_true", help="print only")

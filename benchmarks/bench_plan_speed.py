@@ -38,7 +38,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` and `fxpipe`
 _T_START = time.perf_counter()
 import torch  # noqa: E402
 
-import fxpipe.partitioner.driver as api  # noqa: E402
+import fxpipe.partitioner.driver as driver  # noqa: E402
 from benchmarks._report import BENCHMARKS_MD, markdown_table, write_section  # noqa: E402
 from fxpipe.examples.gpt import CharGPT  # noqa: E402
 from fxpipe.specs.loader import load_spec  # noqa: E402
@@ -115,15 +115,15 @@ def _phase_timers():
 
     for phase, names in PHASES.items():
         for name in names:
-            fn = getattr(api, name, None)
+            fn = getattr(driver, name, None)
             if callable(fn):
                 saved[name] = fn
-                setattr(api, name, wrap(phase, fn))
+                setattr(driver, name, wrap(phase, fn))
     try:
         yield secs, calls
     finally:
         for name, fn in saved.items():
-            setattr(api, name, fn)
+            setattr(driver, name, fn)
 
 
 def timed_plan(model: torch.nn.Module, spec, example_inputs: tuple) -> SpeedResult:
@@ -135,7 +135,7 @@ def timed_plan(model: torch.nn.Module, spec, example_inputs: tuple) -> SpeedResu
     """
     with _phase_timers() as (secs, calls):
         t0 = time.perf_counter()
-        plan, _ = api.plan_with_graph(model, spec, example_inputs)
+        plan, _ = driver.plan_with_graph(model, spec, example_inputs)
         total = time.perf_counter() - t0
     phases = {p: secs.get(p, 0.0) for p in PHASES}
     phases["other"] = max(0.0, total - sum(phases.values()))

@@ -34,14 +34,16 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` and `fxpipe`
 import numpy as np
 
 from benchmarks._report import BENCHMARKS_MD, markdown_table, write_section
+from fxpipe.specs.schema import (DEFAULT_INTER_NODE_GBPS, DEFAULT_INTRA_NODE_GBPS,  # noqa: E402
+                                 DEFAULT_LATENCY_S, OPTIMIZER_STATE_FACTOR)
 from fxpipe.partitioner.baselines import equal_layers_partition, param_balanced_partition
 from fxpipe.partitioner.problem import CutProblem, Value, inflight_1f1b, node_boundary_bandwidths
 from fxpipe.partitioner.solvers import optimal_partition
 
 SECTION = "planner-speed"
-LINK_BPS = 50e9  # InfiniBand NDR, per direction
-NVLINK_BPS = 450e9  # NVLink 4, per direction
-LATENCY_S = 5e-6
+LINK_BPS = DEFAULT_INTER_NODE_GBPS * 1e9  # InfiniBand NDR, per direction
+NVLINK_BPS = DEFAULT_INTRA_NODE_GBPS * 1e9  # NVLink 4, per direction
+LATENCY_S = DEFAULT_LATENCY_S
 
 
 def _units(n: int, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.random.Generator]:
@@ -55,7 +57,7 @@ def _units(n: int, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ra
 
 def _memory_cap(p: np.ndarray, s: np.ndarray, k: int, slack: float) -> float:
     """``slack`` x the average 1F1B stage memory (params x 4 + k in flight on stage 0)."""
-    return slack * (4 * p.sum() + k * s.sum()) / k
+    return slack * (OPTIMIZER_STATE_FACTOR["adamw"] * p.sum() + k * s.sum()) / k
 
 
 def chain_case(n: int, k: int, memory: bool, seed: int = 0) -> Callable[[], CutProblem]:

@@ -38,6 +38,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` and `fxpipe`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._report import BENCHMARKS_MD, markdown_table, write_section  # noqa: E402
+from fxpipe.specs.schema import SCHEDULES as ALL_SCHEDULES  # noqa: E402
 from benchmarks._runtime_bench import (  # noqa: E402
     REPO_OUT,
     Measured,
@@ -60,7 +61,7 @@ from fxpipe.schedule.simulate import SimResult  # noqa: E402
 from fxpipe.schedule.timeline import chrome_trace  # noqa: E402
 
 SECTION = "predicted-vs-measured"
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
+SCHEDULES = ALL_SCHEDULES  # every schedule
 DEFAULT = StackConfig()  # width 1024, micro-batch 32, 4 blocks per pipeline rank
 OUT_DIR = REPO_OUT / "predicted_vs_measured"
 SIM_PID_OFFSET = 100

@@ -8,7 +8,7 @@ from fxpipe.examples.cnn import SkipCNN
 from fxpipe.examples.gpt import CharGPT
 from fxpipe.partitioner.annotations import pipe_split
 
-# Sizes shared by the multi-process equivalence tests (tests/test_execute.py,
+# Sizes shared by the multi-process equivalence tests (tests/test_executor.py,
 # tests/test_schedules_execute.py).
 TOL = 1e-5       # max |pipelined - single-process| for losses and parameters, fp32
 MBS = 2          # samples per micro-batch

@@ -144,11 +144,11 @@ def test_bench_balance_catches_a_planner_worse_than_a_baseline(monkeypatch):
 
 
 def test_bench_plan_speed_tiny(tmp_path):
-    import fxpipe.partitioner.driver as api
+    import fxpipe.partitioner.driver as driver
     from benchmarks import bench_plan_speed as ps
 
-    originals = {n: getattr(api, n) for names in ps.PHASES.values() for n in names
-                 if hasattr(api, n)}
+    originals = {n: getattr(driver, n) for names in ps.PHASES.values() for n in names
+                 if hasattr(driver, n)}
     out = tmp_path / "BENCHMARKS.md"
     res = ps.main(["--tiny", "--repeats", "1", "--out", str(out)])
     first = res["first"]
@@ -164,7 +164,7 @@ def test_bench_plan_speed_tiny(tmp_path):
     for name, limit, measured, passed in res["checks"]:
         assert limit == ps.TARGET_S and passed == (measured <= limit)
     # the phase timers were removed again
-    assert all(getattr(api, n) is f for n, f in originals.items())
+    assert all(getattr(driver, n) is f for n, f in originals.items())
     text = _report.read_section("plan-speed", out)
     assert text is not None and ("PASS" in text or "FAIL" in text)
     assert "| trace |" in text and "| cost |" in text

@@ -43,7 +43,7 @@ def boundary_bw(raw, j):
 
 def naive_stage(raw, cuts, j):
     """(cost, compute, comm, memory) of stage j straight from the definition."""
-    n, k = len(raw["t"]), len(cuts)
+    n = len(raw["t"])
     ends = list(cuts[1:]) + [n]
     stage_of = {}
     for s, (a, b) in enumerate(zip(cuts, ends)):

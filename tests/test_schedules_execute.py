@@ -30,8 +30,6 @@ import torch.nn.functional as F
 
 import fxpipe
 from fxpipe.errors import RuntimeFailure
-from fxpipe.examples.cnn import SkipCNN
-from fxpipe.examples.gpt import CharGPT
 from fxpipe.partitioner.driver import plan_with_graph
 from fxpipe.partitioner.split import materialize_stages
 from fxpipe.plans.plan import Plan

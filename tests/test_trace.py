@@ -9,7 +9,7 @@ import torch.nn as nn
 from fxpipe.errors import TraceError
 from fxpipe.examples.cnn import SkipCNN
 from fxpipe.examples.gpt import CharGPT
-from fxpipe.partitioner.annotations import annotate, is_pipe_split, pipe_split
+from fxpipe.partitioner.annotations import annotate, is_pipe_split
 from fxpipe.partitioner.trace import TracedModel, module_path_of, trace
 
 try:

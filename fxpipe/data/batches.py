@@ -23,6 +23,7 @@ from fxpipe.errors import SpecError
 from fxpipe.examples.data import ByteBatches
 from fxpipe.specs.loader import resolve_callable, spec_location
 from fxpipe.specs.schema import ParallelSpec
+from fxpipe.units import plural
 
 
 class Batches(Protocol):
@@ -133,8 +134,8 @@ class Batch:
         """
         positional = [n for n in model_inputs if n not in input_kwargs]
         if len(self.args) != len(positional):
-            raise SpecError(f"the batch has {len(self.args)} positional input(s) but the plan "
-                            f"takes {len(positional)} ({positional}); feed batches like the ones "
+            raise SpecError(f"the batch has {plural(len(self.args), 'positional input')} but the "
+                            f"plan takes {len(positional)} ({positional}); feed batches like the ones "
                             "planned")
         named = dict(zip(positional, self.args))
         named.update({k: v for k, v in self.kwargs.items() if k in model_inputs})

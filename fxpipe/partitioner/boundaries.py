@@ -29,6 +29,7 @@ import torch.fx as fx
 from fxpipe.errors import SplitError
 from fxpipe.partitioner.trace import COMPUTE_OPS
 from fxpipe.plans.values import MODEL_INPUT, ValueInfo
+from fxpipe.units import plural
 
 __all__ = ["Boundaries", "StageBoundary", "compute_nodes", "stage_boundaries", "GUARDS_FN"]
 
@@ -207,14 +208,16 @@ def _check_assignment(gm: fx.GraphModule, node_stage: dict[str, int], num_stages
     missing = [n for n in names if n not in given]
     if missing:
         raise SplitError(
-            f"the stage assignment misses {len(missing)} compute node(s), e.g. {missing[:5]}; "
+            f"the stage assignment misses {plural(len(missing), 'compute node')}, e.g. "
+            f"{missing[:5]}; "
             "assign every call_function/call_method/call_module node "
             "(fxpipe.partitioner.boundaries.compute_nodes(gm) lists them) to a stage."
         )
     extra = sorted(given - expected)
     if extra:
         raise SplitError(
-            f"the stage assignment names {len(extra)} node(s) that are not compute nodes of this "
+            f"the stage assignment names {plural(len(extra), 'node')} that are not compute nodes "
+            f"of this "
             f"graph, e.g. {extra[:5]}; assign only the names from compute_nodes(gm) "
             "(placeholders, get_attr and output nodes are placed automatically)."
         )
@@ -399,7 +402,8 @@ def _values_and_ports(graph_nodes: list[fx.Node], stage_of: dict[fx.Node, int],
             continue
         p = stage_of[n]
         readers = sorted(consumers.get(n, ()))
-        why = (f"sent from stage {p} to stage(s) {readers}" if readers
+        why = (f"sent from stage {p} to {'stages' if len(readers) > 1 else 'stage'} {readers}"
+               if readers
                else f"a model output computed by stage {p}")
         values[n.name] = _value_info(n, p, readers, why)
         outputs[p].append(n)

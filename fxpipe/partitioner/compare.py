@@ -15,7 +15,8 @@ from fxpipe.partitioner.driver import as_spec, plan_from_spec
 from fxpipe.plans.plan import Plan
 from fxpipe.schedule.simulate import simulate_plan
 from fxpipe.schedule.timeline import write_chrome_trace
-from fxpipe.specs.schema import SCHEDULES, stages_per_rank
+from fxpipe.specs.schema import AUTO_VIRTUAL_STAGES, SCHEDULES, stages_per_rank
+from fxpipe.units import human_bytes, ms
 
 
 def simulate_spec(spec: Any, out_dir: str | Path | None = None) -> str:
@@ -28,7 +29,7 @@ def simulate_spec(spec: Any, out_dir: str | Path | None = None) -> str:
     lines = [plan.summary(), "",
              f"{'schedule':12s} {'step time':>12s} {'bubble':>8s} {'peak memory per stage':s}"]
     for name in SCHEDULES:
-        if stages_per_rank(name, 2) > 1 and plan.virtual_stages == 1:
+        if stages_per_rank(name, AUTO_VIRTUAL_STAGES) > 1 and plan.virtual_stages == 1:
             p2 = _replan_virtual(spec, name)
             if p2 is None:
                 lines.append(f"{name:12s} {'n/a':>12s}   (needs a re-plan with 2 stages per rank)")
@@ -41,9 +42,9 @@ def simulate_spec(spec: Any, out_dir: str | Path | None = None) -> str:
         except (ScheduleError, PlanError) as e:
             lines.append(f"{name:12s} {'n/a':>12s}   ({e})")
             continue
-        mem = ", ".join(f"{b / 2**20:.1f}" for b in res.peak_memory_bytes)
-        lines.append(f"{name:12s} {res.step_time_s * 1e3:10.2f}ms {res.bubble_fraction:8.3f} "
-                     f"[{mem}] MiB")
+        mem = ", ".join(human_bytes(b) for b in res.peak_memory_bytes)
+        lines.append(f"{name:12s} {ms(res.step_time_s):>10s}ms {res.bubble_fraction:8.3f} "
+                     f"[{mem}]")
         if out_dir:
             Path(out_dir).mkdir(parents=True, exist_ok=True)
             write_chrome_trace(res.events, Path(out_dir) / f"simulated_{name}.json",
@@ -54,7 +55,8 @@ def simulate_spec(spec: Any, out_dir: str | Path | None = None) -> str:
 def _replan_virtual(spec: Any, schedule: str) -> Plan | None:
     spec = as_spec(spec)
     par = spec.parallel.model_copy(update={"schedule": schedule,
-                                           "virtual_stages": 2 if schedule == "interleaved" else 1})
+                                           "virtual_stages": AUTO_VIRTUAL_STAGES
+                                           if schedule == "interleaved" else 1})
     try:
         return plan_from_spec(spec.model_copy(update={"parallel": par}))[0]
     except (PlanError, ScheduleError):

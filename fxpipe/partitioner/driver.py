@@ -33,7 +33,7 @@ from fxpipe.plans.values import needs_grad
 from fxpipe.schedule.simulate import predict
 from fxpipe.specs.loader import build_model, load_spec
 from fxpipe.specs.schema import OPTIMIZER_STATE_FACTOR, ParallelSpec, stages_per_rank
-from fxpipe.units import human_bytes
+from fxpipe.units import human_bytes, plural
 
 
 def as_spec(spec: Any) -> ParallelSpec:
@@ -273,12 +273,12 @@ def plan_with_graph(model: nn.Module, spec: Any, example_inputs: Any = None,
         cheap = _cheap_values(pg, spec)
         result = optimal_partition(_cut_problem(pg, spec, cand, 1.0, cheap))
     if traced.pins or traced.split_after:
-        explain.append(f"honoured {len(traced.split_after)} pipe_split() marker(s) and "
-                       f"{len(set(traced.pins.values()))} annotate() pin(s)")
+        explain.append(f"honoured {plural(len(traced.split_after), 'pipe_split() marker')} and "
+                       f"{plural(len(set(traced.pins.values())), 'annotate() pin')}")
     if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
-        explain.append(f"BatchNorm: statistics are computed over each micro-batch of {mbs} "
-                       "sample(s), as in GPipe, not over the whole batch; everything else equals "
-                       "single-process training")
+        explain.append(f"BatchNorm: statistics are computed over each micro-batch of "
+                       f"{plural(mbs, 'sample')}, as in GPipe, not over the whole batch; "
+                       "everything else equals single-process training")
     plan = _assemble(traced, pg, costs, result, cand, spec, mbs, explain, cheap)
     if plan.recomputed:
         plan.explain.append("recomputed in each stage that reads them (cheaper than sending): "

@@ -55,6 +55,7 @@ from typing import Any
 import numpy as np
 
 from fxpipe.errors import PlanError
+from fxpipe.specs.schema import OPTIMIZER_STATE_FACTOR
 from fxpipe.units import human_bytes
 
 __all__ = [
@@ -303,7 +304,7 @@ class CutProblem:
     bandwidth_Bps: float | Sequence[float] | Sequence[Sequence[float]]
     latency_s: float = 0.0
     capacity_bytes: float | Sequence[float] | None = None
-    param_multiplier: float = 4.0
+    param_multiplier: float = OPTIMIZER_STATE_FACTOR["adamw"]
     inflight: int | Sequence[int] = 1
     forced_cuts: Sequence[int] = ()
     pins: Mapping[int, int] = field(default_factory=dict)
@@ -320,11 +321,6 @@ class CutProblem:
         if self.unit_names is not None:
             return f"unit {i} ({self.unit_names[i]!r})"
         return f"unit {i}"
-
-    @property
-    def total_compute_s(self) -> float:
-        """Sum of all units' compute seconds."""
-        return float(self.T[-1])
 
     @property
     def lower_bound_s(self) -> float:

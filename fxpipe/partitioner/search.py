@@ -16,7 +16,7 @@ from fxpipe.schedule.generators import compute_schedule
 from fxpipe.schedule.lowering import add_communication, linear_edges
 from fxpipe.schedule.simulate import StageCosts, simulate
 from fxpipe.specs.loader import spec_location
-from fxpipe.specs.schema import SCHEDULES, ParallelSpec, stages_per_rank
+from fxpipe.specs.schema import AUTO_VIRTUAL_STAGES, SCHEDULES, ParallelSpec, stages_per_rank
 from fxpipe.units import plural
 
 #: schedules tried by ``schedule: auto`` (interleaved is tried with v = 2): all of them
@@ -109,9 +109,9 @@ def candidates(spec: ParallelSpec, max_stages: int | None = None) -> list[Candid
         for m in ms:
             for s in scheds:
                 v = par.virtual_stages if s == "interleaved" and par.schedule != "auto" else (
-                    2 if s == "interleaved" else 1)
+                    AUTO_VIRTUAL_STAGES if s == "interleaved" else 1)
                 per_rank = stages_per_rank(s, v)
-                if pp == 1 and stages_per_rank(s, 2) > 1:
+                if pp == 1 and stages_per_rank(s, AUTO_VIRTUAL_STAGES) > 1:
                     continue
                 if max_stages is not None and pp * per_rank > max_stages:
                     if too_many is None or pp * per_rank < too_many[0]:

@@ -21,6 +21,7 @@ from fxpipe.partitioner.recompute import apply_recompute, is_clone
 from fxpipe.partitioner.trace import trace
 from fxpipe.plans.plan import Plan
 from fxpipe.specs.loader import load_spec
+from fxpipe.units import plural
 
 __all__ = ["build_stage_module", "build_stages", "materialize_stages", "split_graph",
            "trace_for_plan"]
@@ -172,11 +173,10 @@ def _graph_difference(plan: Plan, traced, device: torch.device | str) -> str:
     names = {n.name for n in computed}
     only_plan = sorted(n for n in node_stage if n not in names and not is_clone(n))
     only_here = [n for n in computed if n.name not in node_stage]
-    ops = sorted({str(n.target) for n in only_here})[:4]
     dev = torch.device(device).type
     cause = (f"the plan was traced on {plan.traced_on} and this worker traces on {dev}, where "
-             f"some kernels differ (here the graph has {len(only_here)} extra node(s): "
-             f"{', '.join(ops) or 'none'})" if plan.traced_on != dev else
+             f"some kernels trace differently ({plural(len(only_plan), 'node')} only in the "
+             f"plan, {len(only_here)} only here)" if plan.traced_on != dev else
              "the model or the input shapes changed since planning")
     fix = (f"create the plan where {dev} is available (fxpipe run plans on the launching "
            "machine, so launch it there), or use attention that traces the same everywhere "

@@ -232,11 +232,13 @@ class FakeInterpreter(torch.fx.Interpreter):
 
 @contextlib.contextmanager
 def _quiet_torch_logs() -> Iterator[None]:
-    """Silence torch's own loggers and stderr prints while tracing: export logs failed meta
-    kernels and prints partial graphs before raising; the TraceError we raise says it better."""
-    loggers = [logging.getLogger("torch")] + [
+    """Silence torch's (and transformers') loggers and stderr prints while tracing: export logs
+    failed meta kernels and prints partial graphs before raising, and transformers notes its
+    defaults (``loss_type=None ... Using the default loss``); the TraceError we raise says what
+    matters better."""
+    loggers = [logging.getLogger("torch"), logging.getLogger("transformers")] + [
         lg for name, lg in list(logging.Logger.manager.loggerDict.items())
-        if name.startswith("torch") and isinstance(lg, logging.Logger)]
+        if name.startswith(("torch", "transformers")) and isinstance(lg, logging.Logger)]
     old = [(lg, lg.level) for lg in loggers]
     for lg in loggers:
         lg.setLevel(logging.CRITICAL)

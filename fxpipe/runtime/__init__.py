@@ -5,5 +5,6 @@ steps (loss, gradients, optimizer step) equal to single-process training. ``mesh
 stage, replica; process groups), ``p2p`` (bounded sends and receives), ``precision`` (autocast,
 loss scaling), ``data_parallel`` (per-stage all-reduce, tied parameters), ``backward_split``
 (B and W without redoing work), ``stage`` (one stage's F / B / W state), ``checks`` (the
-schedule fits the plan) and ``executor`` (the action loop). It never imports the partitioner.
+schedule fits the plan), ``executor`` (the action loop) and ``local_ranks`` (gloo ranks on this
+machine with a hard deadline, for tests and benchmarks). It never imports the partitioner.
 """

@@ -145,10 +145,6 @@ class Mesh:
         self.dp_group = self._dp_groups[self.pipe_rank]
         self.pipe_group = self._pipe_groups[self.dp_rank]
 
-    def coords(self, rank: int) -> tuple[int, int]:
-        """Global ``rank`` -> ``(pipe_rank, dp_rank)``."""
-        return rank_coords(rank, self.pipeline)
-
     def global_rank(self, pipe_rank: int, dp_rank: int | None = None) -> int:
         """Global rank of ``pipe_rank`` in replica ``dp_rank`` (default: this rank's replica)."""
         return global_rank(pipe_rank, self.dp_rank if dp_rank is None else dp_rank, self.pipeline)

@@ -28,11 +28,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Callable
 
 from fxpipe.errors import ScheduleError
-from fxpipe.plans.placement import global_rank as layout_rank
-from fxpipe.plans.placement import node_of
+from fxpipe.plans.placement import pair_crosses_nodes, ring_crosses_nodes
 from fxpipe.plans.plan import Plan, Predicted
 from fxpipe.schedule.actions import Action, Op, Schedule
 from fxpipe.schedule.lowering import linear_edges, schedule_for_plan
@@ -147,31 +145,16 @@ class Links:
         intra_node_GBps: float = DEFAULT_INTRA_NODE_GBPS,
         inter_node_GBps: float = DEFAULT_INTER_NODE_GBPS,
         latency_s: float = DEFAULT_LATENCY_S,
-        global_rank: Callable[[int, int], int] | None = None,
     ) -> "Links":
-        """Links for ``pipeline x dp`` ranks on ``nodes`` nodes of ``devices_per_node``.
-
-        ``global_rank(pipeline_rank, replica)`` gives the device index (node = index //
-        devices_per_node); default ``replica * pipeline + pipeline_rank`` (each pipeline group
-        contiguous). A pipeline pair / data-parallel ring gets the inter-node bandwidth when any
-        replica's pair / the ring crosses nodes.
-        """
+        """Links for ``pipeline x dp`` ranks on ``nodes`` nodes of ``devices_per_node``, placed as
+        :mod:`fxpipe.plans.placement` places them: a pipeline pair / data-parallel ring gets the
+        inter-node bandwidth when any replica's pair / the ring crosses nodes."""
         dpn = devices_per_node or max(1, (pipeline * dp) // max(nodes, 1))
-        gr = global_rank or (lambda r, d: layout_rank(r, d, pipeline))
-
-        def node(r: int, d: int) -> int:
-            return node_of(gr(r, d), dpn)
-
-        pairs = {}
-        for a in range(pipeline):
-            for b in range(pipeline):
-                if a != b:
-                    cross = any(node(a, d) != node(b, d) for d in range(dp))
-                    pairs[(a, b)] = inter_node_GBps if cross else intra_node_GBps
-        dpr = {
-            r: inter_node_GBps if len({node(r, d) for d in range(dp)}) > 1 else intra_node_GBps
-            for r in range(pipeline)
-        }
+        pairs = {(a, b): inter_node_GBps if pair_crosses_nodes(a, b, pipeline, dp, dpn)
+                 else intra_node_GBps
+                 for a in range(pipeline) for b in range(pipeline) if a != b}
+        dpr = {r: inter_node_GBps if ring_crosses_nodes(r, pipeline, dp, dpn) else intra_node_GBps
+               for r in range(pipeline)}
         return cls(intra_node_GBps, latency_s, intra_node_GBps, pairs, dpr)
 
 

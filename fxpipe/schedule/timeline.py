@@ -123,14 +123,3 @@ def write_chrome_trace(
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(chrome_trace(events, process_name, rank_offset)))
     return path
-
-
-def merge_traces(paths: Iterable[str | Path], out: str | Path) -> Path:
-    """Concatenate the ``traceEvents`` of several trace files (e.g. one per rank) into ``out``."""
-    evs: list[dict] = []
-    for p in paths:
-        evs += json.loads(Path(p).read_text())["traceEvents"]
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"traceEvents": evs, "displayTimeUnit": "ms"}))
-    return out

@@ -14,13 +14,8 @@ Modules: ``schema`` (pydantic models), ``source`` (safe YAML reading, key path -
 ("package.module:attr" strings, build_model).
 """
 
-from fxpipe.specs.loader import (
-                                 build_model,
-                                 list_bundled_specs,
-                                 load_spec,
-                                 resolve_callable,
-                                 spec_location,
-)
+from fxpipe.specs.loader import (build_model, list_bundled_specs, load_spec, resolve_callable,
+                                 spec_location)
 from fxpipe.specs.schema import ParallelSpec
 
 __all__ = ["ParallelSpec", "build_model", "list_bundled_specs", "load_spec", "resolve_callable",

@@ -85,6 +85,17 @@ def build_transformers_model(spec: Any, load_weights: bool = True):
             pretrained folder cannot be read.
     """
     cls = transformers_class(spec)
+    import transformers
+
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()  # config notes (token ids of a tiny vocabulary)
+    try:
+        return _build(spec, cls, load_weights)
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+
+
+def _build(spec: Any, cls: type, load_weights: bool):
     config = dict(spec.model.config)
     attn = config.pop("attn_implementation", None)
     extra = {"attn_implementation": attn} if attn else {}

@@ -38,6 +38,10 @@ DEFAULT_INTER_NODE_GBPS = 50.0
 DEFAULT_LATENCY_S = 5e-6
 
 
+#: Stages per rank that ``interleaved`` gets when the search or ``fxpipe simulate`` picks it.
+AUTO_VIRTUAL_STAGES = 2
+
+
 def stages_per_rank(schedule: str, virtual_stages: int = 1) -> int:
     """(Virtual) stages each pipeline rank holds under ``schedule``: ``zb-v`` always 2 (its V
     shape), ``interleaved`` ``virtual_stages``, every other schedule 1."""

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from fxpipe.errors import FxpipeError
+from fxpipe.units import plural
 
 #: Files whose presence marks a folder as holding an earlier training run (plan dumps alone do
 #: not: they are regenerated from the spec).
@@ -90,7 +91,7 @@ def _check_launchable(spec, nnodes: int, endpoint: str | None) -> None:
         if have < spec.cluster.devices_per_node:
             raise FxpipeError(
                 f"cluster.device is cuda with {spec.cluster.devices_per_node} devices per node, "
-                f"but this machine has {have} CUDA device(s); set cluster.device: cpu or run on "
+                f"but this machine has {plural(have, 'CUDA device')}; set cluster.device: cpu or run on "
                 "a machine with enough GPUs"
             )
 
@@ -178,7 +179,7 @@ def run(args) -> int:
         monitor_interval=0.5, start_method="spawn",
     )
     worker_args = ["-m", "fxpipe.training.worker", "--plan", str(out / "plan.json"), "--out", str(out)]
-    print(f"launching {nnodes} x {per_node} worker(s), rendezvous at {endpoint}", flush=True)
+    print(f"launching {nnodes} x {plural(per_node, 'worker')}, rendezvous at {endpoint}", flush=True)
     try:
         elastic_launch(config, sys.executable)(*worker_args)
     except SignalException:

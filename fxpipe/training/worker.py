@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from fxpipe.errors import FxpipeError
+from fxpipe.units import plural
 
 # torch is imported inside the functions: a Ctrl-C while a worker is still starting then ends
 # in main()'s handler instead of a traceback from the middle of `import torch`.
@@ -143,7 +144,7 @@ def train(plan_path: Path, out: Path) -> None:
         print(f"trained {spec.train.steps} steps in {wall:.1f} s; peak micro-batches held per "
               f"stage: {held}", flush=True)
         if executor.loss_scaler is not None:
-            print(f"{spec.train.precision} loss scaling: {len(executor.skipped_steps)} step(s) "
+            print(f"{spec.train.precision} loss scaling: {plural(len(executor.skipped_steps), 'step')} "
                   f"skipped for inf/NaN gradients {executor.skipped_steps[:10]}, final scale "
                   f"{executor.loss_scaler.scale:g}", flush=True)
     dist.barrier()

@@ -308,3 +308,17 @@ def test_add_communication_is_linear_in_the_pipeline_size():
     assert time.perf_counter() - t0 < 5.0
     assert [str(a) for a in full.actions[1]] == ["1RECV_F0@0", "1F0", "1SEND_F0@2", "1RECV_B0@2",
                                                  "1B0", "1SEND_B0@0", "1ALLREDUCE", "1STEP"]
+
+
+def test_action_text_form_parses_back():
+    from fxpipe.schedule.actions import parse_action, parse_actions
+
+    for name in SCHEDULE_NAMES:
+        s = build_schedule(name, 2, 4, *_v(name)[:1])
+        for r, line in enumerate(s.format().splitlines()):
+            assert parse_actions(line) == s.actions[r]
+    assert parse_action("1RECV_B2@2") == Action(Op.RECV_B, 1, 2, 2)
+    assert parse_action("-1STEP") == Action(Op.STEP, -1)
+    for bad in ("F3", "0X1", "0F", "0SEND_F1", "0STEP3", "0ALLREDUCE@1"):
+        with pytest.raises(ScheduleError, match="0F3"):
+            parse_action(bad)

@@ -17,7 +17,6 @@ import torch
 import torch.nn.functional as F
 
 from fxpipe.errors import RuntimeFailure, ScheduleError
-from fxpipe.examples.cnn import SkipCNN
 from fxpipe.partitioner.boundaries import compute_nodes
 from fxpipe.partitioner.split import split_graph
 from fxpipe.plans.placement import rank_coords
