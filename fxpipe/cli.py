@@ -51,6 +51,12 @@ def _parser() -> argparse.ArgumentParser:
     _add_spec_arg(s)
     s.add_argument("--out", help="write simulated timelines (Chrome trace JSON) here")
 
+    f = sub.add_parser("profile", help="measure every planning unit's times on this machine "
+                                       "(for cluster.costs: measured)")
+    _add_spec_arg(f)
+    f.add_argument("--repeats", type=int, default=5, help="timed runs per node (median)")
+    f.add_argument("--no-send", action="store_true", help="skip measuring the send cost")
+
     w = sub.add_parser("show", help="print the summary of a saved plan.json")
     w.add_argument("plan_json", help="path to plan.json (or a folder holding one)")
 
@@ -84,6 +90,15 @@ def _cmd_simulate(args) -> int:
     return 0
 
 
+def _cmd_profile(args) -> int:
+    from fxpipe.training.profiling import profile_spec
+
+    if args.repeats < 1:
+        raise FxpipeError(f"--repeats must be at least 1 (got {args.repeats})")
+    print(profile_spec(args.spec, repeats=args.repeats, send=not args.no_send))
+    return 0
+
+
 def _cmd_show(args) -> int:
     from fxpipe.plans.plan import Plan
 
@@ -114,7 +129,7 @@ def _cmd_specs(args) -> int:
 
 
 COMMANDS = {"plan": _cmd_plan, "run": _cmd_run, "simulate": _cmd_simulate, "show": _cmd_show,
-            "specs": _cmd_specs}
+            "specs": _cmd_specs, "profile": _cmd_profile}
 
 
 def main(argv: list[str] | None = None) -> int:

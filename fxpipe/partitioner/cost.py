@@ -66,6 +66,11 @@ class NodeCost:
         buffer_bytes: bytes of buffers charged to this node (first user), e.g. BatchNorm stats.
         bwd_source: ``"autograd"`` (measured), ``"ratio"`` (backward_ratio x forward) or
             ``"none"`` (no forward FLOPs, so no backward FLOPs counted).
+        in_bytes: bytes of the tensors the node reads (activations and parameters).
+        input_grad / weight_grad: whether the node's backward computes gradients of activation
+            inputs / of parameters.
+        moves_memory: False for views (the output aliases an input: ``view``, ``permute``,
+            ``expand``, ``getitem``...), which read and write nothing.
     """
 
     fwd_flops: int = 0
@@ -76,6 +81,10 @@ class NodeCost:
     saved_bytes: int = 0
     buffer_bytes: int = 0
     bwd_source: str = "none"
+    in_bytes: int = 0
+    input_grad: bool = False
+    weight_grad: bool = False
+    moves_memory: bool = True
 
     @property
     def bwd_input_flops(self) -> int:
@@ -259,6 +268,10 @@ class _Pricer(FakeInterpreter):
         cost.fwd_flops = self.counter.get_total_flops() - before
         val = n.meta.get("val", None)
         cost.out_bytes = value_bytes(val if val is not None else out)
+        cost.in_bytes = value_bytes([v for v in pytree.tree_leaves((args, kwargs))
+                                     if isinstance(v, torch.Tensor)])
+        cost.input_grad, cost.weight_grad = bool(acts), bool(params)
+        cost.moves_memory = not _is_view(n)
         if cost.fwd_flops > 0:
             self._backward(n, cost, args, kwargs, acts, params)
         return out
@@ -310,6 +323,20 @@ class _Pricer(FakeInterpreter):
             cost.bwd_flops = int(round(self.ratio * cost.fwd_flops))
             cost.bwd_weight_flops = cost.bwd_flops // 2 if params else 0
             cost.bwd_source = "ratio"
+
+
+def _is_view(n: torch.fx.Node) -> bool:
+    """Whether the node only makes a view of an input (its schema's first output aliases an
+    input without writing), or unpacks a tuple."""
+    import operator
+
+    if n.target is operator.getitem:
+        return True
+    schema = getattr(n.target, "_schema", None)
+    if schema is None or not schema.returns:
+        return False
+    alias = schema.returns[0].alias_info
+    return alias is not None and not alias.is_write
 
 
 def _storage_key(t: torch.Tensor) -> int:

@@ -9,9 +9,11 @@ the exact stage cut inside).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
-from fxpipe.errors import PlanError, ScheduleError
+from fxpipe.errors import PlanError
+from fxpipe.plans.placement import stage_to_rank
 from fxpipe.schedule.generators import compute_schedule
 from fxpipe.schedule.lowering import add_communication, linear_edges
 from fxpipe.schedule.simulate import StageCosts, simulate
@@ -76,8 +78,9 @@ def _too_many_stages(spec: ParallelSpec, n_units: int, num_stages: int, pipeline
 def candidates(spec: ParallelSpec, max_stages: int | None = None) -> list[Candidate]:
     """The search space for the spec: every ``auto`` field expanded, fixed fields kept.
 
-    pipeline x data = world size; micro-batches divide the per-replica batch (at most 4 x pipeline,
-    at most 32); schedules from :data:`AUTO_SCHEDULES` whose constraints hold.
+    pipeline x data = world size; micro-batch counts: every divisor of the per-replica batch (up to
+    micro-batches of one sample); schedules from :data:`AUTO_SCHEDULES` whose constraints hold.
+    No schedule is built here: the constraints are arithmetic.
 
     Args:
         spec: the validated spec.
@@ -101,8 +104,8 @@ def candidates(spec: ParallelSpec, max_stages: int | None = None) -> list[Candid
         per_replica = spec.data.batch_size // dp
         if spec.data.batch_size % dp:
             continue
-        if par.microbatches == "auto":
-            ms = [m for m in _divisors(per_replica) if m <= max(4 * pp, 1) and m <= 32]
+        if par.microbatches == "auto":  # every split of the replica's batch, down to 1 sample
+            ms = _divisors(per_replica)
         else:
             ms = [par.microbatches]
         scheds = AUTO_SCHEDULES if par.schedule == "auto" else (par.schedule,)
@@ -117,11 +120,9 @@ def candidates(spec: ParallelSpec, max_stages: int | None = None) -> list[Candid
                     if too_many is None or pp * per_rank < too_many[0]:
                         too_many = (pp * per_rank, pp, per_rank)
                     continue
-                try:
-                    compute_schedule(s, pp, m, v)
-                except ScheduleError:
+                if s == "interleaved" and m % pp:  # the one arithmetic rule of the generators
                     if par.schedule != "auto" and par.microbatches != "auto":
-                        raise
+                        compute_schedule(s, pp, m, v)  # raises, explaining the rule
                     continue
                 out.append(Candidate(pp, dp, m, s, v))
     if not out and too_many is not None and max_stages is not None:
@@ -135,11 +136,38 @@ def candidates(spec: ParallelSpec, max_stages: int | None = None) -> list[Candid
     return out
 
 
+#: schedules up to this many compute actions are simulated for their exact in-flight peaks;
+#: larger ones take closed forms or bounds
+_SIMULATE_ACTIONS = 20_000
+
+
 def stage_inflight(cand: Candidate) -> tuple[list[int], list[int]]:
-    """Peak micro-batches in flight per stage for the candidate's schedule (simulated with
-    uniform costs) and the schedule's stage -> rank placement."""
-    sched = compute_schedule(cand.schedule, cand.pipeline, cand.microbatches, cand.virtual_stages)
-    full = add_communication(sched, linear_edges(sched.num_stages))
-    k = sched.num_stages
+    """Peak micro-batches in flight per stage for the candidate's schedule and the schedule's
+    stage -> rank placement (cached per schedule, pipeline, micro-batches, stages per rank)."""
+    peaks = _inflight(cand.schedule, cand.pipeline, cand.microbatches, cand.virtual_stages)
+    return list(peaks), stage_to_rank(cand.schedule, cand.pipeline, cand.num_stages)
+
+
+@functools.lru_cache(maxsize=4096)
+def _inflight(schedule: str, p: int, m: int, v: int) -> tuple[int, ...]:
+    """Closed forms for GPipe (``m``), 1F1B (``p - s``, at most ``m``) and ZB-H1 (``p``, at most
+    ``m``); interleaved and ZB-V simulated with uniform costs (their peaks stop growing once
+    ``m`` passes a few times ``p``, so ``m`` is capped there), or bounded by ``2p`` when even that
+    is too large to simulate."""
+    if schedule == "gpipe":
+        return (m,) * p
+    if schedule == "1f1b":
+        return tuple(max(1, min(p - s, m)) for s in range(p))
+    if schedule == "zb-h1":
+        return (max(1, min(p, m)),) * p
+    k = p * stages_per_rank(schedule, v)
+    cap = 4 * p if schedule == "zb-v" else 4 * p * max(1, v)
+    m_sim = min(m, cap - cap % p if schedule == "interleaved" else cap)
+    if schedule == "interleaved":
+        m_sim = max(p, m_sim - m_sim % p)
+    if k * m_sim * 3 > _SIMULATE_ACTIONS:
+        return tuple(min(m, 2 * p) for _ in range(k))
+    sched = compute_schedule(schedule, p, m_sim, v)
+    full = add_communication(sched, linear_edges(k))
     res = simulate(full, StageCosts([1.0] * k, [1.0] * k, [1.0] * k), check=False)
-    return [max(1, x) for x in res.peak_inflight], sched.stage_to_rank
+    return tuple(max(1, min(x, m)) for x in res.peak_inflight)

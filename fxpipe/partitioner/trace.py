@@ -69,6 +69,8 @@ class TracedModel:
         tracer: ``"export"`` or ``"fx"``.
         model_name: the model's class name.
         param_shapes: canonical FQN -> (shape, dtype name, bytes) of each parameter/buffer.
+        input_kwargs: the tensor inputs passed by keyword (the rest of ``input_names`` are
+            positional).
     """
 
     gm: torch.fx.GraphModule
@@ -81,6 +83,7 @@ class TracedModel:
     buffer_fqns: set[str] = field(default_factory=set)
     tracer: str = "export"
     model_name: str = ""
+    input_kwargs: list[str] = field(default_factory=list)
     param_shapes: dict[str, tuple[list[int], str, int]] = field(default_factory=dict)
     _by_name: dict[str, torch.fx.Node] = field(default_factory=dict, repr=False, compare=False)
 
@@ -634,5 +637,6 @@ def trace(model: nn.Module, example_inputs: tuple, tracer: str = "export", *,
         tracer=tracer,
         model_name=type(model).__name__,
         param_shapes=shapes,
+        input_kwargs=[k for k, v in example_kwargs.items() if isinstance(v, torch.Tensor)],
     )
 

@@ -55,6 +55,10 @@ class StagePlan:
         time_s: ``compute_time_s + comm_time_s``; the planner minimises the largest of these.
         memory_bytes: predicted peak bytes (parameters, gradients, optimizer state, activations
             of the micro-batches the schedule keeps in flight on this stage).
+        fwd_time_s / bwd_input_time_s / bwd_weight_time_s: predicted seconds per micro-batch of
+            the forward, the input gradients (B) and the weight gradients (W).
+        send_time_s: seconds one send of this stage costs the sending rank (gloo on CPU copies
+            in the sender's thread), per send action.
     """
 
     index: int
@@ -77,6 +81,7 @@ class StagePlan:
     fwd_time_s: float = 0.0
     bwd_input_time_s: float = 0.0
     bwd_weight_time_s: float = 0.0
+    send_time_s: float = 0.0
 
 
 @dataclass

@@ -328,7 +328,8 @@ def costs_from_plan(plan: Plan) -> StageCosts:
     (backward costs about twice the forward), the backward split by
     ``bwd_weight_flops / bwd_flops``. Activation bytes: ``activation_bytes``. Static bytes:
     ``param_bytes x 4`` for AdamW (weights, gradients, two moments), ``x 2`` for SGD
-    (``plan.spec['train']['optimizer']``, default AdamW).
+    (``plan.spec['train']['optimizer']``, default AdamW). Sender-side send seconds:
+    ``send_time_s``.
     """
     f, bi, bw, act, static = [], [], [], [], []
     opt = str((plan.spec or {}).get("train", {}).get("optimizer", "adamw")).lower()
@@ -346,7 +347,7 @@ def costs_from_plan(plan: Plan) -> StageCosts:
         bw.append(b2)
         act.append(int(st.activation_bytes))
         static.append(int(int(st.param_bytes) * factor))
-    return StageCosts(f, bi, bw, act, static)
+    return StageCosts(f, bi, bw, act, static, send_s=[st.send_time_s for st in plan.stages])
 
 
 def links_from_plan(plan: Plan) -> Links:

@@ -139,22 +139,51 @@ class LinksSpec(_Section):
     latency_s: float = Field(default=DEFAULT_LATENCY_S, ge=0)
 
 
+#: Device memory bandwidth (GB/s) when ``cluster.memory_GBps`` is not given: one CPU core's
+#: share of DRAM, an H100/H200's HBM3.
+DEFAULT_MEMORY_GBPS = {"cpu": 20.0, "cuda": 3000.0}
+#: Fixed cost of one eager op (dispatch on the host, a kernel launch on a GPU) when
+#: ``cluster.op_overhead_us`` is not given.
+DEFAULT_OP_OVERHEAD_US = {"cpu": 4.0, "cuda": 6.0}
+
+
 class ClusterSpec(_Section):
     """``nodes`` x ``devices_per_node`` devices (one rank each). ``device``: ``cpu`` (gloo) or
     ``cuda`` (NCCL). ``memory_gb``: per device, 10^9 bytes. ``device_tflops``: sustained
-    10^12 FLOP/s per device used to turn FLOPs into seconds."""
+    10^12 FLOP/s per device used to turn FLOPs into seconds; ``memory_GBps``: the device's
+    memory bandwidth (10^9 bytes/s; default 20 on CPU, 3000 on CUDA), which prices the ops that
+    move bytes rather than compute (roofline: the slower of the two); ``op_overhead_us``: the
+    fixed cost of launching one op (default 4 on CPU, 6 on CUDA). ``node_tflops``: a speed
+    per node when nodes differ (overrides ``device_tflops`` node by node). ``costs``:
+    ``analytic`` (FLOPs and bytes, default) or ``measured`` (``fxpipe profile`` times every
+    planning unit on the device; cached)."""
 
     nodes: PositiveInt = 1
     devices_per_node: PositiveInt = 1
     device: Literal["cpu", "cuda"] = "cpu"
     memory_gb: PositiveFloat = 16.0
     device_tflops: PositiveFloat = 0.05
+    memory_GBps: PositiveFloat | None = None
+    op_overhead_us: float | None = Field(default=None, ge=0)
+    node_tflops: list[PositiveFloat] | None = None
+    costs: Literal["analytic", "measured"] = "analytic"
     links: LinksSpec = Field(default_factory=LinksSpec)
 
     @property
     def world_size(self) -> int:
         """Devices (= ranks): ``nodes * devices_per_node``."""
         return self.nodes * self.devices_per_node
+
+    @property
+    def op_overhead_s(self) -> float:
+        """Seconds per op launch (``op_overhead_us`` or the device's default)."""
+        us = self.op_overhead_us
+        return (DEFAULT_OP_OVERHEAD_US[self.device] if us is None else us) * 1e-6
+
+    @property
+    def memory_Bps(self) -> float:
+        """Memory bandwidth in bytes/s (``memory_GBps`` or the device's default)."""
+        return (self.memory_GBps or DEFAULT_MEMORY_GBPS[self.device]) * 1e9
 
 
 class CheckpointSpec(_Section):
@@ -163,6 +192,16 @@ class CheckpointSpec(_Section):
 
     dir: str = "checkpoint"
     every: int = Field(default=0, ge=0)
+
+
+class LRScheduleSpec(_Section):
+    """``train.lr_schedule``: the learning rate per optimizer step, ``warmup_steps`` of linear
+    warm-up (from ``lr / warmup_steps`` up to ``train.lr``), then ``decay``: ``constant``
+    (``train.lr``, default) or ``cosine`` (down to ``min_lr`` at the last of ``train.steps``)."""
+
+    warmup_steps: int = Field(default=0, ge=0)
+    decay: Literal["constant", "cosine"] = "constant"
+    min_lr: float = Field(default=0.0, ge=0)
 
 
 class TrainSpec(_Section):
@@ -174,7 +213,11 @@ class TrainSpec(_Section):
     ``"package.module:function"``, or ``model`` (the model computes its own loss, e.g. a
     transformers model given ``labels``). ``ignore_index``: target value that does not count
     (padding, unmasked tokens); the loss is the mean over the targets that count in the whole
-    batch, as in single-process training."""
+    batch, as in single-process training. ``lr_schedule``: warm-up and decay of ``lr``
+    (:class:`LRScheduleSpec`; default a constant ``lr``). ``grad_clip``: clip the gradient norm
+    (over all stages and replicas) to this value before each optimizer step (0, the default:
+    no clipping). ``grad_accumulation``: global batches whose gradients are accumulated per
+    optimizer step (``steps`` counts optimizer steps; each step's loss weighs ``1/k``)."""
 
     steps: PositiveInt = 200
     optimizer: Literal["adamw", "sgd"] = "adamw"
@@ -190,6 +233,28 @@ class TrainSpec(_Section):
     timeout_s: PositiveFloat = 300.0
     eval_batches: int = Field(default=4, ge=0)
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+    lr_schedule: LRScheduleSpec = Field(default_factory=LRScheduleSpec)
+    grad_clip: float = Field(default=0.0, ge=0)
+    grad_accumulation: PositiveInt = 1
+
+
+def _train_problems(t: TrainSpec) -> list[tuple[tuple[str, ...], str]]:
+    """``train.lr_schedule`` against ``train.steps`` and ``train.lr``."""
+    out: list[tuple[tuple[str, ...], str]] = []
+    sched = t.lr_schedule
+    if sched.warmup_steps >= t.steps:
+        out.append((("train", "lr_schedule", "warmup_steps"),
+                    f"warmup_steps={sched.warmup_steps} is not below train.steps={t.steps}, so "
+                    "the warm-up never ends; choose fewer warm-up steps (e.g. "
+                    f"{max(0, t.steps // 10)})"))
+    if sched.decay == "cosine" and sched.min_lr > t.lr:
+        out.append((("train", "lr_schedule", "min_lr"),
+                    f"min_lr={sched.min_lr:g} is above train.lr={t.lr:g}, so the cosine decay "
+                    "would raise the learning rate; choose a min_lr at most train.lr"))
+    if sched.decay == "constant" and sched.min_lr:
+        out.append((("train", "lr_schedule", "min_lr"),
+                    "min_lr applies to decay: cosine only; drop it or set decay: cosine"))
+    return out
 
 
 class OutputSpec(_Section):
@@ -251,6 +316,11 @@ def cross_section_problems(spec: ParallelSpec) -> list[tuple[tuple[str, ...], st
     out: list[tuple[tuple[str, ...], str]] = []
     par, world = spec.parallel, spec.cluster.world_size
     p, d, m = par.pipeline, par.data, par.microbatches
+    speeds = spec.cluster.node_tflops
+    if speeds is not None and len(speeds) != spec.cluster.nodes:
+        out.append((("cluster", "node_tflops"),
+                    f"node_tflops gives {len(speeds)} speeds for cluster.nodes={spec.cluster.nodes}; "
+                    "give one TFLOP/s figure per node, or drop it to use device_tflops everywhere"))
     fixed = lambda x: isinstance(x, int)  # noqa: E731  (not 'auto')
     if fixed(p) and fixed(d) and p * d != world:
         out.append((("parallel", "pipeline"),
@@ -283,6 +353,7 @@ def cross_section_problems(spec: ParallelSpec) -> list[tuple[tuple[str, ...], st
                     f"{par.schedule!r}); set parallel.schedule: interleaved, or virtual_stages: 1 "
                     "(zb-v always uses 2 stages per rank by itself)"))
     out += _schedule_problems(par)
+    out += _train_problems(spec.train)
     return out
 
 
