@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 B, T, V = 8, 16, 96  # global batch, sequence length, vocabulary
-NAMES = ("gpt2", "bert", "llama", "t5", "vit", "transformer", "resnet")
+NAMES = ("gpt2", "bert", "llama", "t5", "vit", "transformer", "resnet", "gpt2_deep")
 
 
 def _tf():
@@ -31,6 +31,9 @@ def hf_spec(name: str) -> dict | None:
     return {
         "gpt2": {"hf": "GPT2LMHeadModel", "config": dict(
             vocab_size=V, n_positions=T, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0,
+            embd_pdrop=0.0, attn_pdrop=0.0)},
+        "gpt2_deep": {"hf": "GPT2LMHeadModel", "config": dict(  # 8 blocks: planned as blocks
+            vocab_size=V, n_positions=T, n_embd=16, n_layer=8, n_head=2, resid_pdrop=0.0,
             embd_pdrop=0.0, attn_pdrop=0.0)},
         "bert": {"hf": "BertForMaskedLM", "config": dict(
             vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
@@ -111,7 +114,7 @@ def batch(name: str, step: int):
     ids = torch.randint(1, V, (B, T), generator=g)
     lengths = torch.tensor([T, T // 2, T - 3, 5, T, 9, T - 1, 3])
     mask = (torch.arange(T)[None, :] < lengths[:, None]).long()
-    if name in ("gpt2", "llama"):
+    if name in ("gpt2", "llama", "gpt2_deep"):
         return (), {"input_ids": ids * mask, "attention_mask": mask,
                     "labels": (ids * mask).masked_fill(mask == 0, -100)}, None
     if name == "bert":

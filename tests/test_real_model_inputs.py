@@ -146,8 +146,26 @@ def test_shared_values_are_rebuilt_not_sent():
     crossing = [v for v in plan.values.values()
                 if v.producer >= 0 and any(c != v.producer for c in v.consumers)]
     assert crossing and all(v.dtype != "bool" for v in crossing)  # no mask crosses a cut
-    assert len({tuple(v.shape) for v in crossing}) == 1  # only the hidden state [B, T, H]
+    assert not {v.name for v in crossing} & set(plan.recomputed)
     assert any("recomputed in each stage" in line for line in plan.explain)
+
+
+def test_deep_model_is_planned_as_blocks_and_resolved_on_the_worker():
+    from fxpipe.partitioner.blocks import find_block_run
+
+    with torch.device("meta"):
+        assert find_block_run(zoo.build("gpt2_deep")).count == 8
+        assert find_block_run(zoo.build("gpt2")) is None  # 2 blocks: node by node
+    plan = _plan("gpt2_deep", 4, 1, 4)
+    assert plan.folded and not any(st.nodes for st in plan.stages)
+    assert any("planned as blocks: 8 identical transformer.h.* blocks" in e for e in plan.explain)
+    again = fxpipe.Plan.from_dict(plan.to_dict())  # through plan.json
+    traced = trace_for_plan(again, zoo.build("gpt2_deep"))
+    assert not again.folded and all(st.nodes for st in again.stages)
+    assert {n.name for n in traced.compute_nodes()} <= set(again.stage_of_node())
+    for st in again.stages[1:]:
+        assert st.inputs and all(again.values[n].producer < st.index or
+                                 again.values[n].producer == MODEL_INPUT for n in st.inputs)
 
 
 def test_batchnorm_statistics_are_said_to_be_per_microbatch():

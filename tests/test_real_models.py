@@ -77,6 +77,10 @@ def _worker(rank: int, cases: list[tuple[str, dict[str, dict]]]):
         start = {k: v.detach().clone() for k, v in model.state_dict().items()}
         loss_fn = resolve_loss(spec.train.loss, spec.train.ignore_index)
         for sched_name, plan in plans.items():
+            if plan.folded or plan.stage_of_node() != first.stage_of_node():  # another cut
+                traced = trace_for_plan(plan, model)
+                stages = build_stages(plan, traced,
+                                      schedule_for_plan(plan).stages_of_rank(mesh.pipe_rank))
             with torch.no_grad():
                 for k, v in model.state_dict().items():
                     v.copy_(start[k])
@@ -145,8 +149,11 @@ def trained():
 def test_plans_into_two_and_four_stages(name):
     for pipeline, data, m in ((2, 2, 2), (4, 1, 4)):
         plan = _plan(name, pipeline, data, m, "1f1b")
-        assert plan.num_stages == pipeline and all(st.nodes for st in plan.stages)
-        assert plan.traced_on == "cpu"
+        assert plan.num_stages == pipeline and plan.traced_on == "cpu"
+        if plan.folded:  # planned as blocks: every stage holds some of them
+            assert sorted(set(plan.folded["blocks"])) == list(range(pipeline))
+        else:
+            assert all(st.nodes for st in plan.stages)
 
 
 @pytest.mark.distributed

@@ -10,6 +10,7 @@ outputs) -> Plan.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass
 from typing import Any
@@ -22,7 +23,8 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from fxpipe.data.batches import example_microbatch
 from fxpipe.errors import PlanError, TraceError
-from fxpipe.partitioner.boundaries import stage_boundaries
+from fxpipe.partitioner.blocks import KEEP, UnitTable, find_block_run, fold, reduced
+from fxpipe.partitioner.boundaries import GUARDS_FN, stage_boundaries
 from fxpipe.partitioner.cost import NodeCost, price
 from fxpipe.partitioner.graph import PricedGraph, build_graph
 from fxpipe.partitioner.problem import CutProblem, PartitionResult, Value
@@ -35,9 +37,9 @@ from fxpipe.partitioner.timing import NodeTimes, analytic_times, sum_times
 from fxpipe.partitioner.trace import TracedModel, fake_on_device, trace
 from fxpipe.plans.plan import Plan, StagePlan
 from fxpipe.plans.values import needs_grad
-from fxpipe.plans.placement import pair_crosses_nodes, stage_to_rank
+from fxpipe.plans.placement import pair_crosses_nodes, ring_crosses_nodes, stage_to_rank
 from fxpipe.schedule.lowering import build_schedule
-from fxpipe.schedule.simulate import Links, StageCosts, predict, simulate
+from fxpipe.schedule.simulate import Links, SimResult, StageCosts, predict, simulate
 from fxpipe.specs.loader import build_model, load_spec
 from fxpipe.specs.schema import OPTIMIZER_STATE_FACTOR, ParallelSpec, stages_per_rank
 from fxpipe.units import human_bytes, plural
@@ -104,6 +106,34 @@ class Priced:
     cheap: set[str]
     send: SendCost
     batch: int
+    table: UnitTable | None = None
+
+    def __post_init__(self) -> None:
+        if self.table is None:
+            self.table = _node_table(self)
+
+
+def _node_table(pr: "Priced") -> UnitTable:
+    """The node-level units of the priced graph (one per FX node, getitems merged)."""
+    pg, g = pr.pg, pr.pg.graph
+    times = []
+    for u in pg.order:
+        t = sum_times(pr.times, g.nodes[u]["members"])
+        times.append((t.fwd_s, t.bwd_input_s, t.bwd_weight_s))
+    n = len(pg.order)
+    values = []
+    for row in pg.values:
+        users = tuple(u for u in row.user_positions if u < n)  # n = the loss, on the last stage
+        if users and row.name not in pr.cheap:
+            grad = needs_grad(pg.value_info(row.name)[1])
+            values.append(Value(row.producer_pos, users, row.nbytes, grad, row.name))
+    return UnitTable(
+        list(pg.order), times,
+        [(g.nodes[u]["fwd_flops"], g.nodes[u]["bwd_flops"], g.nodes[u]["bwd_weight_flops"])
+         for u in pg.order],
+        [g.nodes[u]["param_bytes"] for u in pg.order],
+        [g.nodes[u]["saved_bytes"] for u in pg.order], values, list(pg.forced_cuts),
+        dict(pg.pins))
 
 
 def _send_cost(spec: ParallelSpec) -> SendCost:
@@ -157,33 +187,32 @@ def traced_args(traced: TracedModel, inputs: list) -> tuple[tuple, dict]:
 
 
 def _cut_problem(pr: Priced, spec: ParallelSpec, cand: Candidate, scale: float) -> CutProblem:
-    """The cut problem of one candidate layout at ``scale`` x the traced micro-batch; values
-    in ``pr.cheap`` cross cuts for free (each stage rebuilds them)."""
-    pg = pr.pg
-    g = pg.graph
-    units = pg.order
-    compute = [sum_times(pr.times, g.nodes[u]["members"]).total_s * scale for u in units]
-    params = [g.nodes[u]["param_bytes"] for u in units]
-    saved = [g.nodes[u]["saved_bytes"] * scale for u in units]
-    n = len(units)
-    values = []
-    for row in pg.values:
-        users = tuple(u for u in row.user_positions if u < n)  # n = the loss, on the last stage
-        if users and row.name not in pr.cheap:
-            grad = needs_grad(pg.value_info(row.name)[1])
-            values.append(Value(row.producer_pos, users, row.nbytes * scale, grad, row.name))
+    """The cut problem of one candidate layout at ``scale`` x the traced micro-batch, over the
+    priced units (node-level, or blocks when the model folds); cheap values are not in it
+    (each stage rebuilds them)."""
+    tb = pr.table
+    values = [Value(v.producer, v.users, v.nbytes * scale, v.grad, v.name) for v in tb.values]
     inflight, stage_to_rank = stage_inflight(cand)
     k = cand.num_stages
+    capacity: float | list[float] = spec.cluster.memory_gb * 1e9
+    if cand.recompute:  # keep each stage's input per micro-batch, run the forward again
+        compute = [(2 * f + bi + bw) * scale for f, bi, bw in tb.times]
+        saved = [0.0] * len(tb.saved)
+        held = max((v.nbytes for v in values), default=0.0)
+        capacity = [max(1.0, capacity - n * held) for n in inflight]
+    else:
+        compute = [sum(x) * scale for x in tb.times]
+        saved = [s * scale for s in tb.saved]
     return CutProblem(
-        compute, params, saved, values, k,
+        compute, tb.params, saved, values, k,
         bandwidth_Bps=_boundary_bandwidths(spec, cand, stage_to_rank) if k > 1 else 1.0,
         latency_s=spec.cluster.links.latency_s,
-        capacity_bytes=spec.cluster.memory_gb * 1e9,
+        capacity_bytes=capacity,
         param_multiplier=OPTIMIZER_STATE_FACTOR[spec.train.optimizer],
         inflight=inflight,
-        forced_cuts=pg.forced_cuts,
-        pins=pg.pins,
-        unit_names=units,
+        forced_cuts=tb.forced_cuts,
+        pins=tb.pins,
+        unit_names=tb.names,
     )
 
 
@@ -225,6 +254,8 @@ def _assemble(pr: Priced, result: PartitionResult, cand: Candidate, spec: Parall
         bwd = scale * float(sum(costs[n].bwd_flops for n in nodes))
         bwd_w = scale * float(sum(costs[n].bwd_weight_flops for n in nodes))
         tj = sum_times(times, nodes).scaled(scale)
+        if cand.recompute:  # the backward runs the forward again first
+            tj = NodeTimes(tj.fwd_s, tj.fwd_s + tj.bwd_input_s, tj.bwd_weight_s)
         sends = [scale * bounds.values[o].nbytes for o in sb.outputs
                  for _ in bounds.values[o].consumers]
         stages.append(StagePlan(
@@ -238,6 +269,7 @@ def _assemble(pr: Priced, result: PartitionResult, cand: Candidate, spec: Parall
             fwd_time_s=tj.fwd_s, bwd_input_time_s=tj.bwd_input_s,
             bwd_weight_time_s=tj.bwd_weight_s,
             send_time_s=sum(pr.send.seconds(b) for b in sends) / max(1, len(sends)),
+            recompute=cand.recompute,
         ))
     values = {k: dataclasses.replace(v, nbytes=0 if k in cheap else int(v.nbytes * scale))
               for k, v in bounds.values.items()}
@@ -308,19 +340,19 @@ class _Ranked:
 
 def _unit_prefix(pr: Priced) -> np.ndarray:
     """``(3, n+1)`` prefix sums of the units' forward, input-gradient, weight-gradient seconds."""
-    g = pr.pg.graph
-    rows = [sum_times(pr.times, g.nodes[u]["members"]) for u in pr.pg.order]
-    arr = np.array([[r.fwd_s, r.bwd_input_s, r.bwd_weight_s] for r in rows]).T.reshape(3, -1)
+    arr = np.asarray(pr.table.times, dtype=np.float64).T.reshape(3, -1)
     return np.concatenate([np.zeros((3, 1)), np.cumsum(arr, axis=1)], axis=1)
 
 
-def _simulated_step(pr: Priced, prefix: np.ndarray, problem: CutProblem,
-                    result: PartitionResult, cand: Candidate, spec: ParallelSpec,
-                    scale: float) -> float:
-    """Simulated step time of a candidate's partition, straight from the cut (no Plan built):
+def _simulate_cut(pr: Priced, prefix: np.ndarray, problem: CutProblem,
+                  result: PartitionResult, cand: Candidate, spec: ParallelSpec,
+                  scale: float) -> SimResult:
+    """Simulate one step of a candidate's partition straight from the cut (no Plan built):
     per-stage F/B/W from the unit prefix sums, edge bytes from the values crossing the cuts."""
     cuts = list(result.cuts) + [problem.n]
     per = [(prefix[:, b] - prefix[:, a]) * scale for a, b in zip(cuts[:-1], cuts[1:])]
+    if cand.recompute:
+        per = [np.array([x[0], x[0] + x[1], x[2]]) for x in per]
     stage_of = result.stage_of()
     fwd: dict[tuple[int, int], float] = {}
     grad: dict[tuple[int, int], float] = {}
@@ -332,8 +364,11 @@ def _simulated_step(pr: Priced, prefix: np.ndarray, problem: CutProblem,
             fwd[(ps, cs)] = fwd.get((ps, cs), 0.0) + v.nbytes
             if v.grad:
                 grad[(ps, cs)] = grad.get((ps, cs), 0.0) + v.nbytes
+    factor = OPTIMIZER_STATE_FACTOR[spec.train.optimizer]
     costs = StageCosts([float(x[0]) for x in per], [float(x[1]) for x in per],
                        [float(x[2]) for x in per],
+                       activation_bytes=[int(b) for b in result.saved_bytes],
+                       static_bytes=[int(b * factor) for b in result.param_bytes],
                        send_s=[pr.send.seconds(result.send_bytes[j]) for j in range(len(per))])
     sched = build_schedule(cand.schedule, cand.pipeline, cand.microbatches, cand.virtual_stages,
                            set(fwd), set(grad))
@@ -342,63 +377,226 @@ def _simulated_step(pr: Priced, prefix: np.ndarray, problem: CutProblem,
                                cl.links.intra_node_GBps, cl.links.inter_node_GBps,
                                cl.links.latency_s)
     return simulate(sched, costs, fwd, links, dp=cand.dp, allreduce_bytes=list(
-        result.param_bytes), grad_edge_bytes=grad, check=False).step_time_s
+        result.param_bytes), grad_edge_bytes=grad, check=False, timeline=False)
+
+
+def _assemble_folded(pr: Priced, result: PartitionResult, cand: Candidate, spec: ParallelSpec,
+                     mbs: int, explain: list[str]) -> Plan:
+    """A Plan of a folded partition: stages as blocks (``Plan.folded`` records which node goes
+    where), with times, memory and the prediction from the folded units. Workers resolve it to
+    nodes against the full graph (:func:`fxpipe.partitioner.blocks.resolve_folded`)."""
+    tb, fo, pg = pr.table, pr.table.folding, pr.pg
+    run = fo.run
+    g = pg.graph
+    stage_of = result.stage_of()
+    n_pro = len(fo.prologue)
+    rep_index = run.start + KEEP - 1
+    rep_prefix = f"{run.path}.{rep_index}."
+    rep = {"params": [], "buffers": []}
+    for p_ in fo.block_units[-1]:
+        for kind, held in rep.items():
+            for fqn in g.nodes[pg.order[p_]][kind]:
+                if fqn.startswith(rep_prefix) and fqn not in held:
+                    held.append(fqn)
+    folded_unit = {p_: i for i, p_ in enumerate(fo.prologue)}
+    folded_unit.update({p_: n_pro + run.count + i for i, p_ in enumerate(fo.epilogue)})
+    pro_stage = {m: stage_of[folded_unit[p_]] for p_ in fo.prologue
+                 for m in g.nodes[pg.order[p_]]["members"]}
+    epi_stage = [stage_of[folded_unit[p_]] for p_ in fo.epilogue
+                 for _ in g.nodes[pg.order[p_]]["members"]]
+    block_stage = [stage_of[n_pro + b] for b in range(run.count)]
+    prefix = _unit_prefix(pr)
+    cuts = list(result.cuts) + [len(tb.names)]
+    fl = np.concatenate([np.zeros((3, 1)), np.cumsum(np.asarray(tb.flops, dtype=np.float64).T
+                                                      .reshape(3, -1), axis=1)], axis=1)
+    stages = []
+    for j, (a, b) in enumerate(zip(cuts[:-1], cuts[1:])):
+        params: list[str] = []
+        buffers: list[str] = []
+        for u in range(a, b):
+            if n_pro <= u < n_pro + run.count:
+                at = f"{run.path}.{run.start + u - n_pro}."
+                params += [at + f[len(rep_prefix):] for f in rep["params"]]
+                buffers += [at + f[len(rep_prefix):] for f in rep["buffers"]]
+            else:
+                pos = fo.prologue[u] if u < n_pro else fo.epilogue[u - n_pro - run.count]
+                params += g.nodes[pg.order[pos]]["params"]
+                buffers += g.nodes[pg.order[pos]]["buffers"]
+        f_s, bi_s, bw_s = (prefix[:, b] - prefix[:, a])
+        if cand.recompute:  # the backward runs the forward again first
+            bi_s = bi_s + f_s
+        ff, bf, wf = (fl[:, b] - fl[:, a])
+        stages.append(StagePlan(
+            index=j, nodes=[], params=list(dict.fromkeys(params)),
+            buffers=list(dict.fromkeys(buffers)), inputs=[], outputs=[],
+            fwd_flops=float(ff), bwd_flops=float(bf), bwd_weight_flops=float(wf),
+            param_bytes=int(result.param_bytes[j]), activation_bytes=int(result.saved_bytes[j]),
+            recv_bytes=int(result.recv_bytes[j]), send_bytes=int(result.send_bytes[j]),
+            compute_time_s=float(f_s + bi_s + bw_s), comm_time_s=result.comm_s[j],
+            time_s=float(f_s + bi_s + bw_s) + result.comm_s[j],
+            memory_bytes=int(result.memory_bytes[j]), fwd_time_s=float(f_s),
+            bwd_input_time_s=float(bi_s), bwd_weight_time_s=float(bw_s),
+            send_time_s=pr.send.seconds(result.send_bytes[j]),
+            recompute=cand.recompute,
+        ))
+    # shapes of the model's inputs and output (their names hold in the full graph too, but
+    # the output's: workers rename it when they resolve the plan)
+    one = stage_boundaries(pr.traced.gm, {n.name: 0 for n in pr.traced.compute_nodes()
+                                          if n.name != GUARDS_FN}, 1)
+    values = {k: v for k, v in one.values.items()
+              if k in one.model_inputs or k in one.model_outputs}
+    users: dict[str, list[int]] = {}
+    for st in stages:
+        for fqn in st.params:
+            users.setdefault(fqn, []).append(st.index)
+    explain = list(explain) + [
+        f"planned as blocks: {run.count} identical {run.path}.* blocks, two of them traced and "
+        f"priced; stage {', stage '.join(f'{s}: ' + _block_range(run, block_stage, s) for s in range(cand.num_stages))}"]
+    plan = Plan(
+        model=pr.traced.model_name, num_stages=cand.num_stages, pipeline=cand.pipeline,
+        dp=cand.dp, microbatches=cand.microbatches, schedule=cand.schedule,
+        virtual_stages=stages_per_rank(cand.schedule, cand.virtual_stages),
+        microbatch_size=mbs, stages=stages, values=values,
+        model_inputs=list(one.model_inputs), model_output=one.model_outputs[0],
+        shared_params={k: v for k, v in users.items() if len(v) > 1},
+        param_aliases=dict(one.param_aliases), bottleneck_stage=result.bottleneck,
+        lower_bound_s=result.lower_bound_s, explain=explain, spec=spec.model_dump(mode="json"),
+        folded={"run": run.to_dict(), "prologue": pro_stage, "blocks": block_stage,
+                "epilogue": epi_stage, "cheap": sorted(pr.cheap)},
+    )
+    problem = _cut_problem(pr, spec, cand, 1.0)
+    plan.predicted = _simulate_cut(pr, prefix, problem, result, cand, spec, 1.0).predicted()
+    return plan
+
+
+def _block_range(run, block_stage: list[int], s: int) -> str:
+    idx = [run.start + b for b, st in enumerate(block_stage) if st == s]
+    return f"{run.path}.{idx[0]}-{idx[-1]}" if idx else "no blocks"
+
+
+def _ring_s(nbytes: float, n: int, spec: ParallelSpec, pipeline: int, dp: int) -> float:
+    """Seconds of a ring all-reduce of ``nbytes`` over ``n`` ranks on the link its group uses."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    links = spec.cluster.links
+    crosses = ring_crosses_nodes(0, pipeline, dp, spec.cluster.devices_per_node)
+    bw = (links.inter_node_GBps if crosses else links.intra_node_GBps) * 1e9
+    return 2 * (n - 1) / n * nbytes / bw + 2 * (n - 1) * links.latency_s
+
+
+def _cut_bound(prefix: np.ndarray, result: PartitionResult, cand: Candidate, spec: ParallelSpec,
+               scale: float) -> float:
+    """A lower bound on the step time of a cut, whatever the schedule: every rank runs ``m``
+    micro-batches of its stages after the first micro-batch reached it (the forwards of the
+    stages before it) and before the last one's input gradients went back through them, and
+    then all-reduces its gradients."""
+    cuts = list(result.cuts) + [prefix.shape[1] - 1]
+    f, b, w = [], [], []
+    for a, e in zip(cuts[:-1], cuts[1:]):
+        x = (prefix[:, e] - prefix[:, a]) * scale
+        f.append(float(x[0]))
+        b.append(float(x[1] + (x[0] if cand.recompute else 0.0)))
+        w.append(float(x[2]))
+    ranks = stage_to_rank(cand.schedule, cand.pipeline, cand.num_stages)
+    work = [0.0] * cand.pipeline
+    params = [0.0] * cand.pipeline
+    for j, r in enumerate(ranks):
+        work[r] += f[j] + b[j] + w[j]
+        params[r] += result.param_bytes[j]
+    one_per_rank = cand.num_stages == cand.pipeline
+    best = 0.0
+    for r in range(cand.pipeline):
+        fill = sum(f[:r]) if one_per_rank else 0.0
+        drain = sum(b[:r]) if one_per_rank else 0.0
+        ar = _ring_s(params[r], cand.dp, spec, cand.pipeline, cand.dp)
+        best = max(best, fill + cand.microbatches * work[r] + max(drain, ar))
+    return best
 
 
 def _search(pr: Priced, spec: ParallelSpec) -> tuple[Candidate, PartitionResult, int, list[str]]:
     """The fastest candidate layout that fits, and the explanation of the ranking.
 
-    Candidates are visited in the order of a lower bound on their step time (every rank must
-    run its share of ``m`` micro-batches: ``m x total / p``); a candidate whose bound, or whose
-    cut's bound (``m x`` its slowest rank's work), cannot beat the best simulated step so far is
-    not simulated, and once the cheapest bound left cannot, the search stops."""
+    Candidates are visited in the order of a lower bound on their step time (every rank runs
+    its share of ``m`` micro-batches, ``m x total / p``, and all-reduces its share of the
+    parameters); a candidate whose bound, or whose cut's bound (:func:`_cut_bound`), cannot beat
+    the best simulated step so far is not simulated. Where activations do not fit, the
+    candidate is tried again with activation recomputation (``train.activation_recompute``)."""
     prefix = _unit_prefix(pr)
     total = float(prefix[:, -1].sum())
-    n_units = len(pr.pg.order)
+    total_params = float(sum(pr.table.params))
+    n_units = len(pr.table.names)
     bounds = []
     for cand in candidates(spec, max_stages=n_units):
         mbs = spec.data.batch_size // (cand.dp * cand.microbatches)
         if mbs >= 1:
-            lb = cand.microbatches * total * mbs / pr.batch / cand.pipeline
+            lb = (cand.microbatches * total * mbs / pr.batch / cand.pipeline
+                  + _ring_s(total_params / cand.pipeline, cand.dp, spec, cand.pipeline, cand.dp))
             bounds.append((lb, cand.label(), cand, mbs))
     bounds.sort(key=lambda x: (x[0], x[1]))
     best: _Ranked | None = None
     ranked: list[_Ranked] = []
-    errors: list[str] = []
+    failed: list[tuple[float, Candidate, float]] = []  # (bound, candidate, scale)
     pruned = 0
+    mode = spec.train.activation_recompute
     for lb, label, cand, mbs in bounds:
         if best is not None and lb >= best.step_s:
             pruned += 1
             continue
         scale = mbs / pr.batch
-        try:
-            problem = _cut_problem(pr, spec, cand, scale)
-            result = optimal_partition(problem)
-        except PlanError as e:
-            errors.append(f"{label}: {e}")
+        found = None
+        for rc in ((False,) if mode == "off" else (True,) if mode == "on" else (False, True)):
+            c = dataclasses.replace(cand, recompute=rc)
+            try:
+                problem = _cut_problem(pr, spec, c, scale)
+                found = (c, problem, optimal_partition(problem, explain=False))
+                break
+            except PlanError:
+                continue
+        if found is None:
+            failed.append((lb, cand, scale))
             continue
-        ranks = stage_to_rank(cand.schedule, cand.pipeline, cand.num_stages)
-        per_rank = [0.0] * cand.pipeline
-        for j, c in enumerate(result.stage_costs_s):
-            per_rank[ranks[j]] += c
-        if best is not None and cand.microbatches * max(per_rank) >= best.step_s:
+        cand, problem, result = found
+        if best is not None and _cut_bound(prefix, result, cand, spec, scale) >= best.step_s:
             pruned += 1
             continue
         if len(bounds) == 1:
             return cand, result, mbs, []
-        r = _Ranked(_simulated_step(pr, prefix, problem, result, cand, spec, scale), label,
-                    cand, result, mbs)
+        r = _Ranked(_simulate_cut(pr, prefix, problem, result, cand, spec, scale).step_time_s,
+                    cand.label(), cand, result, mbs)
         ranked.append(r)
         best = r if best is None or r < best else best
     if best is None:
-        raise PlanError("no feasible plan:\n  " + "\n  ".join(errors[:8]))
+        raise _nothing_fits(pr, spec, failed)
     ranked.sort()
     explain = [f"auto search: {len(bounds)} candidates, {len(ranked)} simulated, {pruned} "
-               f"pruned by a lower bound, {len(errors)} infeasible; ranked by simulated step "
+               f"pruned by a lower bound, {len(failed)} infeasible; ranked by simulated step "
                "time:"]
     explain += [f"  {i + 1}. {r.label:40s} {r.step_s * 1e3:10.2f} ms/step"
                 for i, r in enumerate(ranked[:5])]
     return best.cand, best.result, best.mbs, explain
+
+
+def _nothing_fits(pr: Priced, spec: ParallelSpec, failed: list) -> PlanError:
+    """Why no candidate fits, and what would: the explanation of the candidates that came
+    closest, and the levers (more pipeline stages, recomputation, smaller micro-batches)."""
+    lines = []
+    for lb, cand, scale in failed[:3]:
+        c = dataclasses.replace(cand, recompute=spec.train.activation_recompute != "off")
+        try:
+            optimal_partition(_cut_problem(pr, spec, c, scale))
+        except PlanError as e:
+            lines.append(f"{c.label()}: {e}")
+    need = sum(pr.table.params) * OPTIMIZER_STATE_FACTOR[spec.train.optimizer]
+    cap = spec.cluster.memory_gb * 1e9
+    stages = int(np.ceil(need / cap))
+    fix = (f"parameters, gradients and optimizer state alone need {human_bytes(need, True)}: at "
+           f"least {plural(stages, 'pipeline stage')} of {human_bytes(cap, True)} devices")
+    if spec.train.activation_recompute == "off":
+        fix += "; allow activation recomputation (train.activation_recompute: auto)"
+    return PlanError("no feasible plan (nothing fits device memory):\n  " + "\n  ".join(lines)
+                     + f"\nwhat would fit: {fix}; smaller micro-batches (more of them: "
+                     "parallel.microbatches) shrink the activations held per micro-batch; or "
+                     "devices with more memory (cluster.memory_gb)")
 
 
 def plan_with_graph(model: nn.Module, spec: Any, example_inputs: Any = None,
@@ -415,31 +613,55 @@ def plan_with_graph(model: nn.Module, spec: Any, example_inputs: Any = None,
         args, kwargs = tuple(example_inputs or ()), dict(example_kwargs or {})
     tensors = [t for t in [*args, *kwargs.values()] if isinstance(t, torch.Tensor) and t.dim()]
     b0 = int(tensors[0].shape[0]) if tensors else 1
-    model, args, kwargs, traced_on = tracing_model(model, args, kwargs, spec.cluster.device)
-    args = tuple(args)
+    run = find_block_run(model)
+    given = model
     key = spec.loss_output
+    tracers: dict[bool, tuple] = {}  # short (blocks folded) or full -> (model, args, kwargs, on)
 
-    def traced_at(size: int) -> TracedModel:
-        return trace(model, tuple(_resize(a, size) for a in args), spec.model.tracer,
-                     example_kwargs={k: _resize(v, size) for k, v in kwargs.items()}, output=key)
+    def tracing(short: bool) -> tuple:
+        """The model to trace (a fake copy on the device, of the shortened model when folding:
+        copying 96 blocks' tensors costs seconds, two of them nothing)."""
+        if short not in tracers:
+            with reduced(given, run) if short else contextlib.nullcontext():
+                m, a, kw, on = tracing_model(given, tuple(args), dict(kwargs),
+                                             spec.cluster.device)
+            tracers[short] = (m, tuple(a), kw, on)
+        return tracers[short]
 
-    real = None if traced_on == "meta" or _is_fake(model) else model
-
-    def priced_at(size: int) -> Priced:
-        traced = traced_at(size)
-        costs = price(traced)
-        inputs = [*(_resize(a, size) for a in args), *(_resize(v, size) for k, v in
-                                                       kwargs.items() if isinstance(v, torch.Tensor))]
-        times = _node_times(traced, costs, spec, real, inputs)
+    def priced_at(size: int, short: bool) -> Priced:
+        m, args_, kwargs_, on = tracing(short)
+        real = None if on == "meta" or _is_fake(m) else m
+        a = tuple(_resize(x, size) for x in args_)
+        kw = {k: _resize(v, size) for k, v in kwargs_.items()}
+        same = m is given and short  # shortening a model traced as it is: swap its blocks
+        with reduced(m, run) if same else contextlib.nullcontext():
+            traced = trace(m, a, spec.model.tracer, example_kwargs=kw, output=key)
+            costs = price(traced)
+            times = _node_times(traced, costs, spec, real,
+                                [*a, *(v for v in kw.values() if isinstance(v, torch.Tensor))])
         pg = build_graph(traced, costs)
-        return Priced(traced, costs, times, pg, _cheap_values(pg, spec), _send_cost(spec), size)
+        pr = Priced(traced, costs, times, pg, _cheap_values(pg, spec), _send_cost(spec), size)
+        if short:
+            pr.table = fold(pg, run, pr.table.times, pr.cheap)
+        return pr
 
-    pr = priced_at(b0)
+    def priced(size: int) -> Priced:
+        nonlocal run
+        if run is not None:
+            pr = priced_at(size, True)
+            if pr.table is not None:
+                return pr
+            run = None  # the reduced graph does not fold: plan node by node
+        return priced_at(size, False)
+
+    pr = priced(b0)
     cand, result, mbs, explain = _search(pr, spec)
     if mbs != b0:  # re-trace at the real micro-batch size so the plan's shapes are exact
-        pr = priced_at(mbs)
+        pr = priced(mbs)
         result = optimal_partition(_cut_problem(pr, spec, cand, 1.0))
     traced, pg = pr.traced, pr.pg
+    model, traced_on = tracing(pr.table.folding is not None)[0], tracing(
+        pr.table.folding is not None)[3]
     if traced.pins or traced.split_after:
         explain.append(f"honoured {plural(len(traced.split_after), 'pipe_split() marker')} and "
                        f"{plural(len(set(traced.pins.values())), 'annotate() pin')}")
@@ -447,7 +669,10 @@ def plan_with_graph(model: nn.Module, spec: Any, example_inputs: Any = None,
         explain.append(f"BatchNorm: statistics are computed over each micro-batch of "
                        f"{plural(mbs, 'sample')}, as in GPipe, not over the whole batch; "
                        "everything else equals single-process training")
-    plan = _assemble(pr, result, cand, spec, mbs, explain)
+    if pr.table.folding is not None:
+        plan = _assemble_folded(pr, result, cand, spec, mbs, explain)
+    else:
+        plan = _assemble(pr, result, cand, spec, mbs, explain)
     if plan.recomputed:
         plan.explain.append("recomputed in each stage that reads them (cheaper than sending): "
                             + ", ".join(f"{v} ({human_bytes(bounds_bytes)}) in stages "
@@ -460,7 +685,7 @@ def plan_with_graph(model: nn.Module, spec: Any, example_inputs: Any = None,
     if missing:
         raise TraceError(f"keyword inputs {missing} do not appear as inputs of the traced graph "
                          f"(its inputs: {plan.model_inputs}); pass them by their forward() names")
-    return plan, pg.graph
+    return plan, (None if plan.folded else pg.graph)
 
 
 def plan(model: nn.Module, spec: Any, example_inputs: Any = None,

@@ -34,6 +34,7 @@ class Candidate:
     microbatches: int
     schedule: str
     virtual_stages: int
+    recompute: bool = False
 
     @property
     def num_stages(self) -> int:
@@ -43,7 +44,8 @@ class Candidate:
     def label(self) -> str:
         """Short text, e.g. ``pp=2 dp=2 m=4 1f1b``."""
         v = f" v={self.virtual_stages}" if self.schedule == "interleaved" else ""
-        return f"pp={self.pipeline} dp={self.dp} m={self.microbatches} {self.schedule}{v}"
+        r = " recompute" if self.recompute else ""
+        return f"pp={self.pipeline} dp={self.dp} m={self.microbatches} {self.schedule}{v}{r}"
 
 
 def _divisors(n: int) -> list[int]:
@@ -138,7 +140,7 @@ def candidates(spec: ParallelSpec, max_stages: int | None = None) -> list[Candid
 
 #: schedules up to this many compute actions are simulated for their exact in-flight peaks;
 #: larger ones take closed forms or bounds
-_SIMULATE_ACTIONS = 20_000
+_SIMULATE_ACTIONS = 4_000
 
 
 def stage_inflight(cand: Candidate) -> tuple[list[int], list[int]]:

@@ -45,7 +45,7 @@ from fxpipe.partitioner.problem import (
 )
 from fxpipe.units import human_bytes, plural
 
-__all__ = ["optimal_partition", "brute_force_partition"]
+__all__ = ["optimal_partition", "brute_force_partition", "Infeasible"]
 
 _NEG = -np.inf
 
@@ -517,7 +517,13 @@ def _solve_chain(problem: CutProblem, bd: Bounds) -> list[int] | None:
 # ---------------------------------------------------------------------------------------------
 
 
-def optimal_partition(problem: CutProblem, method: str = "auto") -> PartitionResult:
+class Infeasible(PlanError):
+    """No partition fits (raised by :func:`optimal_partition` with ``explain=False``: the
+    message is short; call again with ``explain=True`` for the stage, the bytes and the fix)."""
+
+
+def optimal_partition(problem: CutProblem, method: str = "auto",
+                      explain: bool = True) -> PartitionResult:
     """Exact min-max (bottleneck) partition of the units into ``problem.num_stages`` stages.
 
     Args:
@@ -525,6 +531,8 @@ def optimal_partition(problem: CutProblem, method: str = "auto") -> PartitionRes
         method: ``"auto"`` (``chain`` when every value is read only by the next unit, else
             ``dp``), ``"dp"`` (any DAG, O(k n^2) time, O(k n) memory) or ``"chain"`` (chains only,
             O(k n) per sweep times a few dozen sweeps).
+        explain: build the full explanation of an infeasible problem (costly: it searches the
+            split that needs the least memory); False raises :class:`Infeasible` at once.
 
     Returns:
         :class:`PartitionResult` from :func:`evaluate` on the optimal cuts (``violations`` empty).
@@ -546,6 +554,8 @@ def optimal_partition(problem: CutProblem, method: str = "auto") -> PartitionRes
         )
     cuts = _solve_chain(problem, bd) if method == "chain" else _solve_dp(problem, bd)
     if cuts is None:
+        if not explain:
+            raise Infeasible(f"no split into {problem.num_stages} stages fits device memory")
         raise _infeasible(problem, bd)
     result = evaluate(problem, cuts, method=method)
     if result.violations:  # the solvers and evaluate share formulas; this would be a bug

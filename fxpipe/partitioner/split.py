@@ -17,6 +17,7 @@ import torch.nn as nn
 
 from fxpipe.errors import PlanError, SplitError
 from fxpipe.partitioner.boundaries import GUARDS_FN, Boundaries, resolve_attr, stage_boundaries
+from fxpipe.partitioner.blocks import resolve_folded
 from fxpipe.partitioner.recompute import apply_recompute, is_clone
 from fxpipe.partitioner.trace import trace
 from fxpipe.plans.plan import Plan
@@ -201,6 +202,9 @@ def trace_for_plan(plan: Plan, model: nn.Module, device: torch.device | str = "c
     spec = load_spec(plan.spec)
     args, kwargs = example_zeros(plan, device)
     traced = trace(model, args, spec.model.tracer, example_kwargs=kwargs, output=spec.loss_output)
+    if plan.folded:
+        resolve_in_place(plan, traced)
+        return traced
     base = {n: s for n, s in plan.stage_of_node().items() if not is_clone(n)}
     computed = {n.name for n in traced.compute_nodes()} - {GUARDS_FN}
     if set(base) != computed:
@@ -211,6 +215,36 @@ def trace_for_plan(plan: Plan, model: nn.Module, device: torch.device | str = "c
         raise PlanError(f"the plan rebuilds {e} in later stages, which this model's graph "
                         "cannot; re-create the plan with `fxpipe plan`") from None
     return traced
+
+
+def resolve_in_place(plan: Plan, traced) -> None:
+    """Resolve a plan made of repeated blocks (``plan.folded``) against the full graph of the
+    model: every node gets its stage, the cheap values are rebuilt per stage, and the stages'
+    nodes, inputs, outputs and the values between them are filled in (``plan.folded`` is
+    emptied). Every rank resolves the same way, so they agree.
+
+    Raises:
+        PlanError: the graph does not have the planned structure.
+    """
+    node_stage = resolve_folded(plan.folded, traced)
+    recomputed: dict[str, list[int]] = {}
+    for name in plan.folded.get("cheap", []):
+        if name not in node_stage:
+            continue
+        s = node_stage[name]
+        readers = {node_stage[u.name] for u in traced.node(name).users
+                   if node_stage.get(u.name, s) != s}
+        if readers:
+            recomputed[name] = sorted(readers)
+    node_stage = apply_recompute(traced.gm, recomputed, node_stage)
+    bounds = stage_boundaries(traced.gm, node_stage, plan.num_stages)
+    for st, sb in zip(plan.stages, bounds.stages):
+        st.nodes, st.params, st.buffers = list(sb.nodes), list(sb.params), list(sb.buffers)
+        st.inputs, st.outputs = list(sb.inputs), list(sb.outputs)
+    plan.values = dict(bounds.values)
+    plan.model_inputs, plan.model_output = list(bounds.model_inputs), bounds.model_outputs[0]
+    plan.shared_params, plan.param_aliases = dict(bounds.shared_params), dict(bounds.param_aliases)
+    plan.recomputed, plan.folded = recomputed, {}
 
 
 def build_stages(plan: Plan, traced, stage_ids: list[int]) -> dict[int, nn.Module]:

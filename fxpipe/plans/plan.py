@@ -59,6 +59,8 @@ class StagePlan:
             the forward, the input gradients (B) and the weight gradients (W).
         send_time_s: seconds one send of this stage costs the sending rank (gloo on CPU copies
             in the sender's thread), per send action.
+        recompute: activation recomputation: the stage keeps only its inputs per micro-batch in
+            flight and runs its forward again in the backward (priced in ``bwd_input_time_s``).
     """
 
     index: int
@@ -82,6 +84,7 @@ class StagePlan:
     bwd_input_time_s: float = 0.0
     bwd_weight_time_s: float = 0.0
     send_time_s: float = 0.0
+    recompute: bool = False
 
 
 @dataclass
@@ -133,6 +136,11 @@ class Plan:
             worker on another device type checks that its graph is the same.
         recomputed: value name -> stages that recompute it from the model inputs instead of
             receiving it (masks, position ids, rotary tables: cheaper than sending).
+        folded: for a model planned as repeated blocks (:mod:`fxpipe.partitioner.blocks`),
+            where its nodes go: ``run`` (the block container and range), ``prologue`` (node ->
+            stage), ``blocks`` (stage per block), ``epilogue`` (stage per node after the
+            blocks, in order), ``cheap`` (values rebuilt per stage). Stages then list no nodes
+            until a worker resolves the plan against the full graph; empty otherwise.
     """
 
     model: str
@@ -157,6 +165,7 @@ class Plan:
     input_kwargs: list[str] = field(default_factory=list)
     traced_on: str = "cpu"
     recomputed: dict[str, list[int]] = field(default_factory=dict)
+    folded: dict[str, Any] = field(default_factory=dict)
 
     # ------------------------------------------------------------------ derived views
     @property

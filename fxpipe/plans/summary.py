@@ -55,7 +55,7 @@ def summary_table(plan: "Plan") -> str:
         rows.append([
             str(st.index),
             str(ranks[pos]),
-            str(len(st.nodes)),
+            str(len(st.nodes)) if st.nodes or not plan.folded else "blocks",
             f"{len(st.params)} / {human_bytes(st.param_bytes)}",
             human_flops(st.fwd_flops),
             human_flops(st.bwd_flops),

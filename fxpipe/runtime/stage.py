@@ -16,6 +16,7 @@ from typing import Callable
 
 import torch
 import torch.nn as nn
+import torch.utils.checkpoint
 
 from fxpipe.errors import RuntimeFailure, ScheduleError
 from fxpipe.plans.plan import StagePlan
@@ -107,7 +108,10 @@ class StageWork:
         sp = self.plan_stage
         leaves = [(n, t) for n, t in zip(sp.inputs, args) if t.requires_grad and t.is_leaf]
         with self._autocast():
-            out = self.module(*args)
+            if sp.recompute and torch.is_grad_enabled():  # keep the inputs, recompute in B
+                out = torch.utils.checkpoint.checkpoint(self.module, *args, use_reentrant=False)
+            else:
+                out = self.module(*args)
         if isinstance(out, torch.Tensor):
             out = (out,)
         if not isinstance(out, (tuple, list)) or len(out) != len(sp.outputs):

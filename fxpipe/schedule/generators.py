@@ -147,7 +147,8 @@ def interleaved_1f1b(p: int, m: int, v: int) -> Schedule:
 
 # ----------------------------------------------------------------------------- dispatch
 def compute_schedule(name: str, p: int, m: int, v: int = 1) -> Schedule:
-    """Compute-only schedule by name (see :data:`fxpipe.specs.schema.SCHEDULES`).
+    """Compute-only schedule by name (see :data:`fxpipe.specs.schema.SCHEDULES`); a fresh copy
+    of a cached one (the planner asks for the same schedules for many cuts).
 
     ``v`` is the number of stages per rank: 1 for ``gpipe``, ``1f1b``, ``zb-h1``; any ``v >= 1``
     for ``interleaved``; 2 for ``zb-v`` (``v=1`` is accepted and read as 2).
@@ -179,7 +180,22 @@ def compute_schedule(name: str, p: int, m: int, v: int = 1) -> Schedule:
             f"schedule 'zb-v' places exactly 2 stages per rank (V shape), but virtual_stages={v}; "
             f"set virtual_stages: 2"
         )
-    return gens[key]()
+    s = _cached(key, p, m, v, gens[key])
+    return Schedule(s.name, s.num_ranks, s.num_stages, s.microbatches, list(s.stage_to_rank),
+                    [list(a) for a in s.actions], s.split_backward)
+
+
+_CACHE: dict[tuple[str, int, int, int], Schedule] = {}
+
+
+def _cached(key: str, p: int, m: int, v: int, make: Callable[[], Schedule]) -> Schedule:
+    """The schedule of ``(key, p, m, v)``, built once per process (at most 256 kept)."""
+    k = (key, p, m, v)
+    if k not in _CACHE:
+        if len(_CACHE) >= 256:
+            _CACHE.pop(next(iter(_CACHE)))
+        _CACHE[k] = make()
+    return _CACHE[k]
 
 
 

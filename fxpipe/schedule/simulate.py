@@ -27,10 +27,12 @@ Units: seconds, bytes, GB/s = 1e9 bytes/s.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+
+import numpy as np
 from dataclasses import dataclass, field
 
 from fxpipe.errors import ScheduleError
-from fxpipe.plans.placement import pair_crosses_nodes, ring_crosses_nodes
+from fxpipe.plans.placement import global_rank, node_of
 from fxpipe.plans.plan import Plan, Predicted
 from fxpipe.schedule.actions import Action, Op, Schedule
 from fxpipe.schedule.lowering import linear_edges, schedule_for_plan
@@ -150,10 +152,12 @@ class Links:
         :mod:`fxpipe.plans.placement` places them: a pipeline pair / data-parallel ring gets the
         inter-node bandwidth when any replica's pair / the ring crosses nodes."""
         dpn = devices_per_node or max(1, (pipeline * dp) // max(nodes, 1))
-        pairs = {(a, b): inter_node_GBps if pair_crosses_nodes(a, b, pipeline, dp, dpn)
-                 else intra_node_GBps
+        node = np.array([[node_of(global_rank(r, d, pipeline), dpn) for r in range(pipeline)]
+                         for d in range(dp)])  # [replica, pipeline rank]
+        cross = (node[:, :, None] != node[:, None, :]).any(axis=0)
+        pairs = {(a, b): inter_node_GBps if cross[a, b] else intra_node_GBps
                  for a in range(pipeline) for b in range(pipeline) if a != b}
-        dpr = {r: inter_node_GBps if ring_crosses_nodes(r, pipeline, dp, dpn) else intra_node_GBps
+        dpr = {r: inter_node_GBps if len(set(node[:, r].tolist())) > 1 else intra_node_GBps
                for r in range(pipeline)}
         return cls(intra_node_GBps, latency_s, intra_node_GBps, pairs, dpr)
 
@@ -196,6 +200,7 @@ def simulate(
     allreduce_bytes: Sequence[float] | None = None,
     grad_edge_bytes: Mapping[Edge, float] | None = None,
     check: bool = True,
+    timeline: bool = True,
 ) -> SimResult:
     """Price one training step of ``schedule`` (see the module docstring for the semantics).
 
@@ -210,6 +215,8 @@ def simulate(
         grad_edge_bytes: bytes of gradients sent back per edge per micro-batch; default
             ``edge_bytes`` (all values floating point).
         check: validate the schedule first (recommended; raises on a broken schedule).
+        timeline: record the per-action events (``SimResult.events``); False when only the
+            figures matter (the planner's search), which is faster.
 
     Returns:
         :class:`SimResult`.
@@ -261,7 +268,8 @@ def simulate(
                 a = acts[ptr[r]]
                 if a.op in (Op.F, Op.B, Op.W):
                     d = dur(a)
-                    events.append(TimelineEvent(r, action_label(a), t[r], t[r] + d))
+                    if timeline:
+                        events.append(TimelineEvent(r, action_label(a), t[r], t[r] + d))
                     t[r] += d
                     busy[r] += d
                     if a.op is Op.F:
@@ -275,31 +283,37 @@ def simulate(
                     dst = s2r[a.peer]
                     c = send_cost[a.stage]
                     if c > 0:  # the sender's thread stages the bytes; not compute busy
-                        events.append(TimelineEvent(r, action_label(a), t[r], t[r] + c))
+                        if timeline:
+                            events.append(TimelineEvent(r, action_label(a), t[r], t[r] + c))
                         t[r] += c
                     occ, lat = links.p2p_seconds(r, dst, nbytes)
                     start = max(t[r], link_free.get((r, dst), 0.0))
                     link_free[(r, dst)] = start + occ
                     arrival[(a.op, a.stage, a.microbatch, a.peer)] = start + occ + lat
-                    events.append(
-                        TimelineEvent(r, action_label(a), start, start + occ + lat, "comm")
-                    )
+                    if timeline:
+                        events.append(TimelineEvent(r, action_label(a), start,
+                                                    start + occ + lat, "comm"))
                 elif a.op in (Op.RECV_F, Op.RECV_B):
                     send_op = Op.SEND_F if a.op is Op.RECV_F else Op.SEND_B
                     key = (send_op, a.peer, a.microbatch, a.stage)
                     if key not in arrival:
                         break  # blocked: the sender has not issued it yet
                     end = max(t[r], arrival[key])
-                    events.append(TimelineEvent(r, action_label(a), t[r], end))
+                    if timeline:
+                        events.append(TimelineEvent(r, action_label(a), t[r], end))
                     t[r] = end
                 elif a.op is Op.ALLREDUCE:
                     d = links.allreduce_seconds(ar_bytes[a.stage], dp, r)
                     start = max(t[r], ar_free[r])
                     ar_free[r] = start + d
-                    events.append(TimelineEvent(r, action_label(a), start, start + d, "comm"))
+                    if timeline:
+                        events.append(TimelineEvent(r, action_label(a), start, start + d,
+                                                    "comm"))
                 elif a.op is Op.STEP:
                     start = max(t[r], ar_free[r])
-                    events.append(TimelineEvent(r, action_label(a), t[r], start + costs.step_s))
+                    if timeline:
+                        events.append(TimelineEvent(r, action_label(a), t[r],
+                                                    start + costs.step_s))
                     t[r] = start + costs.step_s
                 ptr[r] += 1
                 progress = True

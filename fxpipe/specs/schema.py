@@ -217,7 +217,10 @@ class TrainSpec(_Section):
     (:class:`LRScheduleSpec`; default a constant ``lr``). ``grad_clip``: clip the gradient norm
     (over all stages and replicas) to this value before each optimizer step (0, the default:
     no clipping). ``grad_accumulation``: global batches whose gradients are accumulated per
-    optimizer step (``steps`` counts optimizer steps; each step's loss weighs ``1/k``)."""
+    optimizer step (``steps`` counts optimizer steps; each step's loss weighs ``1/k``).
+    ``activation_recompute``: keep only each stage's inputs per micro-batch in flight and
+    recompute the stage's forward in its backward (``on``), never (``off``), or where the
+    activations would not fit otherwise (``auto``, default); exact either way."""
 
     steps: PositiveInt = 200
     optimizer: Literal["adamw", "sgd"] = "adamw"
@@ -228,6 +231,7 @@ class TrainSpec(_Section):
     loss: str = "cross_entropy"
     grad_compression: Literal["none", "fp16", "bf16"] = "none"
     ignore_index: int = -100
+    activation_recompute: Literal["auto", "on", "off"] = "auto"
     updates: Literal["sync"] = "sync"
     log_every: PositiveInt = 10
     timeout_s: PositiveFloat = 300.0

@@ -1,0 +1,336 @@
+"""Repeated blocks: plan a deep model as blocks, from a trace of two of them.
+
+A deep transformer is a few layers around a long run of identical blocks (same module type,
+parameter shapes and graph). Tracing and pricing every block costs seconds per dozen blocks and
+gives the exact cut solver thousands of units; none of it is needed to plan: every block costs
+the same. So, when a model holds a run of at least :data:`MIN_BLOCKS` identical children in one
+``nn.ModuleList`` / ``nn.Sequential``:
+
+* :func:`find_block_run` finds the run (the one holding the most parameters);
+* :func:`reduced` swaps the run for :data:`KEEP` of its blocks while the model is traced (the
+  forward iterates over the shorter list), so tracing and pricing see a small graph;
+* :func:`fold` builds the cut problem at block granularity: the nodes before the run
+  (*prologue*) and after it (*epilogue*) as node-level units, and one unit per block of the full
+  run, priced as the traced representative block, with the values between blocks repeated
+  along the chain;
+* :func:`resolve_folded` turns a plan made that way into a node-level plan on a worker, once
+  the worker has traced the whole model: prologue nodes keep their names (they come first, so
+  their names do not depend on the depth), epilogue nodes are matched in order, block nodes by
+  their block index (from ``nn_module_stack``).
+
+A model whose run cannot be folded this way (a block's value read two blocks later, nodes of
+the root module between blocks, ``pipe_split()`` or ``annotate()`` inside the run) is planned
+node by node as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+import torch.nn as nn
+
+from fxpipe.errors import PlanError
+from fxpipe.partitioner.annotations import STAGE_ATTR
+from fxpipe.partitioner.graph import PricedGraph
+from fxpipe.partitioner.problem import Value
+from fxpipe.partitioner.trace import COMPUTE_OPS, TracedModel, _stack_paths
+from fxpipe.plans.values import needs_grad
+
+__all__ = ["MIN_BLOCKS", "KEEP", "BlockRun", "Folding", "UnitTable", "find_block_run", "reduced",
+           "fold", "node_groups", "resolve_folded"]
+
+#: fewest identical blocks worth folding
+MIN_BLOCKS = 8
+#: blocks kept in the reduced model (the second one is the representative: it reads what
+#: every later block reads from its predecessor)
+KEEP = 2
+
+
+@dataclass(frozen=True)
+class BlockRun:
+    """``count`` identical children of the container at ``path``, from index ``start``."""
+
+    path: str
+    start: int
+    count: int
+
+    def to_dict(self) -> dict:
+        return {"path": self.path, "start": self.start, "count": self.count}
+
+
+def _signature(m: nn.Module) -> tuple:
+    return (type(m), tuple((n, tuple(p.shape), p.dtype, p.requires_grad)
+                           for n, p in m.named_parameters()),
+            tuple((n, tuple(b.shape), b.dtype) for n, b in m.named_buffers()))
+
+
+def find_block_run(model: nn.Module, min_blocks: int = MIN_BLOCKS) -> BlockRun | None:
+    """The longest run of identical consecutive children (same type, parameter and buffer
+    shapes) of one ``ModuleList`` / ``Sequential``, at least ``min_blocks`` long and without
+    ``annotate()`` pins; the run holding the most parameters when several qualify."""
+    best, best_params = None, 0
+    for path, mod in model.named_modules():
+        if not isinstance(mod, (nn.ModuleList, nn.Sequential)) or len(mod) < min_blocks:
+            continue
+        kids = list(mod)
+        sigs = [_signature(k) for k in kids]
+        i = 0
+        while i < len(kids):
+            j = i
+            while j + 1 < len(kids) and sigs[j + 1] == sigs[i]:
+                j += 1
+            count = j - i + 1
+            if count >= min_blocks and not any(
+                    STAGE_ATTR in m.__dict__ for k in kids[i:j + 1] for m in k.modules()):
+                params = count * sum(p.numel() for p in kids[i].parameters())
+                if best is None or params > best_params:
+                    best, best_params = BlockRun(path, i, count), params
+            i = j + 1
+    return best
+
+
+@contextlib.contextmanager
+def reduced(model: nn.Module, run: BlockRun, keep: int = KEEP) -> Iterator[nn.Module]:
+    """``model`` with the run shortened to ``keep`` blocks for the ``with`` block (restored
+    after, also on errors)."""
+    parent_path, _, attr = run.path.rpartition(".")
+    parent = model.get_submodule(parent_path)
+    full = getattr(parent, attr)
+    kids = list(full)
+    short = kids[:run.start] + kids[run.start:run.start + keep] + kids[run.start + run.count:]
+    setattr(parent, attr, type(full)(*short) if isinstance(full, nn.Sequential)
+            else nn.ModuleList(short))
+    try:
+        yield model
+    finally:
+        setattr(parent, attr, full)
+
+
+_INDEX = re.compile(r"^(\d+)(\.|$)")
+
+
+def block_index(node: torch.fx.Node, run_path: str) -> int | None:
+    """Index (in the container) of the run child whose forward computed ``node``, or None."""
+    prefix = run_path + "." if run_path else ""
+    for p in _stack_paths(node):
+        if p.startswith(prefix):
+            mo = _INDEX.match(p[len(prefix):])
+            if mo:
+                return int(mo.group(1))
+    return None
+
+
+@dataclass
+class Folding:
+    """How a reduced trace maps onto the full model's units.
+
+    Attributes:
+        run: the folded run.
+        prologue: unit positions (in the reduced graph) before the run's blocks.
+        block_units: per kept block, its unit positions.
+        epilogue: unit positions after the run.
+        n_units: units of the folded problem: ``len(prologue) + run.count + len(epilogue)``.
+    """
+
+    run: BlockRun
+    prologue: list[int]
+    block_units: list[list[int]]
+    epilogue: list[int]
+
+    @property
+    def n_units(self) -> int:
+        return len(self.prologue) + self.run.count + len(self.epilogue)
+
+    def folded_pos(self, pos: int) -> int | None:
+        """Folded position of a prologue / epilogue unit (None inside a block)."""
+        if pos in self._pro:
+            return self._pro[pos]
+        if pos in self._epi:
+            return len(self.prologue) + self.run.count + self._epi[pos]
+        return None
+
+    def __post_init__(self) -> None:
+        self._pro = {p: i for i, p in enumerate(self.prologue)}
+        self._epi = {p: i for i, p in enumerate(self.epilogue)}
+        self._block = {p: b for b, units in enumerate(self.block_units) for p in units}
+
+
+def _groups(pg: PricedGraph, run: BlockRun) -> Folding | None:
+    """Split the reduced graph's units into prologue, kept blocks and epilogue (graph order),
+    or None when block nodes and other nodes interleave."""
+    by_name = {n.name: n for n in pg.traced.gm.graph.nodes}
+    kept = range(run.start, run.start + KEEP)
+    blocks: list[list[int]] = [[] for _ in kept]
+    prologue, epilogue = [], []
+    seen_block = False
+    for pos, u in enumerate(pg.order):
+        b = block_index(by_name[u], run.path)
+        if b is not None and b in kept:
+            if epilogue:
+                return None  # a block after the epilogue started
+            blocks[b - run.start].append(pos)
+            seen_block = True
+        elif not seen_block:
+            prologue.append(pos)
+        else:
+            epilogue.append(pos)
+    if not all(blocks):
+        return None
+    # blocks must be contiguous and in order
+    flat = [p for units in blocks for p in units]
+    if flat != list(range(flat[0], flat[0] + len(flat))):
+        return None
+    return Folding(run, prologue, blocks, epilogue)
+
+
+@dataclass
+class UnitTable:
+    """Per-unit costs of a cut problem, for one traced micro-batch (scaled per candidate).
+
+    Attributes:
+        names: unit labels.
+        times: per unit, ``(forward, input-gradient, weight-gradient)`` seconds.
+        flops: per unit, ``(forward, backward, weight-gradient part)`` FLOPs.
+        params / saved: per unit, parameter bytes and activation bytes saved for backward.
+        values: the values that cross cuts (cheap, rebuilt values left out).
+        forced_cuts / pins: the user's ``pipe_split()`` and ``annotate()`` constraints.
+        folding: how the units map onto a reduced trace's, when folded (else None).
+    """
+
+    names: list[str]
+    times: list[tuple[float, float, float]]
+    flops: list[tuple[float, float, float]]
+    params: list[float]
+    saved: list[float]
+    values: list[Value]
+    forced_cuts: list[int]
+    pins: dict[int, int]
+    folding: "Folding | None" = None
+
+
+def fold(pg: PricedGraph, run: BlockRun, unit_times: list[tuple[float, float, float]],
+         cheap: set[str]) -> UnitTable | None:
+    """The folded cut problem (see the module doc), or None when the reduced graph does not
+    fold.
+
+    Args:
+        unit_times: ``(fwd, B, W)`` seconds of every unit of the reduced graph.
+        cheap: values rebuilt in each stage (they cross cuts for free).
+    """
+    fo = _groups(pg, run)
+    if fo is None or pg.forced_cuts or pg.pins:
+        return None
+    g = pg.graph
+    rep = fo.block_units[-1]  # the last kept block reads from a block, like every later one
+    n_pro, L = len(fo.prologue), run.count
+
+    def unit(p: int, key: str) -> float:
+        return g.nodes[pg.order[p]][key]
+
+    block_time = tuple(sum(unit_times[p][i] for p in rep) for i in range(3))
+    times = ([unit_times[p] for p in fo.prologue] + [block_time] * L
+             + [unit_times[p] for p in fo.epilogue])
+    fl = [(unit(p, "fwd_flops"), unit(p, "bwd_flops"), unit(p, "bwd_weight_flops"))
+          for p in range(len(pg.order))]
+    block_flops = tuple(sum(fl[p][i] for p in rep) for i in range(3))
+    flops = ([fl[p] for p in fo.prologue] + [block_flops] * L + [fl[p] for p in fo.epilogue])
+    params = ([unit(p, "param_bytes") for p in fo.prologue]
+              + [sum(unit(p, "param_bytes") for p in rep)] * L
+              + [unit(p, "param_bytes") for p in fo.epilogue])
+    saved = ([unit(p, "saved_bytes") for p in fo.prologue]
+             + [sum(unit(p, "saved_bytes") for p in rep)] * L
+             + [unit(p, "saved_bytes") for p in fo.epilogue])
+    prefix = run.path + "."
+    names = ([pg.order[p] for p in fo.prologue]
+             + [f"{prefix}{run.start + b}" for b in range(L)]
+             + [pg.order[p] for p in fo.epilogue])
+    n_total = len(pg.order)
+    values: list[Value] = []
+    first_block, last_block = n_pro, n_pro + L - 1
+    for row in pg.values:
+        if row.name in cheap:
+            continue
+        users = [u for u in row.user_positions if u < n_total]
+        grad = needs_grad(pg.value_info(row.name)[1])
+        pb = fo._block.get(row.producer_pos)
+        ub = {fo._block[u] for u in users if u in fo._block}
+        other = [fo.folded_pos(u) for u in users if u not in fo._block]
+        if pb is None:  # a prologue or epilogue value
+            src = fo.folded_pos(row.producer_pos)
+            to_blocks = (list(range(first_block, last_block + 1)) if ub == {0, 1}
+                         else [first_block] if ub == {0} else None)
+            if to_blocks is None and ub:
+                return None  # read by the later kept block only: not a repeated pattern
+            dst = sorted(set(other + (to_blocks or [])))
+            if dst:
+                values.append(Value(src, tuple(dst), row.nbytes, grad, row.name))
+        elif pb == 0:  # a value of the first kept block
+            if ub - {0} == {1} and not other:  # block -> next block: along the whole chain
+                for j in range(first_block, last_block):
+                    values.append(Value(j, (j + 1,), row.nbytes, grad, row.name))
+            elif ub - {0} or other:
+                return None
+        else:  # a value of the last kept block
+            if ub - {1}:
+                return None
+            if other:
+                values.append(Value(last_block, tuple(sorted(other)), row.nbytes, grad,
+                                    row.name))
+    return UnitTable(names, times, flops, params, saved, values, [], {}, fo)
+
+
+def node_groups(traced: TracedModel, run: BlockRun) -> tuple[list[str], dict[int, list[str]],
+                                                              list[str]]:
+    """Compute nodes of a full trace as ``(prologue, {block index: nodes}, epilogue)``.
+
+    Raises:
+        PlanError: block nodes and other nodes interleave (this graph does not fold).
+    """
+    pro: list[str] = []
+    blocks: dict[int, list[str]] = {}
+    epi: list[str] = []
+    run_ix = range(run.start, run.start + run.count)
+    for n in traced.gm.graph.nodes:
+        if n.op not in COMPUTE_OPS:
+            continue
+        b = block_index(n, run.path)
+        if b is not None and b in run_ix:
+            if epi:
+                raise PlanError(f"node {n.name} of block {b} comes after nodes outside the "
+                                f"blocks of {run.path}; re-plan with a spec that does not fold")
+            blocks.setdefault(b, []).append(n.name)
+        elif not blocks:
+            pro.append(n.name)
+        else:
+            epi.append(n.name)
+    return pro, blocks, epi
+
+
+def resolve_folded(folded: dict, traced: TracedModel) -> dict[str, int]:
+    """Node -> stage of a full trace, from a folded plan's ``folded`` record.
+
+    Raises:
+        PlanError: the trace does not have the planned prologue, blocks or epilogue.
+    """
+    run = BlockRun(**folded["run"])
+    pro, blocks, epi = node_groups(traced, run)
+    stage: dict[str, int] = {}
+    if set(pro) != set(folded["prologue"]):
+        raise PlanError("the model's nodes before its repeated blocks differ from the plan's; "
+                        "re-create the plan with `fxpipe plan`")
+    stage.update({n: folded["prologue"][n] for n in pro})
+    if sorted(blocks) != list(range(run.start, run.start + run.count)):
+        raise PlanError(f"the model has blocks {sorted(blocks)[:3]}... of {run.path} but the "
+                        f"plan has {run.count} from {run.start}; re-create the plan")
+    for b, names in blocks.items():
+        s = folded["blocks"][b - run.start]
+        stage.update({n: s for n in names})
+    if len(epi) != len(folded["epilogue"]):
+        raise PlanError(f"the model has {len(epi)} nodes after its repeated blocks, the plan "
+                        f"{len(folded['epilogue'])}; re-create the plan with `fxpipe plan`")
+    stage.update(dict(zip(epi, folded["epilogue"])))
+    return stage
