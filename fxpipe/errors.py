@@ -24,6 +24,12 @@ class RuntimeFailure(FxpipeError):
     """A pipeline run failed: a peer timed out, shapes disagreed with the plan, a rank died."""
 
 
+class UsageError(FxpipeError):
+    """A training script uses ``fxpipe.compile``'s pipeline in a way that cannot work (an
+    optimizer over another rank's parameters, a batch that does not split, no process group);
+    the message says how to fix the script."""
+
+
 class SplitError(PlanError, ValueError):
     """A stage assignment cannot be split into stage modules (a tuple or non-tensor value crosses a
     boundary, stages do not follow data dependencies, shape metadata is missing)."""

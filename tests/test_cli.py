@@ -32,7 +32,9 @@ model:
 data: {batch_size: 8, seq_len: 32}
 parallel: {pipeline: 2, data: 2, microbatches: 2, schedule: 1f1b}
 cluster: {devices_per_node: 4, memory_gb: 2}
-train: {steps: 3, optimizer: adamw, lr: 1.0e-3, seed: 0, log_every: 1, timeout_s: 60}
+train: {steps: 3, optimizer: adamw, lr: 1.0e-3, seed: 0, log_every: 1, timeout_s: 60,
+       grad_accumulation: 2, grad_clip: 1.0,
+       lr_schedule: {warmup_steps: 1, decay: cosine, min_lr: 5.0e-4}}
 output: {dir: tiny-run}
 """
 
@@ -132,6 +134,8 @@ def test_run_end_to_end_and_never_overwrites(tmp_path):
     r = fxpipe_cli("run", str(spec), "--out", str(out))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "tokens/s" in r.stdout
+    # the training knobs of the spec: 2 batches per optimizer step, clipping, warm-up + cosine
+    assert "grad norm" in r.stdout and "lr 1.00e-03" in r.stdout and "lr 5.00e-04" in r.stdout
     rows = list(csv.DictReader(open(out / "losses.csv")))
     assert [int(x["step"]) for x in rows] == [0, 1, 2]
     assert (out / "timeline.json").exists() and (out / "plan.json").exists()

@@ -19,7 +19,11 @@ its action list from the :class:`~fxpipe.schedule.actions.Schedule` once per tra
   their gradients before its producer's backward.
 * ``ALLREDUCE`` - start the asynchronous data-parallel all-reduce of the stage's gradients
   (:mod:`fxpipe.runtime.data_parallel`; tied parameters summed across the stages holding them).
-* ``STEP`` - wait for the all-reduces and outstanding sends, ``optimizer.step()``, clear gradients.
+* ``STEP`` - wait for the all-reduces and outstanding sends, ``optimizer.step()``, clear gradients
+  (with ``optimizer=None`` the gradients stay in ``.grad`` and accumulate over steps).
+
+:meth:`PipelineExecutor.evaluate` runs the forward actions only (``F``, ``SEND_F``, ``RECV_F``,
+in the schedule's order) without gradients: the batch's loss for evaluation.
 
 Mixed precision (``precision="bf16"``/``"fp16"``, :mod:`fxpipe.runtime.precision`): each stage's
 forward and the loss run under ``torch.autocast(device.type, dtype)``; parameters, gradients and
@@ -105,7 +109,9 @@ class PipelineExecutor:
         loss_fn: ``loss_fn(output, target) -> scalar tensor``, mean-reduced over the micro-batch
             (e.g. cross entropy). Called on the stage that produces ``plan.model_output``.
         optimizer: optimizer over this rank's parameters, or ``None`` (then ``STEP`` only
-            synchronises gradients and leaves them in ``.grad``).
+            synchronises gradients and leaves them in ``.grad``, where several steps accumulate
+            exactly: each all-reduce sums only its own step's gradients, tied ones included;
+            an fp16 step skipped for inf/NaN gradients adds nothing).
         timeout_s: seconds any single wait (receive, send, all-reduce) may take.
         grad_compression: ``"none"`` (exact), ``"fp16"`` or ``"bf16"`` all-reduce payloads.
         precision: ``"fp32"`` (default, exact), ``"bf16"`` or ``"fp16"``: forward and loss under
@@ -179,8 +185,11 @@ class PipelineExecutor:
                                   plan.model_output if s == self.loss_stage else None)
                      for s in self.local_stages}
         self._stage_params = {s: w.params for s, w in self.work.items()}
-        self._sync = GradSynchronizer(self._stage_params, self._shared_map(), mesh,
-                                      grad_compression)
+        shared = self._shared_map()
+        #: parameter object id -> (pipeline ranks holding it, canonical FQN), for the tied /
+        #: shared parameters of this rank's stages (their gradient is summed over those ranks)
+        self.shared_param_ranks = dict(shared)
+        self._sync = GradSynchronizer(self._stage_params, shared, mesh, grad_compression)
         # stages whose ALLREDUCE the schedule leaves out: launched after their last backward
         self._auto_reduce_after: dict[int, int] = {}
         self._labels = [action_label(a) for a in schedule.actions[mesh.pipe_rank]]  # for events
@@ -213,6 +222,14 @@ class PipelineExecutor:
                 self._param_users.setdefault(id(p), (p, set()))[1].add(s)
         self._done_stages: set[int] = set()
         self._unscaled: set[int] = set()
+        # gradients from earlier steps (accumulation, optimizer=None) set aside during a step:
+        # of shared parameters always, of every parameter under loss scaling or compression
+        exact_sum = self.loss_scaler is None and grad_compression == "none"
+        self._aside_ids = [pid for pid in self._param_users
+                           if not exact_sum or pid in shared]
+        self._aside: dict[int, torch.Tensor] = {}
+        self._fwd_only: tuple[list[Action], list[int], list[str]] | None = None
+        self._eval_work: dict[tuple[int, ...], dict[int, StageWork]] = {}
         self._clock0 = time.time() - time.perf_counter()
 
     def _find_loss_stage(self, plan: Plan) -> int:
@@ -286,28 +303,9 @@ class PipelineExecutor:
         st.weights = list(loss_weights) if loss_weights is not None else None
         self._done_stages.clear()
         self._unscaled.clear()
-        acts = self.schedule.actions[self.mesh.pipe_rank]
-        recvs, posted_upto = self._recv_positions, 0
-        labels = self._labels
-        for idx, a in enumerate(acts):
-            start = time.perf_counter()
-            st.index, self._action = idx, a
-            try:
-                # keep the next RECV_LOOKAHEAD receives posted (the current one included)
-                while posted_upto < len(recvs) and recvs[posted_upto] < idx:
-                    posted_upto += 1
-                for k in range(posted_upto, min(posted_upto + RECV_LOOKAHEAD, len(recvs))):
-                    if recvs[k] not in st.posted:
-                        st.posted[recvs[k]] = self._post_recv(acts[recvs[k]])
-                self._run(a, st)
-            except FxpipeError:
-                raise
-            except Exception as e:
-                raise RuntimeFailure(f"{self._ctx(a)}: {type(e).__name__}: {e}") from e
-            self.events.append(TimelineEvent(self.rank, labels[idx], self._clock0 + start,
-                                             self._clock0 + time.perf_counter()))
-            if self._auto_reduce_after.get(a.stage) == idx:
-                self._stage_done(a.stage)
+        self._set_aside_grads()
+        self._run_actions(self.schedule.actions[self.mesh.pipe_rank], self._recv_positions,
+                          self._labels, st, self._auto_reduce_after)
         if not st.stepped:
             first = self.local_stages[0] if self.local_stages else -1
             self._finish_step(st, Action(Op.STEP, first))
@@ -324,6 +322,84 @@ class PipelineExecutor:
         self.step_times_s.append(time.perf_counter() - t0)
         self._steps_run += 1
         return loss
+
+    def evaluate(self, inputs: dict[str, torch.Tensor], target: torch.Tensor | None,
+                 loss_weights: list[float] | None = None,
+                 modules: dict[int, nn.Module] | None = None) -> float:
+        """Forward-only pass of one batch: the schedule's ``F``, ``SEND_F`` and ``RECV_F``
+        actions in their order, under ``torch.no_grad()``; no backward, no all-reduce of
+        gradients, no optimizer step, ``.grad`` untouched. Collective: every rank calls it.
+
+        Args:
+            inputs, target, loss_weights: as for :meth:`step`.
+            modules: stage modules to run instead of the training ones (same stages, e.g.
+                copies whose graphs run dropout and BatchNorm in eval mode); default the
+                training modules.
+
+        Returns:
+            The batch's loss (as :meth:`step` computes it); the same float on every rank.
+        """
+        if self._fwd_only is None:
+            acts = [a for a in self.schedule.actions[self.mesh.pipe_rank]
+                    if a.op in (Op.F, Op.SEND_F, Op.RECV_F)]
+            recvs = [k for k, a in enumerate(acts)
+                     if a.op is Op.RECV_F and not self._same_rank(a.stage, a.peer)]
+            self._fwd_only = (acts, recvs, [action_label(a) for a in acts])
+        mods = self.modules if modules is None else dict(modules)
+        if sorted(mods) != self.local_stages:
+            raise RuntimeFailure(f"evaluate() got modules for stages {sorted(mods)}; this rank "
+                                 f"holds stages {self.local_stages}")
+        key = tuple(id(mods[s]) for s in self.local_stages)
+        if key not in self._eval_work:
+            self._eval_work[key] = {
+                s: StageWork(self.stage_plans[s], mods[s], self.plan.values, self._consumers,
+                             False, self._autocast, lambda i: self._ctx(self._action),
+                             self.plan.model_output if s == self.loss_stage else None)
+                for s in self.local_stages}
+        saved, self.work = self.work, self._eval_work[key]
+        try:
+            st = self._prepare(inputs, target)
+            if loss_weights is not None and len(loss_weights) != self.m:
+                raise RuntimeFailure(f"rank {self.rank}: evaluate() got {len(loss_weights)} loss "
+                                     f"weights for {self.m} micro-batches; give one per "
+                                     "micro-batch")
+            st.weights = list(loss_weights) if loss_weights is not None else None
+            acts, recvs, labels = self._fwd_only
+            with torch.no_grad():
+                self._run_actions(acts, recvs, labels, st, {}, record=False)
+            for pend, ctx in st.sends:
+                p2p.wait(pend, ctx, self.timeout_s)
+            return self._reduce_loss(st)
+        finally:
+            for w in self.work.values():
+                w.reset()
+            self.work = saved
+
+    def _run_actions(self, acts: list[Action], recvs: list[int], labels: list[str],
+                     st: _StepState, reduce_after: dict[int, int], record: bool = True) -> None:
+        """Run ``acts`` in order (``recvs``: positions of the cross-rank receives, posted
+        ahead; ``reduce_after``: stage -> position after which its all-reduce starts)."""
+        posted_upto = 0
+        for idx, a in enumerate(acts):
+            start = time.perf_counter()
+            st.index, self._action = idx, a
+            try:
+                # keep the next RECV_LOOKAHEAD receives posted (the current one included)
+                while posted_upto < len(recvs) and recvs[posted_upto] < idx:
+                    posted_upto += 1
+                for k in range(posted_upto, min(posted_upto + RECV_LOOKAHEAD, len(recvs))):
+                    if recvs[k] not in st.posted:
+                        st.posted[recvs[k]] = self._post_recv(acts[recvs[k]])
+                self._run(a, st)
+            except FxpipeError:
+                raise
+            except Exception as e:
+                raise RuntimeFailure(f"{self._ctx(a)}: {type(e).__name__}: {e}") from e
+            if record:
+                self.events.append(TimelineEvent(self.rank, labels[idx], self._clock0 + start,
+                                                 self._clock0 + time.perf_counter()))
+            if reduce_after.get(a.stage) == idx:
+                self._stage_done(a.stage)
 
     def _prepare(self, inputs: dict[str, torch.Tensor], target) -> _StepState:
         needed = sorted({n for s in self.local_stages for n in self.stage_plans[s].inputs
@@ -545,6 +621,7 @@ class PipelineExecutor:
             self.loss_scaler.update(skip)
             if skip:
                 self.skipped_steps.append(self._steps_run)
+        self._restore_aside(skip)
         if self.optimizer is not None:
             if not skip:
                 self.optimizer.step()
@@ -556,6 +633,34 @@ class PipelineExecutor:
         self._done_stages.clear()
         self._unscaled.clear()
         st.stepped = True
+
+    def _set_aside_grads(self) -> None:
+        """Take the gradients earlier steps left in ``.grad`` (gradient accumulation with
+        ``optimizer=None``) out of this step's all-reduce: those of shared parameters (their
+        all-reduce sums every holder's copy, so an already reduced gradient would count once per
+        holder), and every gradient under loss scaling (unscaled once) or compression (16-bit
+        payloads carry this step's gradients only). :meth:`_restore_aside` adds them back."""
+        self._aside = {}
+        for pid in self._aside_ids:
+            p = self._param_users[pid][0]
+            if p.grad is not None:
+                self._aside[pid] = p.grad
+                p.grad = None
+
+    def _restore_aside(self, drop_this_step: bool) -> None:
+        """Add the gradients set aside at the start of the step to this step's; with
+        ``drop_this_step`` (an fp16 step with inf/NaN gradients) keep only the set-aside ones,
+        so the skipped step contributes nothing to an accumulation."""
+        if drop_this_step:
+            for pid, (p, _) in self._param_users.items():
+                p.grad = self._aside.get(pid)
+        else:
+            for pid, g in self._aside.items():
+                p = self._param_users[pid][0]
+                if p.grad is not None:
+                    g.add_(p.grad)
+                p.grad = g
+        self._aside = {}
 
     def _reduce_loss(self, st: _StepState) -> float:
         local = st.loss_sum if st.loss_sum is not None else torch.zeros((), device=self.device)

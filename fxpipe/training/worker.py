@@ -1,9 +1,11 @@
 """The per-rank training worker started by ``fxpipe run`` (through torchrun).
 
 ``python -m fxpipe.training.worker --plan OUT/plan.json --out OUT`` on every rank:
-rebuild the model from the plan's spec (same seed everywhere), re-trace it, keep this rank's
-stages, and train with the plan's schedule in the spec's ``train.precision`` (fp32, or bf16/fp16
-autocast with fp32 master weights; fp16 with dynamic loss scaling). Rank 0 prints progress (step,
+rebuild the model from the plan's spec (same seed everywhere), compile this rank's share of it
+(:func:`fxpipe.compile`: the same code path as a user's own training script) and train it with
+the plan's schedule in the spec's ``train.precision`` (fp32, or bf16/fp16 autocast with fp32
+master weights; fp16 with dynamic loss scaling), the spec's optimizer, learning-rate schedule,
+gradient clipping and accumulation. Rank 0 prints progress (step,
 loss, tokens/s) and writes ``losses.csv``; all ranks write checkpoints
 (torch.distributed.checkpoint, keyed by the original parameter FQNs) and rank 0 writes the
 measured timeline (Chrome trace JSON, one track per rank).
@@ -18,7 +20,6 @@ import time
 from pathlib import Path
 
 from fxpipe.errors import FxpipeError
-from fxpipe.units import plural
 
 # torch is imported inside the functions: a Ctrl-C while a worker is still starting then ends
 # in main()'s handler instead of a traceback from the middle of `import torch`.
@@ -51,6 +52,10 @@ def _throughput_unit(plan, batch_size: int) -> tuple[str, int]:
 def train(plan_path: Path, out: Path) -> None:
     """Train one rank's share of the plan at ``plan_path``; outputs go to ``out``.
 
+    The loop is a user's training script on :func:`fxpipe.compile`: the spec's optimizer over
+    ``pipe.parameters()``, ``train.lr_schedule`` (warm-up, then constant or cosine),
+    ``train.grad_accumulation`` global batches per optimizer step, ``train.grad_clip``.
+
     Raises:
         FxpipeError: bad plan, a peer timed out, or shapes disagree with the plan.
     """
@@ -58,60 +63,48 @@ def train(plan_path: Path, out: Path) -> None:
     import torch.distributed as dist
 
     from fxpipe.data.batches import get_batch, make_batches
-    from fxpipe.partitioner.loss_targets import target_counter
-    from fxpipe.partitioner.split import build_stages, trace_for_plan
     from fxpipe.plans.plan import Plan
-    from fxpipe.runtime.executor import PipelineExecutor
-    from fxpipe.runtime.mesh import Mesh, init_distributed
-    from fxpipe.schedule.lowering import schedule_for_plan
+    from fxpipe.runtime.mesh import init_distributed
     from fxpipe.schedule.timeline import write_chrome_trace
     from fxpipe.specs.loader import build_model, load_spec
     from fxpipe.training.checkpoint import save_checkpoint
-    from fxpipe.training.losses import (MODEL_LOSS, batch_counter, microbatch_weights,
-                                        resolve_loss)
+    from fxpipe.training.compiled import compile
+    from fxpipe.training.lr_schedule import build_scheduler, lr_factor
 
     plan = Plan.load(plan_path)
     spec = load_spec(plan.spec)
+    t = spec.train
     torch.set_num_threads(1)
-    device = init_distributed(spec.cluster.device, spec.train.timeout_s)
+    init_distributed(spec.cluster.device, t.timeout_s)
     rank = dist.get_rank()
-    mesh = Mesh(plan.pipeline, plan.dp, device=device, timeout_s=spec.train.timeout_s)
-    pipe_rank, dp_rank = mesh.pipe_rank, mesh.dp_rank
-
-    model = build_model(spec).to(device)
+    pipe = compile(build_model(spec), plan)
+    executor = pipe.executor
+    optimizer = _optimizer(spec, list(pipe.parameters()))
+    sched = t.lr_schedule
+    scheduler = (build_scheduler(optimizer, t) if optimizer is not None
+                 and (sched.warmup_steps or sched.decay != "constant") else None)
     batches = make_batches(spec)
-    schedule = schedule_for_plan(plan)
-    my_stages = schedule.stages_of_rank(pipe_rank)
-    traced = trace_for_plan(plan, model, device)
-    stages = build_stages(plan, traced, my_stages)
-    params = list({id(p): p for m in stages.values() for p in m.parameters()}.values())
-    optimizer = _optimizer(spec, params)
-    model_loss = spec.train.loss == MODEL_LOSS
-    executor = PipelineExecutor(plan, schedule, stages, mesh,
-                                resolve_loss(spec.train.loss, spec.train.ignore_index),
-                                optimizer, timeout_s=spec.train.timeout_s,
-                                grad_compression=spec.train.grad_compression,
-                                precision=spec.train.precision, needs_target=not model_loss)
-    count = batch_counter(plan.model_inputs, plan.input_kwargs, spec.train.ignore_index,
-                          target_counter(traced.gm) if model_loss else None, model_loss)
-    del traced
-
-    per_replica = spec.data.batch_size // plan.dp
-    unit, items_per_step = _throughput_unit(plan, spec.data.batch_size)
+    k = t.grad_accumulation
+    unit, items_per_step = _throughput_unit(plan, spec.data.batch_size * k)
     losses_path = out / "losses.csv"
     fh = writer = None  # rank 0 creates losses.csv after the first step: a run that fails
     # before any step leaves no loss file, so its folder does not count as an earlier run
     t_start = time.perf_counter()
-    for step in range(spec.train.steps):
-        batch = get_batch(batches, spec, step)
-        weights = microbatch_weights(batch, dp_rank, plan.dp, plan.microbatches, count)
-        mine = batch.slice(dp_rank * per_replica, (dp_rank + 1) * per_replica).to(device)
+    for step in range(t.steps):
         t0 = time.perf_counter()
-        try:
-            loss = executor.step(mine.named(plan.model_inputs, plan.input_kwargs), mine.target,
-                                 weights)
-        except FxpipeError as e:
-            raise type(e)(f"step {step}: {e}") from None
+        loss = 0.0
+        for j in range(k):
+            batch = get_batch(batches, spec, step * k + j)
+            try:
+                loss += pipe.step(batch) / k
+            except FxpipeError as e:
+                raise type(e)(f"step {step}: {e}") from None
+        norm = float(pipe.clip_grad_norm_(t.grad_clip)) if t.grad_clip else None
+        if optimizer is not None:
+            optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+        pipe.zero_grad()
         dt = time.perf_counter() - t0
         if rank == 0:
             if writer is None:
@@ -119,14 +112,18 @@ def train(plan_path: Path, out: Path) -> None:
                 writer = csv.writer(fh)
                 writer.writerow(["step", "loss", "step_time_s", f"{unit}_per_s"])
             writer.writerow([step, f"{loss:.6f}", f"{dt:.4f}", f"{items_per_step / dt:.1f}"])
-            if step % spec.train.log_every == 0 or step == spec.train.steps - 1:
+            if step % t.log_every == 0 or step == t.steps - 1:
                 fh.flush()
-                print(f"step {step:5d}/{spec.train.steps}  loss {loss:.4f}  "
-                      f"{items_per_step / dt:9.0f} {unit}/s  {dt * 1e3:7.1f} ms/step", flush=True)
-        every = spec.train.checkpoint.every
-        if every and (step + 1) % every == 0 and step + 1 < spec.train.steps:
-            save_checkpoint(stages, out / spec.train.checkpoint.dir, step + 1)
-    save_checkpoint(stages, out / spec.train.checkpoint.dir, spec.train.steps)
+                lr = t.lr * lr_factor(step, t.steps, sched.warmup_steps, sched.decay, t.lr,
+                                      sched.min_lr)
+                extra = f"  lr {lr:.2e}" + (f"  grad norm {norm:.3f}" if norm is not None else "")
+                print(f"step {step:5d}/{t.steps}  loss {loss:.4f}  "
+                      f"{items_per_step / dt:9.0f} {unit}/s  {dt * 1e3:7.1f} ms/step{extra}",
+                      flush=True)
+        every = t.checkpoint.every
+        if every and (step + 1) % every == 0 and step + 1 < t.steps:
+            save_checkpoint({0: pipe.module}, out / t.checkpoint.dir, step + 1)
+    save_checkpoint({0: pipe.module}, out / t.checkpoint.dir, t.steps)
     wall = time.perf_counter() - t_start
     events = [None] * dist.get_world_size()
     dist.all_gather_object(events, executor.events)
@@ -141,11 +138,12 @@ def train(plan_path: Path, out: Path) -> None:
             for stage, n in peak.items():
                 per_stage[stage] = max(per_stage.get(stage, 0), n)
         held = ", ".join(f"stage {s}: {n}" for s, n in sorted(per_stage.items()))
-        print(f"trained {spec.train.steps} steps in {wall:.1f} s; peak micro-batches held per "
+        print(f"trained {t.steps} steps in {wall:.1f} s; peak micro-batches held per "
               f"stage: {held}", flush=True)
         if executor.loss_scaler is not None:
-            print(f"{spec.train.precision} loss scaling: {plural(len(executor.skipped_steps), 'step')} "
-                  f"skipped for inf/NaN gradients {executor.skipped_steps[:10]}, final scale "
+            n = len(executor.skipped_steps)
+            print(f"{t.precision} loss scaling: {n} batch{'' if n == 1 else 'es'} dropped for "
+                  f"inf/NaN gradients {executor.skipped_steps[:10]}, final scale "
                   f"{executor.loss_scaler.scale:g}", flush=True)
     dist.barrier()
     dist.destroy_process_group()

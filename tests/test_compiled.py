@@ -1,0 +1,403 @@
+"""fxpipe.compile in a user's own training loop: the same numbers as single-process PyTorch.
+
+One user-style loop (:func:`user_loop`: parameter groups with weight decay on the matrices
+only, a cosine learning-rate schedule, clipping at 1.0, gradient accumulation over 2 batches,
+5 optimizer steps) runs once on the whole model in this process and once through
+``fxpipe.compile`` on 2 stages x 2 replicas (4 gloo ranks, one process group for every case):
+AdamW under 1F1B (planned from the spec on rank 0) and SGD with momentum under ZB-H1 (from a
+Plan). The model is CharGPT with tied embeddings, so the tied gradient is accumulated across
+two stages and two ``step()`` calls. The same ranks then check forward-only evaluation, the
+DCP round trip of ``pipe.state_dict()`` and the misuse errors.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fxpipe
+from fxpipe.runtime.local_ranks import run_ranks
+from fxpipe.training.compiled import UsageError
+
+try:
+    from shared_models import SEQ, VOCAB, tiny_gpt
+except ImportError:  # tests/ collected as a package
+    from tests.shared_models import SEQ, VOCAB, tiny_gpt
+
+PIPE, DP, M, MBS = 2, 2, 2, 2
+B = DP * M * MBS
+K, OPT_STEPS, CLIP = 2, 5, 1.0
+SGD_TOL = 1e-5  # measured: parameters 2e-8, losses 5e-7, gradient norms 1.2e-7 relative
+#: AdamW against the whole-batch reference, measured: parameters 2.1e-4, losses 2.0e-6,
+#: gradient norms 1.2e-5 relative. Adam divides by sqrt(v): an entry whose true gradient is
+#: about 0 (the key bias under softmax) moves by about +-lr whatever the sign of its rounding
+#: noise. Two single-process runs that differ only in cutting the batch into the pipeline's
+#: micro-batches differ by just as much (tested below), and the pipeline matches the
+#: micro-batched one to 3e-6 (losses and norms 1.2e-7).
+ADAMW_TOL = {"params": 5e-4, "loss": 1e-5, "norm": 5e-5}
+ADAMW_MICRO_TOL = {"params": 1e-5, "loss": 1e-6, "norm": 1e-6}
+
+
+def spec(schedule: str) -> dict:
+    return {
+        "model": {"factory": "fxpipe.examples.gpt:CharGPT"},
+        "data": {"batch_size": B, "seq_len": SEQ},
+        "parallel": {"pipeline": PIPE, "data": DP, "microbatches": M, "schedule": schedule},
+        "cluster": {"nodes": 1, "devices_per_node": PIPE * DP, "memory_gb": 4,
+                    "device_tflops": 0.02},
+        "train": {"loss": "cross_entropy", "grad_accumulation": K, "timeout_s": 60},
+    }
+
+
+def batch(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Global batch ``i``: random tokens, about 30% of the targets ignored (-100), so that the
+    micro-batches count different numbers of targets."""
+    g = torch.Generator().manual_seed(500 + i)
+    x = torch.randint(0, VOCAB, (B, SEQ), generator=g)
+    y = torch.randint(0, VOCAB, (B, SEQ), generator=g)
+    return x, y.masked_fill(torch.rand(B, SEQ, generator=g) < 0.3, -100)
+
+
+def make_optimizer(kind: str, named) -> torch.optim.Optimizer:
+    named = list(named)
+    groups = [{"params": [p for n, p in named if p.dim() >= 2], "weight_decay": 0.1},
+              {"params": [p for n, p in named if p.dim() < 2], "weight_decay": 0.0}]
+    if kind == "adamw":
+        return torch.optim.AdamW(groups, lr=3e-3)
+    return torch.optim.SGD(groups, lr=0.3, momentum=0.9)
+
+
+def user_loop(kind, named, step, clip, zero_grad, first_grads=None):
+    """The training loop a user writes; the same code drives both runs."""
+    opt = make_optimizer(kind, named)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=OPT_STEPS)
+    losses, norms = [], []
+    for s in range(OPT_STEPS):
+        for j in range(K):
+            losses.append(step(*batch(s * K + j)))
+        if s == 0 and first_grads is not None:
+            first_grads.update({n: p.grad.detach().clone() for n, p in named if p.grad is not None})
+        norms.append(float(clip(CLIP)))
+        opt.step()
+        sched.step()
+        zero_grad()
+    return losses, norms
+
+
+def _ce(model, x, y):
+    return F.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1), ignore_index=-100)
+
+
+def reference(kind: str, microbatched: bool = False):
+    """Single-process PyTorch: the whole model, (loss / K).backward() per batch; with
+    ``microbatched``, the same loss summed over the pipeline's micro-batches (each weighted by
+    its share of the counted targets), i.e. the same arithmetic in another order."""
+    model = tiny_gpt()
+
+    def step(x, y):
+        if not microbatched:
+            loss = _ce(model, x, y)
+            (loss / K).backward()
+            return loss.item()
+        total = 0.0
+        counted = int((y != -100).sum())
+        for lo in range(0, B, MBS):
+            part = _ce(model, x[lo:lo + MBS], y[lo:lo + MBS])
+            part = part * (int((y[lo:lo + MBS] != -100).sum()) / counted)
+            (part / K).backward()
+            total += part.item()
+        return total
+
+    grads: dict[str, torch.Tensor] = {}
+    named = list(model.named_parameters())
+    losses, norms = user_loop(kind, named, step,
+                              lambda c: torch.nn.utils.clip_grad_norm_(model.parameters(), c),
+                              model.zero_grad, grads)
+    return losses, norms, model, grads
+
+
+def _np(named) -> dict[str, np.ndarray]:
+    return {n: t.detach().numpy().copy() for n, t in named}
+
+
+def _error(fn) -> str:
+    try:
+        fn()
+    except UsageError as e:
+        return str(e)
+    return "no error"
+
+
+def _worker(rank: int, zb_plan: dict, ckpt: str):
+    import torch.distributed.checkpoint as dcp
+
+    out = {}
+    # AdamW, 1F1B: planned from the spec on rank 0 and broadcast
+    pipe = fxpipe.compile(tiny_gpt(), spec("1f1b"),
+                          example_inputs=(torch.zeros(1, SEQ, dtype=torch.long),))
+    named = list(pipe.named_parameters())
+    losses, norms = user_loop("adamw", named, pipe.step, pipe.clip_grad_norm_, pipe.zero_grad)
+    out["adamw"] = (losses, norms, _np(named))
+    out["where"] = (pipe.pipe_rank, pipe.replica, pipe.stages, pipe.is_first_stage,
+                    pipe.is_last_stage)
+    # SGD with momentum, ZB-H1 (split backward): from a Plan
+    model = tiny_gpt()
+    pipe = fxpipe.compile(model, fxpipe.Plan.from_dict(zb_plan))
+    named = list(pipe.named_parameters())
+    grads: dict[str, torch.Tensor] = {}
+    losses, norms = user_loop("sgd", named, pipe.step, pipe.clip_grad_norm_, pipe.zero_grad,
+                              grads)
+    out["sgd"] = (losses, norms, _np(named), _np(grads.items()))
+    # forward-only evaluation: the same loss on every rank, gradients untouched
+    pipe.step(*batch(100))
+    before = _np((n, p.grad) for n, p in named)
+    pipe.eval()
+    out["eval"] = pipe.evaluate(*batch(200))
+    out["eval_in_eval_mode_step"] = _error(lambda: pipe.step(*batch(0)))
+    pipe.train()
+    after = _np((n, p.grad) for n, p in named)
+    out["grads_untouched"] = all(np.array_equal(before[n], after[n]) for n in before)
+    pipe.zero_grad()
+    # DCP: save, spoil, load back in place
+    state = _np(pipe.state_dict().items())
+    dcp.save(pipe.state_dict(), checkpoint_id=ckpt)
+    with torch.no_grad():
+        for p in pipe.parameters():
+            p.zero_()
+    sd = pipe.state_dict()
+    dcp.load(sd, checkpoint_id=ckpt)
+    pipe.load_state_dict(sd)
+    out["dcp_roundtrip"] = all(np.array_equal(state[n], v) for n, v in _np(sd.items()).items())
+    out["full_state_dict_loads"] = pipe.load_state_dict(tiny_gpt().state_dict()) is not None
+    # misuse: another rank's parameters in the optimizer, a batch that does not split,
+    # an optimizer step after the wrong number of step() calls
+    wrong = torch.optim.SGD(model.parameters(), lr=0.1)
+    for j in range(K):
+        pipe.step(*batch(j))
+    out["foreign"] = _error(wrong.step)
+    pipe.zero_grad()
+    x, y = batch(0)
+    out["odd_batch"] = _error(lambda: pipe.step(x[:6], y[:6]))
+    out["big_batch"] = _error(lambda: pipe.step(torch.cat([x, x]), torch.cat([y, y])))
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    pipe.step(x, y)
+    out["count"] = _error(opt.step)
+    # no false alarm: gradients cleared by optimizer.zero_grad(set_to_none=False)
+    opt.zero_grad(set_to_none=False)
+    ok = True
+    for _ in range(2):
+        for j in range(K):
+            pipe.step(*batch(j))
+        ok = ok and _error(opt.step) == "no error"
+        opt.zero_grad(set_to_none=False)
+    out["zero_grad_not_none_ok"] = ok
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    zb = fxpipe.plan(tiny_gpt(), spec("zb-h1"), (torch.zeros(1, SEQ, dtype=torch.long),))
+    ckpt = tmp_path_factory.mktemp("dcp") / "ckpt"
+    return run_ranks(_worker, PIPE * DP, zb.to_dict(), str(ckpt), timeout_s=400,
+                     dist_timeout_s=60), ckpt
+
+
+def _merged(results, kind):
+    params = {}
+    for r in results:
+        params.update(r[kind][2])
+    return params
+
+
+def _worst(got: dict[str, np.ndarray], ref: dict[str, torch.Tensor]) -> float:
+    return max(float((torch.from_numpy(v) - ref[n].detach()).abs().max()) for n, v in got.items())
+
+
+def _check(results, kind, ref_run, tol):
+    ref_losses, ref_norms, ref_model, _ = ref_run
+    ref = dict(ref_model.named_parameters())
+    for r in results:  # every rank reports the same losses and gradient norms
+        losses, norms = r[kind][0], r[kind][1]
+        assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < tol["loss"], losses
+        assert max(abs(a - b) / b for a, b in zip(norms, ref_norms)) < tol["norm"], norms
+    params = _merged(results, kind)
+    assert set(params) == set(ref), "every parameter is trained, under the model's names"
+    assert _worst(params, ref) < tol["params"]
+    assert ref_norms[0] > CLIP  # clipping was active
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("kind", ["sgd", "adamw"])
+def test_user_loop_matches_single_process(ranks, kind):
+    results, _ = ranks
+    ref_run = reference(kind)
+    _check(results, kind, ref_run, ADAMW_TOL if kind == "adamw" else dict.fromkeys(
+        ("params", "loss", "norm"), SGD_TOL))
+    if kind == "adamw":  # the pipeline's arithmetic in one process: just as far from it
+        micro = reference(kind, microbatched=True)
+        _check(results, kind, micro, ADAMW_MICRO_TOL)
+        gap = _worst(_np(micro[2].named_parameters()), dict(ref_run[2].named_parameters()))
+        assert ADAMW_MICRO_TOL["params"] < gap < ADAMW_TOL["params"], gap
+        return
+    ref_grads = ref_run[3]
+    grads = {}  # the first accumulated gradients themselves, tied weight included
+    for r in results:
+        grads.update(r["sgd"][3])
+    assert "wte.weight" in grads
+    assert _worst(grads, ref_grads) < 1e-6
+
+
+@pytest.mark.distributed
+def test_ranks_know_their_place(ranks):
+    results, _ = ranks
+    assert [r["where"] for r in results] == [
+        (0, 0, (0,), True, False), (1, 0, (1,), False, True),
+        (0, 1, (0,), True, False), (1, 1, (1,), False, True)]
+
+
+@pytest.mark.distributed
+def test_evaluate_and_checkpoint(ranks):
+    from fxpipe.training.checkpoint import load_into_model
+
+    results, ckpt = ranks
+    _, _, model, _ = reference("sgd")
+    x, y = batch(200)
+    with torch.no_grad():
+        want = float(F.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1)))
+    for r in results:
+        assert abs(r["eval"] - want) < 1e-5
+        assert r["grads_untouched"] and r["dcp_roundtrip"] and r["full_state_dict_loads"]
+        assert "pipe.train()" in r["eval_in_eval_mode_step"]
+    fresh = tiny_gpt()
+    load_into_model(fresh, ckpt)
+    params = _merged(results, "sgd")
+    for n, p in fresh.named_parameters():
+        assert np.array_equal(p.detach().numpy(), params[n]), n
+
+
+@pytest.mark.distributed
+def test_misuse_errors(ranks):
+    results, _ = ranks
+    for r in results:
+        assert "does not train" in r["foreign"] and "pipe.parameters()" in r["foreign"]
+        assert "does not split" in r["odd_batch"] and f"global batch of {B}" in r["odd_batch"]
+        assert f"global batch of {B}" in r["big_batch"] and "data.batch_size: 16" in r["big_batch"]
+        assert "after 1 pipe.step() calls, but grad_accumulation is 2" in r["count"]
+        assert r["zero_grad_not_none_ok"]
+
+
+def test_compile_outside_torch_distributed(monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(UsageError, match=r"torchrun --nproc-per-node 4"):
+        fxpipe.compile(tiny_gpt(), spec("1f1b"))
+
+
+class DropNet(nn.Module):
+    """Dropout and BatchNorm: eval mode changes what they compute."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.bn, self.drop = nn.Linear(6, 16), nn.BatchNorm1d(16), nn.Dropout(0.5)
+        self.fc2 = nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.fc2(self.drop(torch.relu(self.bn(self.fc1(x)))))
+
+
+def test_eval_mode_runs_dropout_off_and_batchnorm_on_running_stats():
+    """One rank, one stage (no process group needed): after a few training steps, the
+    evaluation loss in eval mode equals the plain model's in eval mode, and evaluating
+    changes no running statistic."""
+    net_spec = {"model": {"factory": "test_compiled:DropNet"}, "data": {"batch_size": 8},
+                "parallel": {"pipeline": 1, "data": 1, "microbatches": 2},
+                "train": {"loss": "cross_entropy", "timeout_s": 30}}
+    model = DropNet()
+    pipe = fxpipe.compile(model, net_spec, example_inputs=(torch.randn(2, 6),))
+    g = torch.Generator().manual_seed(0)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    for _ in range(3):
+        pipe.step(torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g))
+        opt.step()
+        pipe.zero_grad()
+    x, y = torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)
+    stats = {n: b.clone() for n, b in model.bn.named_buffers()}
+    pipe.eval()
+    got = pipe.evaluate(x, y)
+    model.eval()
+    with torch.no_grad():
+        want = float(F.cross_entropy(model(x), y))
+    assert math.isclose(got, want, rel_tol=1e-6, abs_tol=1e-7)
+    assert all(torch.equal(stats[n], b) for n, b in model.bn.named_buffers())
+    with pytest.raises(UsageError, match="eval mode"):
+        pipe.step(x, y)
+
+
+class TinyNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.fc2 = nn.Linear(6, 16), nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def test_fp16_overflowing_step_adds_nothing_to_the_accumulation():
+    """fp16 loss scaling with gradients left in .grad: a step() whose gradients overflow is
+    dropped (the earlier step's gradients stay as they were, unscaled once), the scale backs
+    off, and the next step adds its own."""
+    net_spec = {"model": {"factory": "test_compiled:TinyNet"}, "data": {"batch_size": 8},
+                "parallel": {"pipeline": 1, "data": 1, "microbatches": 2},
+                "train": {"loss": "cross_entropy", "precision": "fp16", "timeout_s": 30}}
+    model = TinyNet()
+    pipe = fxpipe.compile(model, net_spec, example_inputs=(torch.randn(2, 6),),
+                          grad_accumulation=3)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)
+    pipe.step(x, y)
+    first = {n: p.grad.clone() for n, p in pipe.named_parameters()}
+    scale = pipe.executor.loss_scaler.scale
+    pipe.step(x * 1e6, y)  # overflows fp16
+    assert pipe.skipped_steps == [1] and pipe.executor.loss_scaler.scale == scale / 2
+    assert all(torch.equal(first[n], p.grad) for n, p in pipe.named_parameters())
+    pipe.step(x, y)  # the same batch again: twice the first gradients (fp16 forward)
+    for n, p in pipe.named_parameters():
+        torch.testing.assert_close(p.grad, 2 * first[n], rtol=1e-2, atol=1e-4)
+
+
+@pytest.mark.distributed
+def test_example_script_trains_resumes_and_loads_into_the_plain_model(tmp_path):
+    """examples/train_torchrun.py under torchrun: 4 steps, stopped after 2 and resumed; the
+    final checkpoint loads into the plain CharGPT."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from fxpipe.examples.gpt import CharGPT
+    from fxpipe.training.checkpoint import load_into_model
+
+    repo = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(repo), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           "4", str(repo / "examples" / "train_torchrun.py"), "--steps", "4", "--accum", "1",
+           "--warmup", "1", "--eval-every", "4", "--out", str(tmp_path)]
+    first = subprocess.run([*cmd, "--stop-after", "2"], capture_output=True, text=True,
+                           env=env, timeout=300)
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
+    second = subprocess.run([*cmd, "--resume"], capture_output=True, text=True, env=env,
+                            timeout=300)
+    assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-2000:]
+    assert "step    3  loss" in second.stdout and "held-out loss" in second.stdout
+    assert "step    0" not in second.stdout  # resumed at step 2
+    model = CharGPT(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=64)
+    before = model.h[0].fc.weight.detach().clone()
+    assert "h.0.fc.weight" in load_into_model(model, tmp_path / "model")
+    assert not torch.equal(before, model.h[0].fc.weight)
