@@ -503,3 +503,22 @@ def test_param_balanced_baseline_minimises_the_largest_parameter_stage(params, k
         starts = sorted({0, *data.draw(st.sets(st.integers(1, n - 1), min_size=k - 1))})
         on_blocks = param_balanced_partition(prob, block_starts=starts)
         assert set(on_blocks.cuts) <= set(starts)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_slower_devices_get_less_work_exactly(seed):
+    """Per-stage slowdowns (cluster.node_tflops): the chain search and the DP stay exact
+    against brute force, and a stage on a device twice as slow gets about half the work."""
+    rnd = random.Random(seed)
+    n, k = rnd.randint(6, 10), rnd.randint(2, 4)
+    slow = [rnd.choice([1.0, 1.5, 2.0]) for _ in range(k)]
+    prob = CutProblem.chain([rnd.uniform(0.5, 2.0) for _ in range(n)], [0.0] * n, [0.0] * n,
+                            [rnd.uniform(0, 1e3) for _ in range(n - 1)], k, 1e6,
+                            slowdown=slow)
+    best = brute_force_partition(prob).bottleneck_s
+    assert optimal_partition(prob, "chain").bottleneck_s == pytest.approx(best, rel=1e-9)
+    assert optimal_partition(prob, "dp").bottleneck_s == pytest.approx(best, rel=1e-9)
+    even = CutProblem.chain([1.0] * 30, [0.0] * 30, [0.0] * 30, [0.0] * 29, 2, math.inf,
+                            slowdown=[1.0, 2.0])
+    res = optimal_partition(even)
+    assert res.stage_ranges[0][1] == 20  # 20 units on the fast device, 10 on the slow one

@@ -63,11 +63,13 @@ def _counter(plan: Plan, traced):
 
 
 def _worker(rank: int, cases: list[tuple[str, dict[str, dict]]]):
-    mesh = Mesh(PIPE, DP, timeout_s=120)
+    meshes = {layout: Mesh(PIPE, DP, timeout_s=120, layout=layout)
+              for layout in ("pipeline-inner", "data-inner")}  # collective: every rank, in order
+    mesh = meshes["pipeline-inner"]
     out = {}
     for name, plans in cases:
         plans = {s: Plan.from_dict(d) for s, d in plans.items()}
-        first = plans[SCHEDULES[0]]
+        first = next(iter(plans.values()))
         spec = load_spec(first.spec)
         model = zoo.build(name)
         stages_of = schedule_for_plan(first).stages_of_rank(mesh.pipe_rank)
@@ -86,6 +88,14 @@ def _worker(rank: int, cases: list[tuple[str, dict[str, dict]]]):
                     v.copy_(start[k])
             params = list({id(p): p for m in stages.values() for p in m.parameters()}.values())
             opt = torch.optim.SGD(params, lr=spec.train.lr)
+            mesh = meshes[plan.placement]
+            if mesh.pipe_rank != meshes["pipeline-inner"].pipe_rank:  # another stage here
+                traced = trace_for_plan(plan, model)
+                stages = build_stages(plan, traced,
+                                      schedule_for_plan(plan).stages_of_rank(mesh.pipe_rank))
+                params = list({id(p): p for m in stages.values()
+                               for p in m.parameters()}.values())
+                opt = torch.optim.SGD(params, lr=spec.train.lr)
             ex = PipelineExecutor(plan, schedule_for_plan(plan), stages, mesh, loss_fn, opt,
                                   timeout_s=120, needs_target=spec.train.loss != MODEL_LOSS)
             losses = []
@@ -137,6 +147,9 @@ def _reference(name: str):
 def trained():
     cases = [(name, {s: _plan(name, PIPE, DP, M, s).to_dict() for s in SCHEDULES})
              for name in zoo.NAMES]
+    flipped = _plan("gpt2", PIPE, DP, M, "1f1b")  # each stage's replicas on adjacent ranks
+    flipped.placement = "data-inner"
+    cases.append(("gpt2", {"1f1b data-inner": flipped.to_dict()}))
     results: dict = {}
     for per_rank in run_ranks(_worker, PIPE * DP, cases, timeout_s=600, dist_timeout_s=120):
         for key, (losses, params) in per_rank.items():
@@ -157,8 +170,8 @@ def test_plans_into_two_and_four_stages(name):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("name", zoo.NAMES)
-@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("name, schedule", [(n, s) for s in SCHEDULES for n in zoo.NAMES]
+                         + [("gpt2", "1f1b data-inner")])
 def test_trains_like_single_process(trained, name, schedule):
     ref_losses, ref_model = _reference(name)
     got = trained[(name, schedule)]

@@ -37,7 +37,8 @@ from fxpipe.partitioner.timing import NodeTimes, analytic_times, sum_times
 from fxpipe.partitioner.trace import TracedModel, fake_on_device, trace
 from fxpipe.plans.plan import Plan, StagePlan
 from fxpipe.plans.values import needs_grad
-from fxpipe.plans.placement import pair_crosses_nodes, ring_crosses_nodes, stage_to_rank
+from fxpipe.plans.placement import (nodes_of_stage_rank, pair_crosses_nodes, ring_crosses_nodes,
+                                    stage_to_rank)
 from fxpipe.schedule.lowering import build_schedule
 from fxpipe.schedule.simulate import Links, SimResult, StageCosts, predict, simulate
 from fxpipe.specs.loader import build_model, load_spec
@@ -63,7 +64,7 @@ def _boundary_bandwidths(spec: ParallelSpec, cand: Candidate, stage_to_rank: lis
     for a, b in zip(stage_to_rank[:-1], stage_to_rank[1:]):
         if a == b:
             out.append(float("inf"))
-        elif pair_crosses_nodes(a, b, cand.pipeline, cand.dp, dpn):
+        elif pair_crosses_nodes(a, b, cand.pipeline, cand.dp, dpn, cand.layout):
             out.append(links.inter_node_GBps * 1e9)
         else:
             out.append(links.intra_node_GBps * 1e9)
@@ -186,6 +187,17 @@ def traced_args(traced: TracedModel, inputs: list) -> tuple[tuple, dict]:
     return (tuple(v for n, v in named.items() if n not in kw), {n: named[n] for n in kw})
 
 
+def _slowdowns(spec: ParallelSpec, cand: Candidate, stage_to_rank: list[int]) -> list[float]:
+    """Per stage, how much slower than ``device_tflops`` its devices compute
+    (``cluster.node_tflops``; the slowest replica of the stage counts), 1 without per-node
+    speeds."""
+    cl = spec.cluster
+    if not cl.node_tflops:
+        return [1.0] * len(stage_to_rank)
+    return [max(cl.device_tflops / cl.node_tflops[nd] for nd in nodes_of_stage_rank(
+        r, cand.pipeline, cand.dp, cl.devices_per_node, cand.layout)) for r in stage_to_rank]
+
+
 def _cut_problem(pr: Priced, spec: ParallelSpec, cand: Candidate, scale: float) -> CutProblem:
     """The cut problem of one candidate layout at ``scale`` x the traced micro-batch, over the
     priced units (node-level, or blocks when the model folds); cheap values are not in it
@@ -213,6 +225,7 @@ def _cut_problem(pr: Priced, spec: ParallelSpec, cand: Candidate, scale: float) 
         forced_cuts=tb.forced_cuts,
         pins=tb.pins,
         unit_names=tb.names,
+        slowdown=_slowdowns(spec, cand, stage_to_rank),
     )
 
 
@@ -247,13 +260,14 @@ def _assemble(pr: Priced, result: PartitionResult, cand: Candidate, spec: Parall
                 costs[n] = costs[n.rsplit("__r", 1)[0]]
                 times[n] = times[n.rsplit("__r", 1)[0]]
     bounds = stage_boundaries(traced.gm, node_stage, cand.num_stages)
+    slow = _slowdowns(spec, cand, stage_to_rank(cand.schedule, cand.pipeline, cand.num_stages))
     stages = []
     for j, sb in enumerate(bounds.stages):
         nodes = [n for n in sb.nodes if n in costs]
         fwd = scale * float(sum(costs[n].fwd_flops for n in nodes))
         bwd = scale * float(sum(costs[n].bwd_flops for n in nodes))
         bwd_w = scale * float(sum(costs[n].bwd_weight_flops for n in nodes))
-        tj = sum_times(times, nodes).scaled(scale)
+        tj = sum_times(times, nodes).scaled(scale * slow[j])
         if cand.recompute:  # the backward runs the forward again first
             tj = NodeTimes(tj.fwd_s, tj.fwd_s + tj.bwd_input_s, tj.bwd_weight_s)
         sends = [scale * bounds.values[o].nbytes for o in sb.outputs
@@ -283,6 +297,7 @@ def _assemble(pr: Priced, result: PartitionResult, cand: Candidate, spec: Parall
         shared_params=dict(bounds.shared_params), param_aliases=dict(bounds.param_aliases),
         bottleneck_stage=result.bottleneck, lower_bound_s=result.lower_bound_s,
         explain=list(explain), spec=spec.model_dump(mode="json"), recomputed=recomputed,
+        placement=cand.layout,
     )
     plan.predicted = predict(plan)
     return plan
@@ -350,7 +365,8 @@ def _simulate_cut(pr: Priced, prefix: np.ndarray, problem: CutProblem,
     """Simulate one step of a candidate's partition straight from the cut (no Plan built):
     per-stage F/B/W from the unit prefix sums, edge bytes from the values crossing the cuts."""
     cuts = list(result.cuts) + [problem.n]
-    per = [(prefix[:, b] - prefix[:, a]) * scale for a, b in zip(cuts[:-1], cuts[1:])]
+    per = [(prefix[:, b] - prefix[:, a]) * scale * problem.slow[j]
+           for j, (a, b) in enumerate(zip(cuts[:-1], cuts[1:]))]
     if cand.recompute:
         per = [np.array([x[0], x[0] + x[1], x[2]]) for x in per]
     stage_of = result.stage_of()
@@ -375,7 +391,7 @@ def _simulate_cut(pr: Priced, prefix: np.ndarray, problem: CutProblem,
     cl = spec.cluster
     links = Links.from_cluster(cand.pipeline, cand.dp, cl.nodes, cl.devices_per_node,
                                cl.links.intra_node_GBps, cl.links.inter_node_GBps,
-                               cl.links.latency_s)
+                               cl.links.latency_s, cand.layout)
     return simulate(sched, costs, fwd, links, dp=cand.dp, allreduce_bytes=list(
         result.param_bytes), grad_edge_bytes=grad, check=False, timeline=False)
 
@@ -409,6 +425,7 @@ def _assemble_folded(pr: Priced, result: PartitionResult, cand: Candidate, spec:
     cuts = list(result.cuts) + [len(tb.names)]
     fl = np.concatenate([np.zeros((3, 1)), np.cumsum(np.asarray(tb.flops, dtype=np.float64).T
                                                       .reshape(3, -1), axis=1)], axis=1)
+    slow = _slowdowns(spec, cand, stage_to_rank(cand.schedule, cand.pipeline, cand.num_stages))
     stages = []
     for j, (a, b) in enumerate(zip(cuts[:-1], cuts[1:])):
         params: list[str] = []
@@ -422,7 +439,7 @@ def _assemble_folded(pr: Priced, result: PartitionResult, cand: Candidate, spec:
                 pos = fo.prologue[u] if u < n_pro else fo.epilogue[u - n_pro - run.count]
                 params += g.nodes[pg.order[pos]]["params"]
                 buffers += g.nodes[pg.order[pos]]["buffers"]
-        f_s, bi_s, bw_s = (prefix[:, b] - prefix[:, a])
+        f_s, bi_s, bw_s = (prefix[:, b] - prefix[:, a]) * slow[j]
         if cand.recompute:  # the backward runs the forward again first
             bi_s = bi_s + f_s
         ff, bf, wf = (fl[:, b] - fl[:, a])
@@ -462,11 +479,25 @@ def _assemble_folded(pr: Priced, result: PartitionResult, cand: Candidate, spec:
         param_aliases=dict(one.param_aliases), bottleneck_stage=result.bottleneck,
         lower_bound_s=result.lower_bound_s, explain=explain, spec=spec.model_dump(mode="json"),
         folded={"run": run.to_dict(), "prologue": pro_stage, "blocks": block_stage,
-                "epilogue": epi_stage, "cheap": sorted(pr.cheap)},
+                "epilogue": epi_stage, "cheap": sorted(pr.cheap)}, placement=cand.layout,
     )
     problem = _cut_problem(pr, spec, cand, 1.0)
     plan.predicted = _simulate_cut(pr, prefix, problem, result, cand, spec, 1.0).predicted()
     return plan
+
+
+def _placement_note(plan: Plan, spec: ParallelSpec) -> str:
+    """Which groups the chosen layout keeps inside a node, and which cross nodes."""
+    dpn = spec.cluster.devices_per_node
+    p, d = plan.pipeline, plan.dp
+    pairs = [(a, a + 1) for a in range(p - 1)]
+    cross_p = sum(pair_crosses_nodes(a, b, p, d, dpn, plan.placement) for a, b in pairs)
+    cross_d = sum(ring_crosses_nodes(r, p, d, dpn, plan.placement) for r in range(p))
+    other = "data-inner" if plan.placement == "pipeline-inner" else "pipeline-inner"
+    return (f"placement {plan.placement}: {cross_p} of {len(pairs)} stage-to-stage links and "
+            f"{cross_d} of {p} data-parallel groups cross nodes (inter-node "
+            f"{spec.cluster.links.inter_node_GBps:g} GB/s, intra-node "
+            f"{spec.cluster.links.intra_node_GBps:g} GB/s); {other} priced slower or equal")
 
 
 def _block_range(run, block_stage: list[int], s: int) -> str:
@@ -474,26 +505,27 @@ def _block_range(run, block_stage: list[int], s: int) -> str:
     return f"{run.path}.{idx[0]}-{idx[-1]}" if idx else "no blocks"
 
 
-def _ring_s(nbytes: float, n: int, spec: ParallelSpec, pipeline: int, dp: int) -> float:
+def _ring_s(nbytes: float, n: int, spec: ParallelSpec, pipeline: int, dp: int,
+            layout: str = "pipeline-inner") -> float:
     """Seconds of a ring all-reduce of ``nbytes`` over ``n`` ranks on the link its group uses."""
     if n <= 1 or nbytes <= 0:
         return 0.0
     links = spec.cluster.links
-    crosses = ring_crosses_nodes(0, pipeline, dp, spec.cluster.devices_per_node)
+    crosses = ring_crosses_nodes(0, pipeline, dp, spec.cluster.devices_per_node, layout)
     bw = (links.inter_node_GBps if crosses else links.intra_node_GBps) * 1e9
     return 2 * (n - 1) / n * nbytes / bw + 2 * (n - 1) * links.latency_s
 
 
 def _cut_bound(prefix: np.ndarray, result: PartitionResult, cand: Candidate, spec: ParallelSpec,
-               scale: float) -> float:
+               scale: float, slow: np.ndarray) -> float:
     """A lower bound on the step time of a cut, whatever the schedule: every rank runs ``m``
     micro-batches of its stages after the first micro-batch reached it (the forwards of the
     stages before it) and before the last one's input gradients went back through them, and
     then all-reduces its gradients."""
     cuts = list(result.cuts) + [prefix.shape[1] - 1]
     f, b, w = [], [], []
-    for a, e in zip(cuts[:-1], cuts[1:]):
-        x = (prefix[:, e] - prefix[:, a]) * scale
+    for j, (a, e) in enumerate(zip(cuts[:-1], cuts[1:])):
+        x = (prefix[:, e] - prefix[:, a]) * scale * slow[j]
         f.append(float(x[0]))
         b.append(float(x[1] + (x[0] if cand.recompute else 0.0)))
         w.append(float(x[2]))
@@ -508,7 +540,7 @@ def _cut_bound(prefix: np.ndarray, result: PartitionResult, cand: Candidate, spe
     for r in range(cand.pipeline):
         fill = sum(f[:r]) if one_per_rank else 0.0
         drain = sum(b[:r]) if one_per_rank else 0.0
-        ar = _ring_s(params[r], cand.dp, spec, cand.pipeline, cand.dp)
+        ar = _ring_s(params[r], cand.dp, spec, cand.pipeline, cand.dp, cand.layout)
         best = max(best, fill + cand.microbatches * work[r] + max(drain, ar))
     return best
 
@@ -530,7 +562,8 @@ def _search(pr: Priced, spec: ParallelSpec) -> tuple[Candidate, PartitionResult,
         mbs = spec.data.batch_size // (cand.dp * cand.microbatches)
         if mbs >= 1:
             lb = (cand.microbatches * total * mbs / pr.batch / cand.pipeline
-                  + _ring_s(total_params / cand.pipeline, cand.dp, spec, cand.pipeline, cand.dp))
+                  + _ring_s(total_params / cand.pipeline, cand.dp, spec, cand.pipeline, cand.dp,
+                           cand.layout))
             bounds.append((lb, cand.label(), cand, mbs))
     bounds.sort(key=lambda x: (x[0], x[1]))
     best: _Ranked | None = None
@@ -556,7 +589,8 @@ def _search(pr: Priced, spec: ParallelSpec) -> tuple[Candidate, PartitionResult,
             failed.append((lb, cand, scale))
             continue
         cand, problem, result = found
-        if best is not None and _cut_bound(prefix, result, cand, spec, scale) >= best.step_s:
+        if best is not None and _cut_bound(prefix, result, cand, spec, scale,
+                                           problem.slow) >= best.step_s:
             pruned += 1
             continue
         if len(bounds) == 1:
@@ -673,6 +707,8 @@ def plan_with_graph(model: nn.Module, spec: Any, example_inputs: Any = None,
         plan = _assemble_folded(pr, result, cand, spec, mbs, explain)
     else:
         plan = _assemble(pr, result, cand, spec, mbs, explain)
+    if spec.cluster.nodes > 1:
+        plan.explain.append(_placement_note(plan, spec))
     if plan.recomputed:
         plan.explain.append("recomputed in each stage that reads them (cheaper than sending): "
                             + ", ".join(f"{v} ({human_bytes(bounds_bytes)}) in stages "

@@ -290,6 +290,9 @@ class CutProblem:
         forced_cuts: unit positions ``i`` after which a stage boundary MUST fall (``pipe_split()``).
         pins: ``{unit position: stage index}``: the unit must be in that stage (``annotate``).
         unit_names: optional ``(n,)`` labels used in error messages.
+        slowdown: per stage (one number or ``k``), the factor its device's compute takes
+            compared with ``compute_s`` (a node half as fast: 2); its compute costs
+            ``slowdown[j] x sum(compute_s[a:b])``, so slower devices get less work.
 
     Raises:
         PlanError: malformed input (wrong lengths, negative or non-finite costs, users not after
@@ -309,6 +312,7 @@ class CutProblem:
     forced_cuts: Sequence[int] = ()
     pins: Mapping[int, int] = field(default_factory=dict)
     unit_names: Sequence[str] | None = None
+    slowdown: float | Sequence[float] = 1.0
     derived: Derived = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -324,8 +328,9 @@ class CutProblem:
 
     @property
     def lower_bound_s(self) -> float:
-        """``total compute / num_stages``: no partition's bottleneck is below it."""
-        return float(self.T[-1]) / self.num_stages
+        """No partition's bottleneck is below it: the total compute shared by the stages in
+        proportion to their speeds (``total / num_stages`` when all are alike)."""
+        return float(self.T[-1]) / float(np.sum(1.0 / self.slow))
 
     def boundary_comm(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """For a chain (see ``is_chain``): per boundary position ``x`` in ``0..n`` (between unit
@@ -371,6 +376,7 @@ class Derived:
     Attributes:
         n: number of units.
         T / P / A: ``(n+1,)`` prefix sums of compute seconds, parameter bytes, saved bytes.
+        slow: ``(k,)`` compute slowdown of each stage's device.
         table: the communicated values only (producer >= 0, at least one user).
         is_chain: every value is read only by the unit right after its producer.
         inv_bw_in / inv_bw_out: ``(k,)`` seconds per byte of stage j's incoming / outgoing link.
@@ -381,6 +387,7 @@ class Derived:
 
     n: int
     T: np.ndarray
+    slow: np.ndarray
     P: np.ndarray
     A: np.ndarray
     table: ValueTable
@@ -523,7 +530,9 @@ def derive(problem: "CutProblem") -> Derived:
         raise PlanError(f"unit_names has {len(problem.unit_names)} entries for {n} units; give one name per unit")
     zero = np.zeros(1)
     return Derived(
-        n=n, T=np.concatenate([zero, np.cumsum(t)]), P=np.concatenate([zero, np.cumsum(p)]),
+        n=n, T=np.concatenate([zero, np.cumsum(t)]),
+        slow=_per_stage("slowdown", problem.slowdown, k, positive=True),
+        P=np.concatenate([zero, np.cumsum(p)]),
         A=np.concatenate([zero, np.cumsum(a)]), table=vt, is_chain=is_chain,
         inv_bw_in=inv_in, inv_bw_out=inv_out,
         cap=_per_stage("capacity_bytes", problem.capacity_bytes, k, allow_none=True, positive=True),
@@ -680,7 +689,7 @@ def evaluate(problem: CutProblem, cuts: Sequence[int], method: str = "given") ->
     ends = np.append(c[1:], n)
     rwb, rw, rb, swb, sw, sb = stage_comm_sums(problem, c)
     comm = comm_seconds(rwb, rw, swb, sw, problem.inv_bw_in, problem.inv_bw_out, float(problem.latency_s))
-    compute = problem.T[ends] - problem.T[c]
+    compute = problem.slow * (problem.T[ends] - problem.T[c])
     dP = problem.P[ends] - problem.P[c]
     dA = problem.A[ends] - problem.A[c]
     mem = stage_memory(float(problem.param_multiplier), dP, problem.inflight_arr, dA)

@@ -35,6 +35,7 @@ class Candidate:
     schedule: str
     virtual_stages: int
     recompute: bool = False
+    layout: str = "pipeline-inner"
 
     @property
     def num_stages(self) -> int:
@@ -45,7 +46,9 @@ class Candidate:
         """Short text, e.g. ``pp=2 dp=2 m=4 1f1b``."""
         v = f" v={self.virtual_stages}" if self.schedule == "interleaved" else ""
         r = " recompute" if self.recompute else ""
-        return f"pp={self.pipeline} dp={self.dp} m={self.microbatches} {self.schedule}{v}{r}"
+        lay = " data-inner" if self.layout == "data-inner" else ""
+        return (f"pp={self.pipeline} dp={self.dp} m={self.microbatches} {self.schedule}{v}{r}"
+                f"{lay}")
 
 
 def _divisors(n: int) -> list[int]:
@@ -81,8 +84,9 @@ def candidates(spec: ParallelSpec, max_stages: int | None = None) -> list[Candid
     """The search space for the spec: every ``auto`` field expanded, fixed fields kept.
 
     pipeline x data = world size; micro-batch counts: every divisor of the per-replica batch (up to
-    micro-batches of one sample); schedules from :data:`AUTO_SCHEDULES` whose constraints hold.
-    No schedule is built here: the constraints are arithmetic.
+    micro-batches of one sample); schedules from :data:`AUTO_SCHEDULES` whose constraints hold;
+    on several nodes, both layouts of the grid (:data:`fxpipe.plans.placement.LAYOUTS`: which
+    traffic stays inside a node). No schedule is built here: the constraints are arithmetic.
 
     Args:
         spec: the validated spec.
@@ -97,6 +101,7 @@ def candidates(spec: ParallelSpec, max_stages: int | None = None) -> list[Candid
     """
     par, world = spec.parallel, spec.cluster.world_size
     pps = _divisors(world) if par.pipeline == "auto" else [par.pipeline]
+    spread = spec.cluster.nodes > 1  # only then does the layout decide which link a group uses
     out = []
     too_many: tuple[int, int, int] | None = None  # (stages, pipeline, stages per rank), smallest
     for pp in pps:
@@ -127,6 +132,8 @@ def candidates(spec: ParallelSpec, max_stages: int | None = None) -> list[Candid
                         compute_schedule(s, pp, m, v)  # raises, explaining the rule
                     continue
                 out.append(Candidate(pp, dp, m, s, v))
+                if spread and pp > 1 and dp > 1:  # several nodes: the other way round too
+                    out.append(Candidate(pp, dp, m, s, v, layout="data-inner"))
     if not out and too_many is not None and max_stages is not None:
         raise _too_many_stages(spec, max_stages, *too_many)
     if not out:

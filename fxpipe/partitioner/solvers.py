@@ -211,6 +211,7 @@ def _solve_dp(problem: CutProblem, bd: Bounds) -> list[int] | None:
     mult = float(problem.param_multiplier)
     inv_in = problem.inv_bw_in[:, None]
     inv_out = problem.inv_bw_out[:, None]
+    slow = problem.slow[:, None]
     inflight = problem.inflight_arr[:, None]
     cap = None if problem.cap is None else problem.cap[:, None]
     rows = np.arange(k)
@@ -234,7 +235,7 @@ def _solve_dp(problem: CutProblem, bd: Bounds) -> list[int] | None:
         R = np.cumsum(DR[:, :e], axis=1)[:, a0:]
         S = np.cumsum(DS[:, e - 1 :: -1], axis=1)[:, ::-1][:, a0:]  # suffix sums over a
         comm = comm_seconds(R[0], R[1], S[0], S[1], inv_in, inv_out, lat)  # (k, e - a0)
-        cost = (T[e] - T[a0:e]) + comm
+        cost = slow * (T[e] - T[a0:e]) + comm
         if cap is not None:
             mem = stage_memory(mult, P[e] - P[a0:e], inflight, A[e] - A[a0:e])
             cost[mem > cap] = np.inf
@@ -497,18 +498,20 @@ def _solve_chain(problem: CutProblem, bd: Bounds) -> list[int] | None:
     wb, wc, _ = problem.boundary_comm()
     lat = float(problem.latency_s)
     F, G = [], []
-    cache: dict[tuple[float, float], tuple[np.ndarray, np.ndarray]] = {}
+    cache: dict[tuple[float, float, float], tuple[np.ndarray, np.ndarray]] = {}
     for j in range(k):
-        key = (float(problem.inv_bw_in[j]), float(problem.inv_bw_out[j]))
+        s = float(problem.slow[j])
+        key = (float(problem.inv_bw_in[j]), float(problem.inv_bw_out[j]), s)
         if key not in cache:
             recv = comm_seconds(wb, wc, 0.0, 0.0, key[0], 0.0, lat)
             send = comm_seconds(0.0, 0.0, wb, wc, 0.0, key[1], lat)
-            cache[key] = (T + send, T - recv)
+            cache[key] = (s * T + send, s * T - recv)
         F.append(cache[key][0])
         G.append(cache[key][1])
-    solver = SeparableSweep(bd, F, G, _start_lo(problem, bd, use_memory=True), base=T)
+    fastest = float(problem.slow.min())  # prune by the cheapest compute any stage can have
+    solver = SeparableSweep(bd, F, G, _start_lo(problem, bd, use_memory=True), base=T * fastest)
     t = np.diff(T)
-    lb = max(problem.lower_bound_s, float(t.max())) * LOWER_BOUND_MARGIN
+    lb = max(problem.lower_bound_s, float(t.max()) * fastest) * LOWER_BOUND_MARGIN
     return solver.solve(lb)
 
 

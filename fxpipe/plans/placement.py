@@ -7,12 +7,18 @@ stages with them, the runtime's mesh builds its groups with them and the views p
   rank, the loop placement of interleaved 1F1B (Narayanan et al., SC'21): rank ``s % p``; for
   ``zb-v`` the V shape of Zero Bubble Pipeline Parallelism (Qi et al., 2024): chunks alternate
   direction, so rank ``r`` holds stages ``r`` and ``2p-1-r``.
-* (pipeline rank, replica) -> global rank: ``replica * pipeline + pipeline_rank``, so a pipeline
-  group is contiguous (fills a node first) and data-parallel groups stride across nodes.
+* (pipeline rank, replica) -> global rank, by the plan's layout: ``pipeline-inner`` (default)
+  ``replica * pipeline + pipeline_rank``, so a pipeline group is contiguous (fills a node
+  first: stage-to-stage traffic stays inside a node) and data-parallel groups stride across
+  nodes; ``data-inner`` ``pipeline_rank * dp + replica``, so a stage's replicas share a node
+  (the all-reduce stays inside it) and the pipeline strides across nodes.
 * Global rank -> node: ``rank // devices_per_node``.
 """
 
 from __future__ import annotations
+
+#: the two ways of laying the pipeline x data grid onto ranks
+LAYOUTS = ("pipeline-inner", "data-inner")
 
 
 def stage_to_rank(schedule: str, pipeline: int, num_stages: int) -> list[int]:
@@ -25,13 +31,20 @@ def stage_to_rank(schedule: str, pipeline: int, num_stages: int) -> list[int]:
     return out
 
 
-def global_rank(pipe_rank: int, dp_rank: int, pipeline: int) -> int:
-    """``(pipe_rank, dp_rank)`` -> global rank ``dp_rank * pipeline + pipe_rank``."""
+def global_rank(pipe_rank: int, dp_rank: int, pipeline: int, dp: int = 1,
+                layout: str = "pipeline-inner") -> int:
+    """``(pipe_rank, dp_rank)`` -> global rank: ``dp_rank * pipeline + pipe_rank``
+    (``pipeline-inner``) or ``pipe_rank * dp + dp_rank`` (``data-inner``)."""
+    if layout == "data-inner":
+        return pipe_rank * dp + dp_rank
     return dp_rank * pipeline + pipe_rank
 
 
-def rank_coords(rank: int, pipeline: int) -> tuple[int, int]:
-    """Global ``rank`` -> ``(pipe_rank, dp_rank)`` for ``pipeline`` ranks per pipeline group."""
+def rank_coords(rank: int, pipeline: int, dp: int = 1,
+                layout: str = "pipeline-inner") -> tuple[int, int]:
+    """Global ``rank`` -> ``(pipe_rank, dp_rank)`` (the inverse of :func:`global_rank`)."""
+    if layout == "data-inner":
+        return rank // dp, rank % dp
     return rank % pipeline, rank // pipeline
 
 
@@ -40,14 +53,24 @@ def node_of(rank: int, devices_per_node: int) -> int:
     return rank // max(1, int(devices_per_node))
 
 
-def pair_crosses_nodes(a: int, b: int, pipeline: int, dp: int, devices_per_node: int) -> bool:
+def pair_crosses_nodes(a: int, b: int, pipeline: int, dp: int, devices_per_node: int,
+                       layout: str = "pipeline-inner") -> bool:
     """Whether pipeline ranks ``a`` and ``b`` sit on different nodes in any replica (the slowest
     replica's link bounds the step)."""
-    return any(node_of(global_rank(a, d, pipeline), devices_per_node)
-               != node_of(global_rank(b, d, pipeline), devices_per_node) for d in range(dp))
+    return any(node_of(global_rank(a, d, pipeline, dp, layout), devices_per_node)
+               != node_of(global_rank(b, d, pipeline, dp, layout), devices_per_node)
+               for d in range(dp))
 
 
-def ring_crosses_nodes(pipe_rank: int, pipeline: int, dp: int, devices_per_node: int) -> bool:
+def ring_crosses_nodes(pipe_rank: int, pipeline: int, dp: int, devices_per_node: int,
+                       layout: str = "pipeline-inner") -> bool:
     """Whether the data-parallel group of pipeline rank ``pipe_rank`` spans several nodes."""
-    return len({node_of(global_rank(pipe_rank, d, pipeline), devices_per_node)
+    return len({node_of(global_rank(pipe_rank, d, pipeline, dp, layout), devices_per_node)
                 for d in range(dp)}) > 1
+
+
+def nodes_of_stage_rank(pipe_rank: int, pipeline: int, dp: int, devices_per_node: int,
+                        layout: str = "pipeline-inner") -> set[int]:
+    """The nodes holding pipeline rank ``pipe_rank`` in some replica."""
+    return {node_of(global_rank(pipe_rank, d, pipeline, dp, layout), devices_per_node)
+            for d in range(dp)}

@@ -141,6 +141,9 @@ class Plan:
             stage), ``blocks`` (stage per block), ``epilogue`` (stage per node after the
             blocks, in order), ``cheap`` (values rebuilt per stage). Stages then list no nodes
             until a worker resolves the plan against the full graph; empty otherwise.
+        placement: how the pipeline x data grid lies on the ranks and nodes
+            (:data:`fxpipe.plans.placement.LAYOUTS`): ``pipeline-inner`` keeps each pipeline's
+            stages on adjacent ranks, ``data-inner`` each stage's replicas.
     """
 
     model: str
@@ -166,6 +169,7 @@ class Plan:
     traced_on: str = "cpu"
     recomputed: dict[str, list[int]] = field(default_factory=dict)
     folded: dict[str, Any] = field(default_factory=dict)
+    placement: str = "pipeline-inner"
 
     # ------------------------------------------------------------------ derived views
     @property

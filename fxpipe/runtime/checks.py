@@ -22,6 +22,9 @@ def check_fits(plan: Plan, schedule: Schedule, mesh: Mesh) -> None:
     if plan.pipeline != mesh.pipeline or plan.dp != mesh.dp:
         problems.append(f"plan is pipeline={plan.pipeline} x dp={plan.dp} but the mesh is "
                         f"{mesh.pipeline} x {mesh.dp}; build Mesh(plan.pipeline, plan.dp)")
+    if getattr(mesh, "layout", "pipeline-inner") != plan.placement:
+        problems.append(f"plan places its ranks {plan.placement} but the mesh is "
+                        f"{getattr(mesh, 'layout', None)}; build Mesh(..., layout=plan.placement)")
     if schedule.num_ranks != plan.pipeline or len(schedule.actions) != plan.pipeline:
         problems.append(f"schedule has {schedule.num_ranks} ranks ({len(schedule.actions)} "
                         f"action lists) but the plan has pipeline={plan.pipeline}")

@@ -95,6 +95,8 @@ class Mesh:
 
     Attributes:
         rank / world_size: global rank and ``pipeline * dp``.
+        layout: how the grid lies on the ranks (:data:`fxpipe.plans.placement.LAYOUTS`; the
+            Plan's ``placement``).
         pipe_rank / dp_rank: this rank's coordinates.
         dp_group: data-parallel group of this pipeline rank (``None`` when ``dp == 1``).
         pipe_group: pipeline group of this replica (``None`` when ``pipeline == 1``).
@@ -109,7 +111,7 @@ class Mesh:
     """
 
     def __init__(self, pipeline: int, dp: int, device: torch.device | str | None = None,
-                 timeout_s: float = 300.0):
+                 timeout_s: float = 300.0, layout: str = "pipeline-inner"):
         if pipeline < 1 or dp < 1:
             raise RuntimeFailure(f"Mesh(pipeline={pipeline}, dp={dp}): both must be >= 1")
         single = not dist.is_initialized()
@@ -124,35 +126,37 @@ class Mesh:
                 f"world size is {world} but pipeline x dp = {pipeline} x {dp} = {pipeline * dp}; "
                 f"launch {pipeline * dp} processes or change parallel.pipeline / parallel.data"
             )
-        self.pipeline, self.dp, self.world_size = pipeline, dp, world
+        self.pipeline, self.dp, self.world_size, self.layout = pipeline, dp, world, layout
         self.rank = 0 if single else dist.get_rank()
-        self.pipe_rank, self.dp_rank = rank_coords(self.rank, pipeline)
+        self.pipe_rank, self.dp_rank = rank_coords(self.rank, pipeline, dp, layout)
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.timeout = datetime.timedelta(seconds=timeout_s)
         # Collective creation: every rank creates every group, in the same order.
         self._dp_groups: dict[int, object] = {}
         for r in range(pipeline):
-            ranks = [global_rank(r, d, pipeline) for d in range(dp)]
+            ranks = [global_rank(r, d, pipeline, dp, layout) for d in range(dp)]
             self._dp_groups[r] = dist.new_group(ranks, timeout=self.timeout) if dp > 1 else None
         self._pipe_groups: dict[int, object] = {}
         for d in range(dp):
-            ranks = [global_rank(r, d, pipeline) for r in range(pipeline)]
+            ranks = [global_rank(r, d, pipeline, dp, layout) for r in range(pipeline)]
             self._pipe_groups[d] = (
                 dist.new_group(ranks, timeout=self.timeout) if pipeline > 1 else None)
         self._replica_groups: dict[tuple[int, ...], object] = {}
-        self.dp_ranks = [global_rank(self.pipe_rank, d, pipeline) for d in range(dp)]
-        self.pipe_ranks = [global_rank(r, self.dp_rank, pipeline) for r in range(pipeline)]
+        self.dp_ranks = [global_rank(self.pipe_rank, d, pipeline, dp, layout) for d in range(dp)]
+        self.pipe_ranks = [global_rank(r, self.dp_rank, pipeline, dp, layout) for r in range(pipeline)]
         self.dp_group = self._dp_groups[self.pipe_rank]
         self.pipe_group = self._pipe_groups[self.dp_rank]
 
     def global_rank(self, pipe_rank: int, dp_rank: int | None = None) -> int:
         """Global rank of ``pipe_rank`` in replica ``dp_rank`` (default: this rank's replica)."""
-        return global_rank(pipe_rank, self.dp_rank if dp_rank is None else dp_rank, self.pipeline)
+        return global_rank(pipe_rank, self.dp_rank if dp_rank is None else dp_rank, self.pipeline,
+                           self.dp, self.layout)
 
     def group_ranks(self, pipe_ranks: Iterable[int]) -> list[int]:
         """Global ranks holding any of ``pipe_ranks`` in any replica, ascending."""
         key = sorted(set(pipe_ranks))
-        return sorted(global_rank(r, d, self.pipeline) for r in key for d in range(self.dp))
+        return sorted(global_rank(r, d, self.pipeline, self.dp, self.layout)
+                      for r in key for d in range(self.dp))
 
     def replica_group(self, pipe_ranks: Iterable[int]):
         """Process group of the ranks holding ``pipe_ranks`` in every replica (shared parameters).

@@ -147,13 +147,14 @@ class Links:
         intra_node_GBps: float = DEFAULT_INTRA_NODE_GBPS,
         inter_node_GBps: float = DEFAULT_INTER_NODE_GBPS,
         latency_s: float = DEFAULT_LATENCY_S,
+        layout: str = "pipeline-inner",
     ) -> "Links":
         """Links for ``pipeline x dp`` ranks on ``nodes`` nodes of ``devices_per_node``, placed as
         :mod:`fxpipe.plans.placement` places them: a pipeline pair / data-parallel ring gets the
         inter-node bandwidth when any replica's pair / the ring crosses nodes."""
         dpn = devices_per_node or max(1, (pipeline * dp) // max(nodes, 1))
-        node = np.array([[node_of(global_rank(r, d, pipeline), dpn) for r in range(pipeline)]
-                         for d in range(dp)])  # [replica, pipeline rank]
+        node = np.array([[node_of(global_rank(r, d, pipeline, dp, layout), dpn)
+                          for r in range(pipeline)] for d in range(dp)])  # [replica, rank]
         cross = (node[:, :, None] != node[:, None, :]).any(axis=0)
         pairs = {(a, b): inter_node_GBps if cross[a, b] else intra_node_GBps
                  for a in range(pipeline) for b in range(pipeline) if a != b}
@@ -377,6 +378,7 @@ def links_from_plan(plan: Plan) -> Links:
         intra_node_GBps=lk.intra_node_GBps,
         inter_node_GBps=lk.inter_node_GBps,
         latency_s=lk.latency_s,
+        layout=plan.placement,
     )
 
 
