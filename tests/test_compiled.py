@@ -401,3 +401,46 @@ def test_example_script_trains_resumes_and_loads_into_the_plain_model(tmp_path):
     before = model.h[0].fc.weight.detach().clone()
     assert "h.0.fc.weight" in load_into_model(model, tmp_path / "model")
     assert not torch.equal(before, model.h[0].fc.weight)
+
+
+def test_spec_training_knobs_are_validated_with_file_and_line(tmp_path):
+    from fxpipe.errors import SpecError
+    from fxpipe.specs.loader import load_spec
+
+    path = tmp_path / "knobs.yaml"
+    path.write_text("model: {factory: 'fxpipe.examples.gpt:CharGPT'}\n"
+                    "train:\n"
+                    "  steps: 10\n"
+                    "  lr: 1.0e-3\n"
+                    "  grad_clip: -1\n"
+                    "  grad_accumulation: 0\n"
+                    "  lr_schedule:\n"
+                    "    warmup_steps: 10\n"
+                    "    decay: cosin\n")
+    with pytest.raises(SpecError) as e:
+        load_spec(path)
+    text = str(e.value)
+    assert f"{path}:5: train.grad_clip: -1 is negative" in text
+    assert f"{path}:6: train.grad_accumulation: 0 is zero" in text
+    assert f"{path}:9: train.lr_schedule.decay: unknown decay 'cosin'; did you mean 'cosine'" in text
+    path.write_text(path.read_text().replace("grad_clip: -1", "grad_clip: 1.0")
+                    .replace("grad_accumulation: 0", "grad_accumulation: 2")
+                    .replace("decay: cosin", "decay: cosine\n    min_lr: 0.1"))
+    with pytest.raises(SpecError) as e:
+        load_spec(path)
+    text = str(e.value)
+    assert f"{path}:8: train.lr_schedule.warmup_steps: warmup_steps=10 is not below" in text
+    assert f"{path}:10: train.lr_schedule.min_lr: min_lr=0.1 is above train.lr" in text
+    t = load_spec({"model": {"factory": "fxpipe.examples.gpt:CharGPT"},
+                   "train": {"steps": 10, "grad_clip": 1.0, "grad_accumulation": 2,
+                             "lr_schedule": {"warmup_steps": 2, "decay": "cosine"}}}).train
+    assert (t.grad_clip, t.grad_accumulation, t.lr_schedule.warmup_steps) == (1.0, 2, 2)
+
+
+def test_lr_schedule_warms_up_then_decays_to_min_lr():
+    from fxpipe.training.lr_schedule import lr_factor
+
+    f = [lr_factor(s, 10, warmup_steps=2, decay="cosine", lr=1.0, min_lr=0.1) for s in range(10)]
+    assert f[:3] == [0.5, 1.0, 1.0] and f[-1] == pytest.approx(0.1)
+    assert all(a >= b for a, b in zip(f[1:], f[2:]))  # non-increasing after the warm-up
+    assert [lr_factor(s, 10, 0, "constant") for s in (0, 9)] == [1.0, 1.0]
