@@ -40,12 +40,15 @@ STEPS, TOL = 3, 1e-5
 SCHEDULES = ("gpipe", "1f1b", "zb-h1")
 
 
-def _plan(name: str, pipeline: int, data: int, microbatches: int, schedule: str) -> Plan:
+def _plan(name: str, pipeline: int, data: int, microbatches: int, schedule: str,
+          **train) -> Plan:
     with torch.device("meta"):
         model = zoo.build(name)
     args, kwargs, _ = zoo.batch(name, 0)
-    return fxpipe.plan(model, zoo.spec_for(name, pipeline, data, microbatches, schedule),
-                       tuple(a[:1] for a in args), {k: v[:1] for k, v in kwargs.items()})
+    spec = zoo.spec_for(name, pipeline, data, microbatches, schedule)
+    spec["train"].update(train)
+    return fxpipe.plan(model, spec, tuple(a[:1] for a in args),
+                       {k: v[:1] for k, v in kwargs.items()})
 
 
 def _batch(name: str, step: int):
@@ -65,11 +68,11 @@ def _counter(plan: Plan, traced):
 def _worker(rank: int, cases: list[tuple[str, dict[str, dict]]]):
     meshes = {layout: Mesh(PIPE, DP, timeout_s=120, layout=layout)
               for layout in ("pipeline-inner", "data-inner")}  # collective: every rank, in order
-    mesh = meshes["pipeline-inner"]
     out = {}
     for name, plans in cases:
         plans = {s: Plan.from_dict(d) for s, d in plans.items()}
         first = next(iter(plans.values()))
+        mesh = meshes[first.placement]
         spec = load_spec(first.spec)
         model = zoo.build(name)
         stages_of = schedule_for_plan(first).stages_of_rank(mesh.pipe_rank)
@@ -88,14 +91,6 @@ def _worker(rank: int, cases: list[tuple[str, dict[str, dict]]]):
                     v.copy_(start[k])
             params = list({id(p): p for m in stages.values() for p in m.parameters()}.values())
             opt = torch.optim.SGD(params, lr=spec.train.lr)
-            mesh = meshes[plan.placement]
-            if mesh.pipe_rank != meshes["pipeline-inner"].pipe_rank:  # another stage here
-                traced = trace_for_plan(plan, model)
-                stages = build_stages(plan, traced,
-                                      schedule_for_plan(plan).stages_of_rank(mesh.pipe_rank))
-                params = list({id(p): p for m in stages.values()
-                               for p in m.parameters()}.values())
-                opt = torch.optim.SGD(params, lr=spec.train.lr)
             ex = PipelineExecutor(plan, schedule_for_plan(plan), stages, mesh, loss_fn, opt,
                                   timeout_s=120, needs_target=spec.train.loss != MODEL_LOSS)
             losses = []
@@ -150,6 +145,10 @@ def trained():
     flipped = _plan("gpt2", PIPE, DP, M, "1f1b")  # each stage's replicas on adjacent ranks
     flipped.placement = "data-inner"
     cases.append(("gpt2", {"1f1b data-inner": flipped.to_dict()}))
+    for s in ("1f1b", "zb-h1"):  # activation recomputation: the backward runs the forward again
+        again = _plan("llama", PIPE, DP, M, s, activation_recompute="on")
+        assert all(st.recompute for st in again.stages)
+        cases.append(("llama", {f"{s} recompute": again.to_dict()}))
     results: dict = {}
     for per_rank in run_ranks(_worker, PIPE * DP, cases, timeout_s=600, dist_timeout_s=120):
         for key, (losses, params) in per_rank.items():
@@ -171,7 +170,8 @@ def test_plans_into_two_and_four_stages(name):
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("name, schedule", [(n, s) for s in SCHEDULES for n in zoo.NAMES]
-                         + [("gpt2", "1f1b data-inner")])
+                         + [("gpt2", "1f1b data-inner"), ("llama", "1f1b recompute"),
+                            ("llama", "zb-h1 recompute")])
 def test_trains_like_single_process(trained, name, schedule):
     ref_losses, ref_model = _reference(name)
     got = trained[(name, schedule)]

@@ -27,7 +27,7 @@ from fxpipe.partitioner.blocks import KEEP, UnitTable, find_block_run, fold, red
 from fxpipe.partitioner.boundaries import GUARDS_FN, stage_boundaries
 from fxpipe.partitioner.cost import NodeCost, price
 from fxpipe.partitioner.graph import PricedGraph, build_graph
-from fxpipe.partitioner.problem import CutProblem, PartitionResult, Value
+from fxpipe.partitioner.problem import CutProblem, PartitionResult, Value, evaluate
 from fxpipe.partitioner.profile import (SendCost, load_profile, load_send_cost, profile_graph,
                                         profile_key, save_profile)
 from fxpipe.partitioner.recompute import apply_recompute, cheap_values, is_clone
@@ -634,9 +634,15 @@ def _nothing_fits(pr: Priced, spec: ParallelSpec, failed: list) -> PlanError:
 
 
 def plan_with_graph(model: nn.Module, spec: Any, example_inputs: Any = None,
-                    example_kwargs: dict | None = None) -> tuple[Plan, "nx.DiGraph"]:
+                    example_kwargs: dict | None = None, *, cuts: list[int] | None = None,
+                    units_only: bool = False) -> tuple[Plan, "nx.DiGraph"]:
     """:func:`plan`, also returning the priced networkx graph of planning units (for
-    ``plan.dump(dir, graph)``'s DOT drawing)."""
+    ``plan.dump(dir, graph)``'s DOT drawing; None for a plan made as blocks).
+
+    ``cuts`` (a fixed layout only): plan exactly these stage starts (unit positions, see
+    :func:`planning_units`) instead of the optimal ones, e.g. to measure other cuts.
+    ``units_only``: return ``(unit table, None)`` without planning (see
+    :func:`planning_units`)."""
     spec = as_spec(spec)
     if example_inputs is None and example_kwargs is None:
         batch = example_microbatch(spec, 1)
@@ -689,8 +695,22 @@ def plan_with_graph(model: nn.Module, spec: Any, example_inputs: Any = None,
         return priced_at(size, False)
 
     pr = priced(b0)
-    cand, result, mbs, explain = _search(pr, spec)
-    if mbs != b0:  # re-trace at the real micro-batch size so the plan's shapes are exact
+    if units_only:
+        return pr, None
+    if cuts is not None:
+        cands = candidates(spec, max_stages=len(pr.table.names))
+        if len(cands) != 1:
+            raise PlanError("plan_with_graph(cuts=...) needs a spec with a fixed layout "
+                            f"(pipeline, data, microbatches, schedule); it has {len(cands)}")
+        cand = cands[0]
+        mbs = spec.data.batch_size // (cand.dp * cand.microbatches)
+        if mbs != b0:
+            pr = priced(mbs)
+        result = evaluate(_cut_problem(pr, spec, cand, 1.0), cuts, method="given")
+        explain = [f"cuts given: stages start at units {list(cuts)}"]
+    else:
+        cand, result, mbs, explain = _search(pr, spec)
+    if mbs != pr.batch:  # re-trace at the real micro-batch size so the plan's shapes are exact
         pr = priced(mbs)
         result = optimal_partition(_cut_problem(pr, spec, cand, 1.0))
     traced, pg = pr.traced, pr.pg
@@ -722,6 +742,18 @@ def plan_with_graph(model: nn.Module, spec: Any, example_inputs: Any = None,
         raise TraceError(f"keyword inputs {missing} do not appear as inputs of the traced graph "
                          f"(its inputs: {plan.model_inputs}); pass them by their forward() names")
     return plan, (None if plan.folded else pg.graph)
+
+
+def planning_units(model: nn.Module, spec: Any, example_inputs: Any = None,
+                   example_kwargs: dict | None = None) -> list[tuple[str, str]]:
+    """The units the planner cuts between, in order: ``(name, module path)`` per unit (FX
+    node names, or block names such as ``h.7`` for a model planned as blocks). A stage start
+    ``i`` for :func:`plan_with_graph` ``cuts`` means "a cut right before unit ``i``"."""
+    pr, _ = plan_with_graph(model, spec, example_inputs, example_kwargs, units_only=True)
+    if pr.table.folding is not None:
+        return [(n, n if n.startswith(pr.table.folding.run.path + ".") else
+                 pr.pg.graph.nodes[n]["module"]) for n in pr.table.names]
+    return [(n, pr.pg.graph.nodes[n]["module"]) for n in pr.table.names]
 
 
 def plan(model: nn.Module, spec: Any, example_inputs: Any = None,
