@@ -729,6 +729,12 @@ def plan_with_graph(model: nn.Module, spec: Any, example_inputs: Any = None,
         plan = _assemble(pr, result, cand, spec, mbs, explain)
     if spec.cluster.nodes > 1:
         plan.explain.append(_placement_note(plan, spec))
+    if cand.recompute:
+        why = ("train.activation_recompute: on" if spec.train.activation_recompute == "on" else
+               "the activations of the micro-batches in flight would not fit cluster.memory_gb")
+        plan.explain.append("activation recomputation: each stage keeps only its inputs per "
+                            "micro-batch in flight and runs its forward again in the backward "
+                            f"({why})")
     if plan.recomputed:
         plan.explain.append("recomputed in each stage that reads them (cheaper than sending): "
                             + ", ".join(f"{v} ({human_bytes(bounds_bytes)}) in stages "

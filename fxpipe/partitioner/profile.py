@@ -29,6 +29,7 @@ from typing import Any, Callable
 import torch
 from torch.utils import _pytree as pytree
 
+from fxpipe.errors import PlanError
 from fxpipe.partitioner.timing import NodeTimes
 from fxpipe.partitioner.trace import COMPUTE_OPS, TracedModel
 
@@ -146,9 +147,15 @@ def profile_graph(traced: TracedModel, inputs: list[torch.Tensor], device: torch
             call = lambda: getattr(l_args[0], n.target)(*l_args[1:], **l_kwargs)  # noqa: E731
         else:
             call = lambda: n.target(*l_args, **l_kwargs)  # noqa: E731
-        with torch.enable_grad():
-            fwd = _median_time(call, device, warmup, repeats)
-            out = call()
+        try:
+            with torch.enable_grad():
+                fwd = _median_time(call, device, warmup, repeats)
+                out = call()
+        except Exception as e:  # the model cannot run this input (e.g. a token id too large)
+            raise PlanError(f"profiling node {n.name!r} ({n.target}) failed on the example batch "
+                            f"with {type(e).__name__}: {' '.join(str(e).split())[:300]}; check "
+                            "that the dataset's batches fit the model (vocabulary, shapes)"
+                            ) from None
         leaves = [o for o in pytree.tree_leaves(out)
                   if isinstance(o, torch.Tensor) and o.requires_grad]
         acts = list(swap.values())

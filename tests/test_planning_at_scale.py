@@ -1,0 +1,152 @@
+"""Measured and roofline costs, and planning at scale: ops without FLOPs cost their bytes and
+launches, ``fxpipe profile`` measures and caches per-node times the planner then uses, deep
+models plan as blocks in seconds, the search prunes, recomputes activations where memory runs
+out, answers an impossible spec with what would fit, places groups on nodes by their traffic and
+gives slower nodes less work."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fxpipe
+from fxpipe.errors import PlanError
+from fxpipe.examples.gpt import CharGPT
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+class Probe(nn.Module):
+    """4 Linear layers, then 24 LayerNorm + GELU layers (no matmul work at all)."""
+
+    def __init__(self, width: int = 256):
+        super().__init__()
+        self.lin = nn.ModuleList([nn.Linear(width, width) for _ in range(4)])
+        self.norm = nn.ModuleList([nn.LayerNorm(width) for _ in range(24)])
+
+    def forward(self, x):
+        for layer in self.lin:
+            x = layer(x)
+        for norm in self.norm:
+            x = torch.nn.functional.gelu(norm(x))
+        return x
+
+
+def _spec(**cluster):
+    return {"model": {"factory": "x:y"}, "data": {"batch_size": 64},
+            "parallel": {"pipeline": 2, "data": 1, "microbatches": 4},
+            "cluster": {"devices_per_node": 2, "device_tflops": 0.02, **cluster},
+            "train": {"loss": "mse"}}
+
+
+def _norms_per_stage(plan) -> list[int]:
+    return [sum(1 for n in st.nodes if n.startswith("layer_norm")) for st in plan.stages]
+
+
+def test_ops_without_flops_are_priced_by_their_bytes_and_launches():
+    flops_only = fxpipe.plan(Probe(), _spec(memory_GBps=1e9, op_overhead_us=0, device_tflops=0.1),
+                             (torch.randn(16, 256),))
+    assert _norms_per_stage(flops_only) == [0, 24]  # FLOPs alone: the norms cost nothing
+    roofline = fxpipe.plan(Probe(), _spec(device_tflops=0.1), (torch.randn(16, 256),))
+    assert 0 < _norms_per_stage(roofline)[0] < 24  # their bytes and launches count
+
+
+def test_profile_measures_caches_and_the_planner_uses_it(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(REPO), FXPIPE_CACHE_DIR=str(tmp_path),
+               OMP_NUM_THREADS="1")
+    spec = tmp_path / "spec.yaml"
+    spec.write_text("model: {factory: 'fxpipe.examples.gpt:CharGPT', args: {vocab_size: 256, "
+                    "block_size: 16, n_layer: 2, n_head: 2, n_embd: 32}}\n"
+                    "data: {batch_size: 8, seq_len: 16}\n"
+                    "parallel: {pipeline: 2, data: 1, microbatches: 4}\n"
+                    "cluster: {devices_per_node: 2, costs: measured}\n")
+    r = subprocess.run([sys.executable, "-m", "fxpipe", "profile", str(spec), "--repeats", "3"],
+                       capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "total" in r.stdout and "send cost on the sending rank" in r.stdout
+    cached = list((tmp_path / "profiles").glob("*.json"))
+    assert len(cached) == 2  # the node times and the send cost
+    r = subprocess.run([sys.executable, "-m", "fxpipe", "plan", str(spec)], capture_output=True,
+                       text=True, env=env, timeout=300, cwd=REPO)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert len(list((tmp_path / "profiles").glob("*.json"))) == 2  # planned from the cache
+
+
+def test_measured_costs_of_a_meta_model_need_a_profile(tmp_path, monkeypatch):
+    monkeypatch.setenv("FXPIPE_CACHE_DIR", str(tmp_path))
+    with torch.device("meta"):
+        model = Probe()
+    with pytest.raises(PlanError, match="fxpipe profile SPEC"):
+        fxpipe.plan(model, _spec(costs="measured"), (torch.randn(16, 256, device="meta"),))
+
+
+def test_deep_model_plans_as_blocks_in_seconds():
+    with torch.device("meta"):
+        model = CharGPT(vocab_size=50257, block_size=512, n_layer=48, n_head=16, n_embd=1024)
+    spec = {"model": {"factory": "x:y"}, "data": {"batch_size": 256, "seq_len": 512},
+            "parallel": {"pipeline": "auto", "data": "auto", "microbatches": "auto",
+                         "schedule": "auto"},
+            "cluster": {"nodes": 8, "devices_per_node": 8, "device": "cuda", "memory_gb": 80,
+                        "device_tflops": 400}}
+    t0 = time.perf_counter()
+    plan = fxpipe.plan(model, spec, (torch.zeros(1, 512, dtype=torch.long, device="meta"),))
+    took = time.perf_counter() - t0
+    assert plan.folded and len(plan.folded["blocks"]) == 48
+    assert plan.pipeline * plan.dp == 64
+    assert any("pruned by a lower bound" in e for e in plan.explain)
+    assert took < 30, took  # 96 layers x 12288 on 1024 devices: BENCHMARKS.md, plan-scale
+
+
+def test_activations_that_do_not_fit_are_recomputed_or_answered_with_what_fits():
+    with torch.device("meta"):
+        model = CharGPT(vocab_size=256, block_size=256, n_layer=4, n_head=4, n_embd=256)
+    x = (torch.zeros(4, 256, dtype=torch.long, device="meta"),)
+    spec = {"model": {"factory": "x:y"}, "data": {"batch_size": 16, "seq_len": 256},
+            "parallel": {"pipeline": 2, "data": 1, "microbatches": 4, "schedule": "gpipe"},
+            "cluster": {"devices_per_node": 2, "memory_gb": 0.15}}
+    plan = fxpipe.plan(model, spec, x)
+    assert all(st.recompute for st in plan.stages) and "recomputation" in " ".join(plan.explain)
+    assert all(st.memory_bytes <= 0.15e9 for st in plan.stages)
+    spec["train"] = {"activation_recompute": "off"}
+    with pytest.raises(PlanError) as e:
+        fxpipe.plan(model, spec, x)
+    assert "what would fit" in str(e.value) and "activation recomputation" in str(e.value)
+    spec["cluster"]["memory_gb"] = 0.001
+    with pytest.raises(PlanError, match="at least .* pipeline stages"):
+        fxpipe.plan(model, dict(spec, train={}), x)
+
+
+def _two_node_spec(**cluster):
+    return {"model": {"factory": "x:y"}, "data": {"batch_size": 32, "seq_len": 64},
+            "parallel": {"pipeline": "auto", "data": "auto", "microbatches": "auto",
+                         "schedule": "1f1b"},
+            "cluster": {"nodes": 2, "devices_per_node": 4, "device_tflops": 1,
+                        "links": {"intra_node_GBps": 100, "inter_node_GBps": 1}, **cluster}}
+
+
+def test_placement_keeps_the_heavy_traffic_inside_a_node():
+    with torch.device("meta"):
+        model = CharGPT(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=256)
+    plan = fxpipe.plan(model, _two_node_spec(),
+                       (torch.zeros(1, 64, dtype=torch.long, device="meta"),))
+    note = next(e for e in plan.explain if e.startswith("placement "))
+    assert plan.placement in note and "cross nodes" in note
+    if plan.pipeline > 1 and plan.dp > 1:  # the all-reduce of the big stage stays inside
+        assert plan.placement == "data-inner"
+
+
+def test_slower_nodes_get_less_work():
+    with torch.device("meta"):
+        model = Probe()
+    spec = _spec(node_tflops=[0.02, 0.005])
+    spec["cluster"]["nodes"], spec["cluster"]["devices_per_node"] = 2, 1
+    plan = fxpipe.plan(model, spec, (torch.randn(16, 256, device="meta"),))
+    same = fxpipe.plan(model, _spec(), (torch.randn(16, 256, device="meta"),))
+    assert len(plan.stages[1].nodes) < len(same.stages[1].nodes)
