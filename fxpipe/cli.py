@@ -1,4 +1,4 @@
-"""Command line: ``fxpipe plan|run|simulate|show``.
+"""Command line: ``fxpipe plan|run|simulate|report|show|specs|profile``.
 
 Every user error (a bad spec, an untraceable model, an impossible plan, a failed run) is printed
 as one clear message on stderr with exit code 2, never as a traceback. ``FXPIPE_DEBUG=1`` shows
@@ -33,7 +33,8 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("plan", help="trace, price and partition a model; print the stage table")
     _add_spec_arg(p)
-    p.add_argument("--out", help="write plan.json, partition.dot and summary.txt here")
+    p.add_argument("--out", help="write plan.json, summary.txt, partition.dot and the partition "
+                                 "picture (partition.png, partition.svg) here")
 
     r = sub.add_parser("run", help="plan, then train with torchrun (default: the bundled GPT)")
     _add_spec_arg(r)
@@ -49,7 +50,13 @@ def _parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("simulate", help="predicted step time, bubble and memory per schedule")
     _add_spec_arg(s)
-    s.add_argument("--out", help="write simulated timelines (Chrome trace JSON) here")
+    s.add_argument("--out", help="write simulated timelines here: Chrome trace JSON and "
+                                 "pictures (PNG, SVG) per schedule, simulated.png/svg for all")
+
+    e = sub.add_parser("report", help="write report.html for a run folder: pictures, stages, "
+                                      "spec, predicted vs measured, environment (offline)")
+    e.add_argument("run_dir", help="the folder of a run (fxpipe run --out DIR)")
+    e.add_argument("--out", help="the HTML file to write (default: RUN_DIR/report.html)")
 
     f = sub.add_parser("profile", help="measure every planning unit's times on this machine "
                                        "(for cluster.costs: measured)")
@@ -73,20 +80,46 @@ def _cmd_plan(args) -> int:
             f"{args.out} holds a training run whose plan must stay as it is; write the new plan "
             "to another folder with --out"
         )
-    plan, graph = plan_from_spec(args.spec)
+    from fxpipe.reports.progress import planning_progress
+
+    with planning_progress():  # a spinner with the planner's phases on a terminal
+        plan, graph = plan_from_spec(args.spec)
     print(plan.summary())
     if args.out:
-        for path in plan.dump(args.out, graph):
+        from fxpipe.reports.partition_picture import write_partition_picture
+
+        for path in plan.dump(args.out, graph) + write_partition_picture(plan, args.out, graph):
             print(f"wrote {path}")
     return 0
 
 
 def _cmd_simulate(args) -> int:
     from fxpipe.partitioner.compare import simulate_spec
+    from fxpipe.reports.progress import planning_progress
 
-    print(simulate_spec(args.spec, out_dir=args.out))
+    results: dict = {}
+    with planning_progress():
+        text = simulate_spec(args.spec, out_dir=args.out, results=results)
+    print(text)
     if args.out:
-        print(f"wrote simulated timelines (Chrome trace JSON) to {args.out}")
+        from fxpipe.reports.timeline_picture import simulated_panel, write_timeline_picture
+
+        panels = []
+        for name, (plan, res) in results.items():
+            panels.append(simulated_panel(plan, res, name, ident=f"timeline-{name}"))
+            write_timeline_picture(panels[-1:], args.out, stem=f"simulated_{name}")
+        if panels:
+            write_timeline_picture(panels, args.out, stem="simulated",
+                                   title=f"{plan.model}: every schedule, one time axis")
+        print(f"wrote simulated timelines to {args.out}: simulated_<schedule>.json (Chrome "
+              "trace), simulated_<schedule>.png/.svg, simulated.png/.svg (all schedules)")
+    return 0
+
+
+def _cmd_report(args) -> int:
+    from fxpipe.reports.report import write_report
+
+    print(f"wrote {write_report(args.run_dir, args.out)}")
     return 0
 
 
@@ -129,7 +162,7 @@ def _cmd_specs(args) -> int:
 
 
 COMMANDS = {"plan": _cmd_plan, "run": _cmd_run, "simulate": _cmd_simulate, "show": _cmd_show,
-            "specs": _cmd_specs, "profile": _cmd_profile}
+            "specs": _cmd_specs, "profile": _cmd_profile, "report": _cmd_report}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -110,8 +111,12 @@ def test_plan_then_show(tmp_path):
     spec.write_text(TINY)
     r = fxpipe_cli("plan", str(spec), "--out", str(tmp_path / "p"))
     assert r.returncode == 0, r.stderr
-    for f in ("plan.json", "partition.dot", "summary.txt"):
+    for f in ("plan.json", "partition.dot", "summary.txt", "partition.png", "partition.svg"):
         assert (tmp_path / "p" / f).exists()
+    svg = (tmp_path / "p" / "partition.svg").read_text()  # the picture: a column per stage
+    assert sorted(set(re.findall(r'id="(stage-column-\d+)"', svg))) == ["stage-column-0",
+                                                                       "stage-column-1"]
+    assert 'id="block-0-' in svg and 'id="cut-0-1-' in svg
     r2 = fxpipe_cli("show", str(tmp_path / "p"))
     assert r2.returncode == 0 and "bottleneck" in r2.stdout
 
@@ -124,6 +129,10 @@ def test_simulate_prints_every_schedule(tmp_path):
     for name in ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"):
         assert name in r.stdout
     assert (tmp_path / "sim" / "simulated_1f1b.json").exists()
+    both = (tmp_path / "sim" / "simulated.svg").read_text()  # every schedule, 2 rows each
+    for name in ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"):
+        assert (tmp_path / "sim" / f"simulated_{name}.png").exists()
+        assert len(set(re.findall(rf'id="(timeline-{name}-row-\d+)"', both))) == 2, name
 
 
 @pytest.mark.distributed

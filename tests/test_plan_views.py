@@ -378,7 +378,7 @@ def test_dump_writes_files_and_roundtrips(tmp_path):
     # Plan.dump delegates; second dump overwrites our files without leftovers
     again = plan.dump(out)
     assert {p.name for p in again} <= {"plan.json", "summary.txt", "partition.dot",
-                                       "partition.svg"}
+                                       "partition-units.svg"}
     assert (out / "partition.dot").read_text() == partition_dot(plan)
     assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in again)
 
@@ -435,11 +435,11 @@ def test_svg_render_failure_is_a_warning(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", _fake_dot(tmp_path, 'echo "syntax error" >&2; exit 3'))
     out = tmp_path / "out"
     out.mkdir()
-    (out / "partition.svg").write_text("<svg>stale</svg>")
+    (out / "partition-units.svg").write_text("<svg>stale</svg>")
     with pytest.warns(RuntimeWarning, match="syntax error"):
         written = dump_plan(make_plan(), out, make_graph())
     assert [p.name for p in written] == ["plan.json", "summary.txt", "partition.dot"]
-    assert not (out / "partition.svg").exists()  # the stale SVG does not outlive its DOT
+    assert not (out / "partition-units.svg").exists()  # the stale SVG does not outlive its DOT
     assert not [p for p in out.iterdir() if p.name.endswith(".tmp")]
 
 
@@ -451,7 +451,7 @@ def test_svg_rendered_with_dot_on_path(tmp_path, monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         written = dump_plan(make_plan(), out)
-    assert written[-1] == out / "partition.svg"
+    assert written[-1] == out / "partition-units.svg"
     assert written[-1].read_text() == (out / "partition.dot").read_text()
 
 
@@ -461,7 +461,7 @@ def test_huge_graph_not_rendered(tmp_path, monkeypatch):
     g = make_graph()
     with pytest.warns(RuntimeWarning, match="max_svg_units"):
         written = dump_plan(make_plan(), tmp_path / "out", g, max_svg_units=g.number_of_nodes() - 1)
-    assert not (tmp_path / "out" / "partition.svg").exists()
+    assert not (tmp_path / "out" / "partition-units.svg").exists()
     assert [p.name for p in written] == ["plan.json", "summary.txt", "partition.dot"]
 
 
@@ -469,5 +469,5 @@ def test_real_graphviz_svg(tmp_path):
     if shutil.which("dot") is None:
         pytest.skip("Graphviz `dot` not installed")
     written = dump_plan(make_plan(), tmp_path, make_graph())
-    svg = tmp_path / "partition.svg"
+    svg = tmp_path / "partition-units.svg"
     assert svg in written and "<svg" in svg.read_text()

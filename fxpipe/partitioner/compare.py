@@ -1,8 +1,9 @@
 """``fxpipe simulate``: one spec planned once, then every schedule priced on its stages.
 
 Takes a spec (or its path/name); gives a side-by-side text table of predicted step time, bubble
-and peak memory per schedule, and optionally one simulated Chrome trace per schedule. Schedules
-that hold two stages per rank (interleaved, zb-v) are re-planned with that many stages.
+and peak memory per schedule, optionally one simulated Chrome trace per schedule, and the
+simulations themselves (``results``: for the CLI's timeline pictures). Schedules that hold two
+stages per rank (interleaved, zb-v) are re-planned with that many stages.
 """
 
 from __future__ import annotations
@@ -13,17 +14,19 @@ from typing import Any
 from fxpipe.errors import PlanError, ScheduleError
 from fxpipe.partitioner.driver import as_spec, plan_from_spec
 from fxpipe.plans.plan import Plan
-from fxpipe.schedule.simulate import simulate_plan
+from fxpipe.schedule.simulate import SimResult, simulate_plan
 from fxpipe.schedule.timeline import write_chrome_trace
 from fxpipe.specs.schema import AUTO_VIRTUAL_STAGES, SCHEDULES, stages_per_rank
 from fxpipe.units import human_bytes, ms
 
 
-def simulate_spec(spec: Any, out_dir: str | Path | None = None) -> str:
+def simulate_spec(spec: Any, out_dir: str | Path | None = None,
+                  results: dict[str, tuple[Plan, SimResult]] | None = None) -> str:
     """``fxpipe simulate``: plan the spec, then price every schedule on the same stages.
 
     Returns the side-by-side table (text). With ``out_dir``, writes ``simulated_<schedule>.json``
-    (Chrome trace) for each schedule that applies.
+    (Chrome trace) for each schedule that applies. ``results``, when given, is filled with
+    schedule -> (the plan it was priced on, its :class:`SimResult`).
     """
     plan, _ = plan_from_spec(spec)
     lines = [plan.summary(), "",
@@ -42,6 +45,8 @@ def simulate_spec(spec: Any, out_dir: str | Path | None = None) -> str:
         except (ScheduleError, PlanError) as e:
             lines.append(f"{name:12s} {'n/a':>12s}   ({e})")
             continue
+        if results is not None:
+            results[name] = (target, res)
         mem = ", ".join(human_bytes(b) for b in res.peak_memory_bytes)
         lines.append(f"{name:12s} {ms(res.step_time_s):>10s}ms {res.bubble_fraction:8.3f} "
                      f"[{mem}]")

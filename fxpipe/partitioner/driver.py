@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +45,10 @@ from fxpipe.schedule.simulate import Links, SimResult, StageCosts, predict, simu
 from fxpipe.specs.loader import build_model, load_spec
 from fxpipe.specs.schema import OPTIMIZER_STATE_FACTOR, ParallelSpec, stages_per_rank
 from fxpipe.units import human_bytes, plural
+
+#: the planner's phases (tracing, pricing, profiling, the auto search), at INFO: silent unless a
+#: caller listens (``fxpipe.reports.progress.planning_progress`` shows them on a terminal)
+_progress = logging.getLogger("fxpipe.progress")
 
 
 #: Sender-side seconds per message of a CPU (gloo) send when none was measured.
@@ -171,7 +176,8 @@ def _node_times(traced: TracedModel, costs: dict[str, NodeCost], spec: ParallelS
                 "weights (not on the meta device)")
         real = trace(profile_model, traced_args(traced, inputs)[0], spec.model.tracer,
                      example_kwargs=traced_args(traced, inputs)[1], output=spec.loss_output)
-        times = profile_graph(real, inputs, cl.device)
+        times = profile_graph(real, inputs, cl.device, progress=lambda done, total: (
+            _progress.info("profiling %d/%d nodes (cluster.costs: measured)", done, total)))
         save_profile(key, times, {"model": traced.model_name, "device": cl.device})
     missing = [n for n in costs if n not in times]
     if missing:
@@ -571,7 +577,9 @@ def _search(pr: Priced, spec: ParallelSpec) -> tuple[Candidate, PartitionResult,
     failed: list[tuple[float, Candidate, float]] = []  # (bound, candidate, scale)
     pruned = 0
     mode = spec.train.activation_recompute
-    for lb, label, cand, mbs in bounds:
+    for i, (lb, label, cand, mbs) in enumerate(bounds):
+        _progress.info("auto search: candidate %d/%d (%s)%s", i + 1, len(bounds), label,
+                       f", best so far {best.step_s * 1e3:.3g} ms/step" if best else "")
         if best is not None and lb >= best.step_s:
             pruned += 1
             continue
@@ -675,7 +683,10 @@ def plan_with_graph(model: nn.Module, spec: Any, example_inputs: Any = None,
         kw = {k: _resize(v, size) for k, v in kwargs_.items()}
         same = m is given and short  # shortening a model traced as it is: swap its blocks
         with reduced(m, run) if same else contextlib.nullcontext():
+            _progress.info("tracing %s%s at micro-batch %d", type(m).__name__,
+                           " (two of its repeated blocks)" if short else "", size)
             traced = trace(m, a, spec.model.tracer, example_kwargs=kw, output=key)
+            _progress.info("pricing %d nodes", len(traced.gm.graph.nodes))
             costs = price(traced)
             times = _node_times(traced, costs, spec, real,
                                 [*a, *(v for v in kw.values() if isinstance(v, torch.Tensor))])

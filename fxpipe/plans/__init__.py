@@ -3,8 +3,9 @@
 Takes what the partitioner decided (stage cuts, the values crossing them, placement, schedule,
 predictions); gives a :class:`~fxpipe.plans.plan.Plan` with its JSON round trip (``plan.json``),
 its derived views (stage edges, stage -> rank, :mod:`~fxpipe.plans.placement`) and its readable
-views: the text table (:mod:`~fxpipe.plans.summary`), the DOT drawing (:mod:`~fxpipe.plans.dot`)
-and the dump folder (:mod:`~fxpipe.plans.dump`). Imports only errors and units, no torch.
+views: the text table (:mod:`~fxpipe.plans.summary`), the DOT drawing (:mod:`~fxpipe.plans.dot`,
+whose stage palette the pictures of :mod:`fxpipe.reports` share) and the dump folder
+(:mod:`~fxpipe.plans.dump`). Imports only errors and units, no torch.
 
 (The package is ``plans``, not ``plan``, so that ``fxpipe.plan`` stays the planning function.)
 """

@@ -16,7 +16,7 @@ from fxpipe.plans.summary import bottleneck_position
 from fxpipe.plans.values import MODEL_INPUT
 from fxpipe.units import human_bytes, human_flops, ms, plural
 
-__all__ = ["partition_dot"]
+__all__ = ["partition_dot", "STAGE_FILLS", "STAGE_BORDERS"]
 
 
 # Pastel fills, one per stage (cycled), and a stronger border colour of the same hue.
@@ -28,6 +28,8 @@ _BORDERS = (
     "#1f78b4", "#33a02c", "#ff7f00", "#6a3d9a", "#e31a1c", "#b15928",
     "#1b9e77", "#7570b3", "#386cb0", "#e7298a", "#666666", "#4daf4a",
 )
+#: the stage palette every drawing shares (the pictures of :mod:`fxpipe.reports` too)
+STAGE_FILLS, STAGE_BORDERS = _FILLS, _BORDERS
 _UNASSIGNED_FILL = "#f0f0f0"  # units in no stage (model inputs, unused parameters)
 _CUT_COLOR = "#d62728"
 

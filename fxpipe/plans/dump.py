@@ -1,8 +1,11 @@
-"""Plan dumps on disk: ``plan.json``, ``summary.txt``, ``partition.dot`` (+ ``partition.svg``).
+"""Plan dumps: ``plan.json``, ``summary.txt``, ``partition.dot`` (+ ``partition-units.svg``).
 
 Takes a :class:`~fxpipe.plans.plan.Plan`, the optional unit graph and a folder; writes each file
 atomically (temp file + rename) and touches nothing else in the folder. The SVG is rendered by
-Graphviz's ``dot`` when it is on ``PATH``; a failed render is a warning, never an error.
+Graphviz's ``dot`` when it is on ``PATH``; a failed render is a warning, never an error. (The
+block-level partition picture, ``partition.png`` / ``partition.svg``, is drawn with or without
+Graphviz by :mod:`fxpipe.reports.partition_picture`; ``fxpipe plan --out`` and ``fxpipe run``
+write both.)
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from fxpipe.plans.summary import summary_table
 __all__ = ["dump_plan", "DUMP_FILES"]
 
 #: The file names :func:`dump_plan` may write inside ``out_dir`` (nothing else is touched).
-DUMP_FILES = ("plan.json", "summary.txt", "partition.dot", "partition.svg")
+DUMP_FILES = ("plan.json", "summary.txt", "partition.dot", "partition-units.svg")
 
 
 def _check_out_dir(out_dir: Path) -> None:
@@ -111,9 +114,10 @@ def dump_plan(plan: "Plan", out_dir: Path | str, graph: Any = None, *, render_sv
         ``summary.txt``: :func:`summary_table`.
         ``partition.dot``: :func:`partition_dot` (unit graph when ``graph`` is given, else the
         stage graph).
-        ``partition.svg``: rendered by Graphviz's ``dot`` when it is on ``PATH`` and
+        ``partition-units.svg``: rendered by Graphviz's ``dot`` when it is on ``PATH`` and
         ``render_svg`` is True. A failed or timed-out render is a ``RuntimeWarning``, not an
-        error (the other files are still written). When no SVG is rendered, a ``partition.svg``
+        error (the other files are still written). When no SVG is rendered, a
+        ``partition-units.svg``
         left by an earlier dump is removed so it never disagrees with ``partition.dot``.
 
     Args:
@@ -126,7 +130,8 @@ def dump_plan(plan: "Plan", out_dir: Path | str, graph: Any = None, *, render_sv
             layout is super-linear; a ``RuntimeWarning`` gives the command to render by hand).
 
     Returns:
-        Paths written, in the order plan.json, summary.txt, partition.dot[, partition.svg].
+        Paths written, in the order plan.json, summary.txt, partition.dot[,
+        partition-units.svg].
 
     Raises:
         PlanError: ``out_dir`` (or a parent) is a file, a target name is a folder, or the folder
@@ -138,7 +143,7 @@ def dump_plan(plan: "Plan", out_dir: Path | str, graph: Any = None, *, render_sv
     written.append(_write_text(out_dir / "summary.txt", summary_table(plan) + "\n"))
     dot_path = _write_text(out_dir / "partition.dot", partition_dot(plan, graph))
     written.append(dot_path)
-    svg_path = out_dir / "partition.svg"
+    svg_path = out_dir / "partition-units.svg"
     n_units = len(graph.nodes) if graph is not None else len(plan.stages)
     if render_svg and n_units > max_svg_units and shutil.which("dot") is not None:
         warnings.warn(f"{n_units} planning units exceed max_svg_units={max_svg_units}: "

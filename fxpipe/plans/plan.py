@@ -294,9 +294,10 @@ class Plan:
         return cls.from_dict(data)
 
     def dump(self, out_dir: str | Path, graph: Any = None) -> list[Path]:
-        """Write ``plan.json``, ``partition.dot`` (+ ``partition.svg`` when Graphviz's ``dot`` is
-        installed) and ``summary.txt`` into ``out_dir``. ``graph`` is the priced networkx graph
-        (needed for the DOT dump; without it only the stage-level graph is drawn).
+        """Write ``plan.json``, ``partition.dot`` (+ ``partition-units.svg`` when Graphviz's
+        ``dot`` is installed) and ``summary.txt`` into ``out_dir``. ``graph`` is the priced
+        networkx graph (needed for the DOT dump; without it only the stage-level graph is drawn).
+        The block-level picture: :func:`fxpipe.reports.partition_picture.write_partition_picture`.
 
         Returns the paths written.
         """

@@ -6,6 +6,11 @@ a measured timeline can be laid side by side. Format: the Trace Event Format's c
 (``"ph": "X"``, ``ts``/``dur`` in microseconds); one process (``pid``) per rank, thread 0 for the
 rank's own sequence of actions (compute, blocking receives, step) and thread 1 for asynchronous
 communication (sends in flight, data-parallel all-reduce).
+
+:func:`read_chrome_trace` reads such a file back; :func:`event_kind` names what an event is
+(F / B / W / send / receive / all-reduce / step / optimizer), :func:`split_steps` cuts a
+measured timeline of many steps into steps, and :func:`idle_fractions` gives each rank's idle
+share of a window with the simulator's definition of the bubble (busy = F/B/W only).
 """
 
 from __future__ import annotations
@@ -19,6 +24,16 @@ from fxpipe.schedule.actions import COMM_OPS, COMPUTE_OPS, Action, Op
 
 #: lane names -> Chrome thread id inside a rank's process
 LANES = {"compute": 0, "comm": 1}
+
+#: label of the event a training loop records around its optimizer step (gradient clipping,
+#: ``optimizer.step()``, the learning-rate schedule, ``zero_grad``), outside the schedule
+OPTIMIZER_LABEL = "OPTIMIZER"
+
+#: what an event is, by the head of its label (see :func:`event_kind`)
+EVENT_KINDS = ("F", "B", "W", "send", "receive", "all-reduce", "step", "optimizer", "other")
+
+#: kinds that count as busy in the bubble (as in the simulator): compute only
+BUSY_KINDS = ("F", "B", "W")
 
 
 class TimelineEvent(NamedTuple):
@@ -123,3 +138,109 @@ def write_chrome_trace(
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(chrome_trace(events, process_name, rank_offset)))
     return path
+
+
+def event_kind(name: str) -> str:
+    """What the event labelled ``name`` is: one of :data:`EVENT_KINDS` (``"F3 s0"`` -> ``F``,
+    ``"SEND_B1 s1->0"`` -> ``send``, ``"RECV_F0 s1<-0"`` -> ``receive``, ``"ALLREDUCE s0"`` ->
+    ``all-reduce``, ``"STEP"`` -> ``step``, :data:`OPTIMIZER_LABEL` -> ``optimizer``)."""
+    head = str(name).split(" ")[0].rstrip("0123456789")
+    if head in ("F", "B", "W"):
+        return head
+    if head.startswith("SEND"):
+        return "send"
+    if head.startswith("RECV"):
+        return "receive"
+    return {"ALLREDUCE": "all-reduce", "STEP": "step", OPTIMIZER_LABEL: "optimizer"}.get(head,
+                                                                                       "other")
+
+
+def read_chrome_trace(source: str | Path | dict) -> list[TimelineEvent]:
+    """The events of a trace written by :func:`write_chrome_trace` (a path, or its dict), in
+    file order: ``pid`` is the rank (``rank_offset`` 0), ``tid`` the lane, times in seconds.
+
+    Raises:
+        ValueError: not a Chrome trace (no ``traceEvents`` list), or an event lacks a field.
+    """
+    data = source if isinstance(source, dict) else json.loads(Path(source).read_text())
+    evs = data.get("traceEvents") if isinstance(data, dict) else None
+    if not isinstance(evs, list):
+        raise ValueError(f"{source if not isinstance(source, dict) else 'trace'}: not a Chrome "
+                         "trace (no traceEvents list)")
+    lanes = {tid: lane for lane, tid in LANES.items()}
+    out = []
+    for ev in evs:
+        if not isinstance(ev, dict) or ev.get("ph") != "X":
+            continue
+        try:
+            start = float(ev["ts"]) / 1e6
+            out.append(TimelineEvent(int(ev["pid"]), str(ev["name"]), start,
+                                     start + float(ev["dur"]) / 1e6,
+                                     lanes.get(int(ev.get("tid", 0)), "compute")))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"trace event {ev}: {type(e).__name__}: {e}") from None
+    return out
+
+
+def split_steps(events: Iterable[Sequence]) -> list[list[TimelineEvent]]:
+    """Cut a timeline of several training steps into steps.
+
+    On every rank a step ends with its ``STEP`` event; an :data:`OPTIMIZER_LABEL` event right
+    after it belongs to that step too. Step ``k`` holds the ``k``-th step of every rank (steps
+    that not every rank has, e.g. a last one cut short, are dropped). A timeline without
+    ``STEP`` events is one step.
+
+    Returns:
+        One list of :class:`TimelineEvent` per step, in order, each sorted by (rank, start).
+    """
+    per_rank: dict[int, list[TimelineEvent]] = {}
+    for ev in events:
+        e = TimelineEvent(*ev)
+        per_rank.setdefault(e.rank, []).append(e)
+    if not per_rank:
+        return []
+    steps_of: dict[int, list[list[TimelineEvent]]] = {}
+    for rank, evs in per_rank.items():
+        evs.sort(key=lambda e: (e.start_s, e.end_s))
+        steps: list[list[TimelineEvent]] = []
+        cur: list[TimelineEvent] = []
+        for e in evs:
+            kind = event_kind(e.name)
+            if kind == "optimizer" and steps and not cur:
+                steps[-1].append(e)
+                continue
+            cur.append(e)
+            if kind == "step":
+                steps.append(cur)
+                cur = []
+        if cur:
+            steps.append(cur)
+        steps_of[rank] = steps
+    n = min(len(s) for s in steps_of.values())
+    return [sorted((e for r in sorted(steps_of) for e in steps_of[r][k]),
+                   key=lambda e: (e.rank, e.start_s)) for k in range(n)]
+
+
+def step_window(events: Iterable[Sequence]) -> tuple[float, float]:
+    """``(first start, last end)`` over ``events`` (``(0, 0)`` when empty)."""
+    evs = list(events)
+    if not evs:
+        return 0.0, 0.0
+    return min(float(e[2]) for e in evs), max(float(e[3]) for e in evs)
+
+
+def idle_fractions(events: Iterable[Sequence], ranks: Iterable[int] | None = None,
+                   window: tuple[float, float] | None = None) -> dict[int, float]:
+    """Per rank, the idle share of ``window`` (default: the events' own span): ``1 - busy /
+    length`` where busy counts F/B/W seconds only (:data:`BUSY_KINDS`), the simulator's
+    definition of the bubble. ``ranks``: the ranks to report (a rank with no event is idle
+    throughout); default the ranks in ``events``."""
+    evs = [TimelineEvent(*e) for e in events]
+    start, end = window if window is not None else step_window(evs)
+    length = end - start
+    rs = sorted(set(ranks) if ranks is not None else {e.rank for e in evs})
+    busy = {r: 0.0 for r in rs}
+    for e in evs:
+        if e.rank in busy and event_kind(e.name) in BUSY_KINDS:
+            busy[e.rank] += max(0.0, min(e.end_s, end) - max(e.start_s, start))
+    return {r: (1.0 - busy[r] / length if length > 0 else 0.0) for r in rs}

@@ -155,10 +155,16 @@ def run(args) -> int:
     _check_launchable(spec, nnodes, args.rdzv_endpoint)
     check_output_dir(out, args.overwrite)
 
-    plan, graph = plan_from_spec(spec)
+    from fxpipe.reports.progress import PROGRESS_ENV, planning_progress, progress_mode
+
+    with planning_progress():  # a spinner with the planner's phases on a terminal
+        plan, graph = plan_from_spec(spec)
     _check_loss_fits(spec, plan)
     prepare_output_dir(out, args.overwrite)
     plan.dump(out, graph)
+    from fxpipe.reports.partition_picture import write_partition_picture
+
+    write_partition_picture(plan, out, graph)
     print(plan.summary(), flush=True)
 
     per_node = spec.cluster.devices_per_node
@@ -170,6 +176,7 @@ def run(args) -> int:
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault(PROGRESS_ENV, progress_mode())  # the workers' stdout is ours
     logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
     wait = int(spec.train.timeout_s)
     config = LaunchConfig(
@@ -206,5 +213,20 @@ def run(args) -> int:
             print(f"validation loss ({figures['eval_batches']} held-out batches): "
                   f"{figures['val_loss_initial']:.4f} at start -> "
                   f"{figures['val_loss_final']:.4f} after training", flush=True)
+    _write_report(out)
     print(f"done: outputs in {out}")
     return 0
+
+
+def _write_report(out: Path) -> None:
+    """The run's pictures and ``report.html`` (``fxpipe report`` writes them again); a failure
+    here is a warning: the training itself succeeded."""
+    from fxpipe.reports.report import write_report
+
+    try:
+        path = write_report(out)
+    except Exception as e:  # noqa: BLE001 - the run's outputs are kept whatever fails here
+        print(f"fxpipe: warning: could not write the run report: {type(e).__name__}: {e}; "
+              f"try `fxpipe report {out}`", file=sys.stderr, flush=True)
+        return
+    print(f"report: {path} (pictures: partition, timeline and training .png/.svg)", flush=True)

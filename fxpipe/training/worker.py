@@ -5,10 +5,12 @@ rebuild the model from the plan's spec (same seed everywhere), compile this rank
 (:func:`fxpipe.compile`: the same code path as a user's own training script) and train it with
 the plan's schedule in the spec's ``train.precision`` (fp32, or bf16/fp16 autocast with fp32
 master weights; fp16 with dynamic loss scaling), the spec's optimizer, learning-rate schedule,
-gradient clipping and accumulation. Rank 0 prints progress (step,
-loss, tokens/s) and writes ``losses.csv``; all ranks write checkpoints
-(torch.distributed.checkpoint, keyed by the original parameter FQNs) and rank 0 writes the
-measured timeline (Chrome trace JSON, one track per rank).
+gradient clipping and accumulation. Rank 0 shows progress (step, loss, tokens/s, time left: a
+bar on a terminal, plain lines otherwise, :mod:`fxpipe.reports.progress`), writes
+``environment.json`` (:mod:`fxpipe.training.run_record`) and ``losses.csv``; all ranks write
+checkpoints (torch.distributed.checkpoint, keyed by the original parameter FQNs) and rank 0
+writes the measured timeline (Chrome trace JSON, one track per rank, the optimizer steps
+included).
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ def train(plan_path: Path, out: Path) -> None:
     from fxpipe.training.checkpoint import save_checkpoint
     from fxpipe.training.compiled import compile
     from fxpipe.training.lr_schedule import build_scheduler, lr_factor
+    from fxpipe.training.run_record import OptimizerTimer, environment, write_environment
 
     plan = Plan.load(plan_path)
     spec = load_spec(plan.spec)
@@ -86,6 +89,13 @@ def train(plan_path: Path, out: Path) -> None:
     batches = make_batches(spec)
     k = t.grad_accumulation
     unit, items_per_step = _throughput_unit(plan, spec.data.batch_size * k)
+    env = environment(pipe.device)  # collective: every rank's device and host
+    if rank == 0:
+        from fxpipe.reports.progress import TrainingProgress
+
+        write_environment(out, env)
+        progress = TrainingProgress(t.steps, unit, t.log_every)
+    opt_timer = OptimizerTimer(rank)  # optimizer steps on the timeline
     losses_path = out / "losses.csv"
     fh = writer = None  # rank 0 creates losses.csv after the first step: a run that fails
     # before any step leaves no loss file, so its folder does not count as an earlier run
@@ -99,12 +109,14 @@ def train(plan_path: Path, out: Path) -> None:
                 loss += pipe.step(batch) / k
             except FxpipeError as e:
                 raise type(e)(f"step {step}: {e}") from None
+        opt_timer.start()
         norm = float(pipe.clip_grad_norm_(t.grad_clip)) if t.grad_clip else None
         if optimizer is not None:
             optimizer.step()
         if scheduler is not None:
             scheduler.step()
         pipe.zero_grad()
+        opt_timer.stop()
         dt = time.perf_counter() - t0
         if rank == 0:
             if writer is None:
@@ -114,22 +126,21 @@ def train(plan_path: Path, out: Path) -> None:
             writer.writerow([step, f"{loss:.6f}", f"{dt:.4f}", f"{items_per_step / dt:.1f}"])
             if step % t.log_every == 0 or step == t.steps - 1:
                 fh.flush()
-                lr = t.lr * lr_factor(step, t.steps, sched.warmup_steps, sched.decay, t.lr,
-                                      sched.min_lr)
-                extra = f"  lr {lr:.2e}" + (f"  grad norm {norm:.3f}" if norm is not None else "")
-                print(f"step {step:5d}/{t.steps}  loss {loss:.4f}  "
-                      f"{items_per_step / dt:9.0f} {unit}/s  {dt * 1e3:7.1f} ms/step{extra}",
-                      flush=True)
+            lr = t.lr * lr_factor(step, t.steps, sched.warmup_steps, sched.decay, t.lr,
+                                  sched.min_lr)
+            extra = f"  lr {lr:.2e}" + (f"  grad norm {norm:.3f}" if norm is not None else "")
+            progress.update(step, loss, items_per_step / dt, dt, extra)  # bar or plain lines
         every = t.checkpoint.every
         if every and (step + 1) % every == 0 and step + 1 < t.steps:
             save_checkpoint({0: pipe.module}, out / t.checkpoint.dir, step + 1)
     save_checkpoint({0: pipe.module}, out / t.checkpoint.dir, t.steps)
     wall = time.perf_counter() - t_start
     events = [None] * dist.get_world_size()
-    dist.all_gather_object(events, executor.events)
+    dist.all_gather_object(events, executor.events + opt_timer.events)
     peaks = [None] * dist.get_world_size()
     dist.all_gather_object(peaks, executor.peak_inflight)
     if rank == 0:
+        progress.close()
         fh.close()
         write_chrome_trace([e for evs in events for e in evs], out / "timeline.json",
                            process_name="fxpipe measured")
