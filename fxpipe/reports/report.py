@@ -162,7 +162,7 @@ def _overview(plan: Plan, measured: dict[str, Any], spec: dict) -> str:
                   f"steps, timeline.json)") if tl else "n/a"])
     rows.append(["bubble: mean idle share of the step per rank (busy = F/B/W)",
                  f"{100 * pred.bubble_fraction:.1f} %" if pred else "n/a",
-                 f"{100 * tl['bubble_fraction']:.1f} %" if tl else "n/a"])
+                 f"{100 * tl['bubble_fraction']:.1f} % (median)" if tl else "n/a"])
     if log is not None and log.step_times_s:
         body = log.step_times_s[1:] if len(log.step_times_s) > 1 else log.step_times_s
         rows.append([f"optimizer step: {plural(k, 'global batch')} + clipping and the optimizer",
@@ -297,12 +297,10 @@ def write_report(run_dir: str | Path, out: str | Path | None = None,
     parts.append("<h2>" + ("Auto-search ranking" if searched else "Planner's notes") + "</h2>")
     if plan.explain:
         parts.append(f'<pre id="explain">{_esc(chr(10).join(plan.explain))}</pre>')
-    else:
-        parts.append('<p class="note">the layout was fixed by the spec; the planner added no '
-                     "notes</p>")
     if not searched:
         parts.append('<p class="note">no search: the spec fixes pipeline, data, micro-batches '
-                     "and schedule</p>")
+                     "and schedule" + ("" if plan.explain else "; the planner added no notes")
+                     + "</p>")
     parts.append("<h2>Spec</h2>")
     parts.append(f'<pre id="spec">{_esc(yaml.safe_dump(spec, sort_keys=False))}</pre>')
     parts.append("<h2>Environment</h2>")

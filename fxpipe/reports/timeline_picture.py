@@ -108,9 +108,9 @@ def _measured_steps(events: Iterable[Sequence]) -> list[tuple[float, list[Timeli
 
 def measured_steps_summary(events: Iterable[Sequence], ranks: Iterable[int] | None = None
                            ) -> dict[str, float] | None:
-    """Measured figures of a multi-step timeline: ``steps``, ``step_time_s`` (median over the
-    steps, the first excluded when there are several) and ``bubble_fraction`` (mean idle share
-    over ranks and those steps). None when there is no step."""
+    """Measured figures of a multi-step timeline: ``steps``, ``step_time_s`` and
+    ``bubble_fraction`` (each step's mean idle share over the ranks), each the median over the
+    steps, the first excluded when there are several. None when there is no step."""
     steps = _measured_steps(events)
     if not steps:
         return None
@@ -121,7 +121,7 @@ def measured_steps_summary(events: Iterable[Sequence], ranks: Iterable[int] | No
         idle = idle_fractions(evs, rs, step_window(evs))
         bubbles.append(sum(idle.values()) / max(1, len(idle)))
     return {"steps": float(len(steps)), "step_time_s": statistics.median(d for d, _ in body),
-            "bubble_fraction": sum(bubbles) / len(bubbles)}
+            "bubble_fraction": statistics.median(bubbles)}
 
 
 def measured_panel(events: Iterable[Sequence], plan: "Plan | None" = None,
