@@ -5,9 +5,10 @@
 ``fxpipe.compile`` returns this rank's share of the model; everything else is the loop you
 would write for one process: AdamW with weight decay on the weight matrices only, a warm-up +
 cosine learning-rate schedule, gradient clipping, gradient accumulation, held-out evaluation,
-and torch.distributed.checkpoint (DCP) checkpoints of the model and the optimizer that a later
-run resumes from (``--resume``). The final weights load into the plain model in one process:
-``fxpipe.training.checkpoint.load_into_model(model, OUT/"model")``.
+and checkpoints (``fxpipe.training.checkpoint``: torch.distributed.checkpoint keyed by parameter
+name, atomic, validated on load) of the model, the optimizer, the schedule and the RNG that a
+later run resumes from (``--resume``), under this plan or another. The final weights load into
+the plain model in one process: ``fxpipe.training.checkpoint.load_into_model(model, OUT/"ckpt")``.
 
 Every rank feeds the same GLOBAL batch (the pipeline slices each replica's part and feeds the
 first stage the inputs and the last stage the targets), so the data loader only has to be
@@ -22,13 +23,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
-                                                     set_optimizer_state_dict)
 
 import fxpipe
 from fxpipe.examples.data import ByteBatches, python_source_text
 from fxpipe.examples.gpt import CharGPT
+from fxpipe.training.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 
 BATCH, SEQ = 16, 64  # global batch: 2 replicas x 4 micro-batches x 2 samples
 SPEC = {
@@ -49,9 +48,9 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--eval-every", type=int, default=10)
     ap.add_argument("--out", type=Path, default=Path("runs/example"))
-    ap.add_argument("--resume", action="store_true", help="continue from OUT/state")
+    ap.add_argument("--resume", action="store_true", help="continue from OUT/ckpt")
     ap.add_argument("--stop-after", type=int, default=None,
-                    help="save OUT/state and stop after this many steps (resume with --resume)")
+                    help="save a checkpoint and stop after this many steps (resume with --resume)")
     args = ap.parse_args()
     torch.set_num_threads(1)
 
@@ -74,18 +73,12 @@ def main() -> None:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / args.warmup)
                                               * 0.5 * (1 + math.cos(math.pi * s / args.steps)))
 
-    flat = StateDictOptions(flatten_optimizer_state_dict=True)  # keyed by parameter name
+    ckpt = args.out / "ckpt"
     start = 0
-    if args.resume:
-        state = {"model": pipe.state_dict(), "optim": get_optimizer_state_dict(pipe.module, opt,
-                                                                               options=flat),
-                 "step": torch.zeros((), dtype=torch.int64)}
-        dcp.load(state, checkpoint_id=str(args.out / "state"))
-        pipe.load_state_dict(state["model"])
-        set_optimizer_state_dict(pipe.module, opt, state["optim"], options=flat)
-        start = int(state["step"])
-        for _ in range(start):
-            sched.step()
+    if args.resume and latest_checkpoint(ckpt) is not None:
+        state = load_checkpoint(pipe.module, ckpt, optimizer=opt)  # model, optimizer, RNG
+        sched.load_state_dict(state["schedule"])
+        start = state["step"]
 
     end = args.steps if args.stop_after is None else min(args.steps, args.stop_after)
     for step in range(start, end):
@@ -108,17 +101,11 @@ def main() -> None:
             if rank0:
                 print(f"step {step:4d}  held-out loss {val:.4f}", flush=True)
 
-    # the plain model's checkpoint (loads into CharGPT in one process), and the resumable state
-    def writer(name: str) -> dcp.FileSystemWriter:
-        return dcp.FileSystemWriter(str(args.out / name), overwrite=True)
-
-    dcp.save(pipe.state_dict(), storage_writer=writer("model"))
-    dcp.save({"model": pipe.state_dict(),
-              "optim": get_optimizer_state_dict(pipe.module, opt, options=flat),
-              "step": torch.tensor(end)}, storage_writer=writer("state"))
+    # one checkpoint: loads into CharGPT in one process, and --resume continues from it
+    path = save_checkpoint(pipe.module, ckpt, end, optimizer=opt,
+                           train_state={"schedule": sched.state_dict()})
     if rank0:
-        print(f"saved {args.out / 'model'} (fxpipe.training.checkpoint.load_into_model) and "
-              f"{args.out / 'state'} (--resume)", flush=True)
+        print(f"saved {path} (fxpipe.training.checkpoint.load_into_model; --resume)", flush=True)
     dist.destroy_process_group()
 
 

@@ -1,4 +1,4 @@
-"""Command line: ``fxpipe plan|run|simulate|report|show|specs|profile``.
+"""Command line: ``fxpipe plan|run|simulate|report|show|specs|profile|export``.
 
 Every user error (a bad spec, an untraceable model, an impossible plan, a failed run) is printed
 as one clear message on stderr with exit code 2, never as a traceback. ``FXPIPE_DEBUG=1`` shows
@@ -47,6 +47,22 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--rdzv-endpoint", default=None,
                    help="host:port of the rendezvous (multi-node); default: loopback, free port")
     r.add_argument("--rdzv-id", default="fxpipe", help="torchrun --rdzv-id")
+    r.add_argument("--node-rank", type=int, default=None,
+                   help="this node's rank, 0 .. --nnodes - 1 (torchrun --node-rank; node 0 runs "
+                        "where --rdzv-endpoint points; default: node 0 there, the others in the "
+                        "order they join)")
+    r.add_argument("--bind", default=None, metavar="IFACE|ADDR",
+                   help="network interface (or its address) the rendezvous and the "
+                        "collectives listen on (multi-node; default: the one routing to the "
+                        "rendezvous endpoint; single node: loopback)")
+    r.add_argument("--resume", default=None, metavar="RUN_DIR",
+                   help="continue the run in RUN_DIR from its latest checkpoint (under the "
+                        "plan this spec gives now: another stage count, replicas or schedule)")
+
+    e = sub.add_parser("export", help="write a run's latest checkpoint as a plain state_dict "
+                                      "(torch.save) that the original model loads")
+    e.add_argument("run_dir", help="the folder of a `fxpipe run`")
+    e.add_argument("out", help="file to write, e.g. model.pt")
 
     s = sub.add_parser("simulate", help="predicted step time, bubble and memory per schedule")
     _add_spec_arg(s)
@@ -154,6 +170,15 @@ def _cmd_run(args) -> int:
     return run(args)
 
 
+def _cmd_export(args) -> int:
+    from fxpipe.training.export import export_run
+
+    path, n, step = export_run(args.run_dir, args.out)
+    print(f"wrote {path}: {n} tensors (the model after step {step}); load it with "
+          f"model.load_state_dict(torch.load({str(path)!r}))")
+    return 0
+
+
 def _cmd_specs(args) -> int:
     from fxpipe.specs.loader import list_bundled_specs
 
@@ -162,12 +187,17 @@ def _cmd_specs(args) -> int:
 
 
 COMMANDS = {"plan": _cmd_plan, "run": _cmd_run, "simulate": _cmd_simulate, "show": _cmd_show,
-            "specs": _cmd_specs, "profile": _cmd_profile, "report": _cmd_report}
+            "specs": _cmd_specs, "profile": _cmd_profile, "report": _cmd_report,
+            "export": _cmd_export}
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``fxpipe`` console script. Returns the process exit code."""
     args = _parser().parse_args(argv)
+    # torch's C++ warnings (with stack frames) stay out of the user's terminal; set before torch
+    # loads (commands import it lazily), inherited by the workers
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
+    os.environ.setdefault("TORCH_SHOW_CPP_STACKTRACES", "0")
     try:
         return COMMANDS[args.command](args)
     except FxpipeError as e:

@@ -40,3 +40,16 @@ class ScheduleError(PlanError):
 
     The message names the violated rule, the ranks/actions involved and the fix.
     """
+
+
+class TrainingStopped(RuntimeFailure):
+    """Training stopped for a reason that a restart would meet again (a non-finite loss, a
+    dataset that fails); ``fxpipe run`` does not retry it."""
+
+
+def first_line(e: BaseException) -> str:
+    """``Type: first line of the message`` (DCP and c10d messages carry whole tracebacks and C++
+    frames after it)."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    head = lines[0][:300] if lines and not lines[0].startswith("Traceback") else ""
+    return f"{type(e).__name__}: {head}" if head else type(e).__name__

@@ -4,11 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,14 +12,10 @@ import torch
 from fxpipe.examples.gpt import CharGPT
 from fxpipe.training.checkpoint import load_into_model
 
-REPO = Path(__file__).resolve().parents[1]
-
-
-def fxpipe_cli(*args, cwd=None, timeout=240):
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    env.pop("FXPIPE_DEBUG", None)
-    return subprocess.run([sys.executable, "-m", "fxpipe", *args], capture_output=True,
-                          text=True, cwd=cwd or REPO, env=env, timeout=timeout)
+try:
+    from cli_helpers import fxpipe_cli
+except ImportError:  # collected as a package
+    from tests.cli_helpers import fxpipe_cli
 
 
 TINY = """

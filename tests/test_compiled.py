@@ -13,6 +13,7 @@ DCP round trip of ``pipe.state_dict()`` and the misuse errors.
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 import pytest
@@ -173,6 +174,9 @@ def _worker(rank: int, zb_plan: dict, ckpt: str):
     dcp.load(sd, checkpoint_id=ckpt)
     pipe.load_state_dict(sd)
     out["dcp_roundtrip"] = all(np.array_equal(state[n], v) for n, v in _np(sd.items()).items())
+    from fxpipe.training.checkpoint import save_checkpoint
+
+    save_checkpoint(pipe.module, os.path.join(os.path.dirname(ckpt), "fxpipe"), 1)
     out["full_state_dict_loads"] = pipe.load_state_dict(tiny_gpt().state_dict()) is not None
     # misuse: another rank's parameters in the optimizer, a batch that does not split,
     # an optimizer step after the wrong number of step() calls
@@ -274,7 +278,7 @@ def test_evaluate_and_checkpoint(ranks):
         assert r["grads_untouched"] and r["dcp_roundtrip"] and r["full_state_dict_loads"]
         assert "pipe.train()" in r["eval_in_eval_mode_step"]
     fresh = tiny_gpt()
-    load_into_model(fresh, ckpt)
+    load_into_model(fresh, ckpt.parent / "fxpipe")  # fxpipe's checkpoint of the same state
     params = _merged(results, "sgd")
     for n, p in fresh.named_parameters():
         assert np.array_equal(p.detach().numpy(), params[n]), n
@@ -376,7 +380,6 @@ def test_fp16_overflowing_step_adds_nothing_to_the_accumulation():
 def test_example_script_trains_resumes_and_loads_into_the_plain_model(tmp_path):
     """examples/train_torchrun.py under torchrun: 4 steps, stopped after 2 and resumed; the
     final checkpoint loads into the plain CharGPT."""
-    import os
     import subprocess
     import sys
     from pathlib import Path
@@ -399,7 +402,7 @@ def test_example_script_trains_resumes_and_loads_into_the_plain_model(tmp_path):
     assert "step    0" not in second.stdout  # resumed at step 2
     model = CharGPT(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=64)
     before = model.h[0].fc.weight.detach().clone()
-    assert "h.0.fc.weight" in load_into_model(model, tmp_path / "model")
+    assert "h.0.fc.weight" in load_into_model(model, tmp_path / "ckpt")
     assert not torch.equal(before, model.h[0].fc.weight)
 
 

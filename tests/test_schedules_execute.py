@@ -7,8 +7,9 @@ mixed precision.
 * Skip connections across non-adjacent stages: ``LongSkip`` (below) makes a value in stage 0 that
   every later stage reads (``pipe_split()`` markers fix the cuts); GPipe, 1F1B, ZB-H1 (4 stages,
   p=4), interleaved and ZB-V (8 stages, p=4; and 4 stages, p=2) train exactly.
-* Mixed precision: bf16 trains with finite losses close to fp32, every value sent between ranks
-  keeps its plan dtype; fp16 with dynamic loss scaling skips overflowing steps on all ranks alike.
+* Mixed precision: bf16 trains with finite losses close to fp32, every float value sent between
+  ranks (and its gradient) travels in bf16; fp16 with dynamic loss scaling skips overflowing
+  steps on all ranks alike.
 
 Plans come from ``fxpipe.partitioner.driver.plan_with_graph`` (in the test process, once per configuration);
 each rank rebuilds its stage modules with ``fxpipe.partitioner.split.materialize_stages``. One process group per
@@ -36,7 +37,7 @@ from fxpipe.plans.plan import Plan
 from fxpipe.runtime.executor import PipelineExecutor
 from fxpipe.runtime.local_ranks import run_ranks
 from fxpipe.runtime.mesh import Mesh
-from fxpipe.runtime.precision import LossScaler, autocast_dtype
+from fxpipe.runtime.precision import LossScaler, autocast_dtype, message_dtype
 from fxpipe.schedule.actions import Action, Op, Schedule
 from fxpipe.schedule.lowering import schedule_for_plan
 from fxpipe.training.losses import cross_entropy
@@ -348,9 +349,10 @@ def test_skip_across_non_adjacent_stages(request, schedule, p, name):
 # ----------------------------------------------------------------------------- precision
 @pytest.mark.distributed
 @pytest.mark.parametrize("model", ["gpt", "cnn"])
-def test_bf16_trains_and_sends_plan_dtypes(world4, model):
+def test_bf16_trains_and_sends_16bit_messages(world4, model):
     """bf16 autocast with ZB-V, p=2, dp=2: finite losses close to fp32's, training progresses,
-    and every tensor sent between ranks (activations and gradients) has the plan's dtype."""
+    and every tensor sent between ranks (activations and gradients) has the plan's shape and
+    travels in bf16 when the plan says fp32 (``message_dtype``), in its plan dtype otherwise."""
     rows = _rows(world4, model=model, precision="bf16")
     assert len(rows) == 4
     plan = make_plan(model, 2, 2, "zb-v")
@@ -363,7 +365,8 @@ def test_bf16_trains_and_sends_plan_dtypes(world4, model):
         for what, dtype, shape in r["sent"]:
             value = re.search(r"'([^']+)'", what).group(1)
             info = plan.values[value]
-            assert dtype == getattr(torch, info.dtype) and list(shape) == info.shape, (what, dtype)
+            want = message_dtype(getattr(torch, info.dtype), "bf16")
+            assert dtype == want and list(shape) == info.shape, (what, dtype)
     if model == "cnn":  # conv stages make 16-bit values under autocast: the cast is what aligns
         assert any(r["raw16"] for r in rows)
     assert len({tuple(r["losses"]) for r in rows}) == 1

@@ -72,6 +72,9 @@ def make_batches(spec) -> Batches:
         source = fn(**kwargs)
     except SpecError:
         raise
+    except SystemExit as err:
+        raise SpecError(f"{_head(spec)}: calling {ref} called sys.exit({err.code!r}); a dataset "
+                        "callable must return the data") from None
     except Exception as err:  # the user's (or the bundled) dataset callable failed
         raise SpecError(
             f"{_head(spec)}: calling {ref}({', '.join(f'{k}={v!r}' for k, v in kwargs.items())}) "
@@ -229,6 +232,9 @@ def get_batch(batches: Batches, spec: ParallelSpec, step: int, split: str = "tra
         raw = batches.get(step, split)
     except SpecError:
         raise
+    except SystemExit as err:
+        raise SpecError(f"{head}: get({step}, {split!r}) called sys.exit({err.code!r}); it must "
+                        "return the batch") from None
     except Exception as err:  # the user's get() failed
         raise SpecError(f"{head}: get({step}, {split!r}) of the object that {spec.data.dataset} "
                         f"returned raised {type(err).__name__}: "

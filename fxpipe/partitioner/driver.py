@@ -23,7 +23,7 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensor
 
 from fxpipe.data.batches import example_microbatch
-from fxpipe.errors import PlanError, TraceError
+from fxpipe.errors import PlanError, SpecError, TraceError
 from fxpipe.partitioner.blocks import KEEP, UnitTable, find_block_run, fold, reduced
 from fxpipe.partitioner.boundaries import GUARDS_FN, stage_boundaries
 from fxpipe.partitioner.cost import NodeCost, price
@@ -32,6 +32,7 @@ from fxpipe.partitioner.problem import CutProblem, PartitionResult, Value, evalu
 from fxpipe.partitioner.profile import (SendCost, load_profile, load_send_cost, profile_graph,
                                         profile_key, save_profile)
 from fxpipe.partitioner.recompute import apply_recompute, cheap_values, is_clone
+from fxpipe.partitioner.servers import assign_servers, even_server_bytes
 from fxpipe.partitioner.search import Candidate, candidates, stage_inflight
 from fxpipe.partitioner.solvers import optimal_partition
 from fxpipe.partitioner.timing import NodeTimes, analytic_times, sum_times
@@ -42,8 +43,9 @@ from fxpipe.plans.placement import (nodes_of_stage_rank, pair_crosses_nodes, rin
                                     stage_to_rank)
 from fxpipe.schedule.lowering import build_schedule
 from fxpipe.schedule.simulate import Links, SimResult, StageCosts, predict, simulate
-from fxpipe.specs.loader import build_model, load_spec
-from fxpipe.specs.schema import OPTIMIZER_STATE_FACTOR, ParallelSpec, stages_per_rank
+from fxpipe.specs.loader import build_model, load_spec, spec_location
+from fxpipe.specs.schema import (OPTIMIZER_STATE_FACTOR, ParallelSpec,
+                                 compression_rank_problems, stages_per_rank)
 from fxpipe.units import human_bytes, plural
 
 #: the planner's phases (tracing, pricing, profiling, the auto search), at INFO: silent unless a
@@ -395,11 +397,13 @@ def _simulate_cut(pr: Priced, prefix: np.ndarray, problem: CutProblem,
     sched = build_schedule(cand.schedule, cand.pipeline, cand.microbatches, cand.virtual_stages,
                            set(fwd), set(grad))
     cl = spec.cluster
+    servers = cl.parameter_servers if spec.train.updates == "async" else 0
     links = Links.from_cluster(cand.pipeline, cand.dp, cl.nodes, cl.devices_per_node,
                                cl.links.intra_node_GBps, cl.links.inter_node_GBps,
-                               cl.links.latency_s, cand.layout)
+                               cl.links.latency_s, cand.layout, servers)
     return simulate(sched, costs, fwd, links, dp=cand.dp, allreduce_bytes=list(
-        result.param_bytes), grad_edge_bytes=grad, check=False, timeline=False)
+        result.param_bytes), grad_edge_bytes=grad, check=False, timeline=False,
+        server_bytes=even_server_bytes(list(result.param_bytes), servers) if servers else None)
 
 
 def _assemble_folded(pr: Priced, result: PartitionResult, cand: Candidate, spec: ParallelSpec,
@@ -513,8 +517,10 @@ def _block_range(run, block_stage: list[int], s: int) -> str:
 
 def _ring_s(nbytes: float, n: int, spec: ParallelSpec, pipeline: int, dp: int,
             layout: str = "pipeline-inner") -> float:
-    """Seconds of a ring all-reduce of ``nbytes`` over ``n`` ranks on the link its group uses."""
-    if n <= 1 or nbytes <= 0:
+    """Seconds of a ring all-reduce of ``nbytes`` over ``n`` ranks on the link its group uses
+    (0 under async updates: parameter servers replace the all-reduce, and the bounds this
+    serves stay valid)."""
+    if n <= 1 or nbytes <= 0 or spec.train.updates == "async":
         return 0.0
     links = spec.cluster.links
     crosses = ring_crosses_nodes(0, pipeline, dp, spec.cluster.devices_per_node, layout)
@@ -641,6 +647,22 @@ def _nothing_fits(pr: Priced, spec: ParallelSpec, failed: list) -> PlanError:
                      "devices with more memory (cluster.memory_gb)")
 
 
+def _check_compression_rank(model: nn.Module, spec: ParallelSpec) -> None:
+    """``train.compression.rank`` against the model's matrix parameters (PowerSGD).
+
+    Raises:
+        SpecError: ``FILE:LINE: train.compression.rank: ...`` naming the smallest matrix."""
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters() if p.requires_grad}
+    problems = compression_rank_problems(spec, shapes)
+    if problems:
+        lines = []
+        for path, text in problems:
+            dotted = ".".join(path)
+            where = spec_location(spec, dotted)
+            lines.append(f"{where}: {dotted}: {text}" if where else f"{dotted}: {text}")
+        raise SpecError("\n".join(lines))
+
+
 def plan_with_graph(model: nn.Module, spec: Any, example_inputs: Any = None,
                     example_kwargs: dict | None = None, *, cuts: list[int] | None = None,
                     units_only: bool = False) -> tuple[Plan, "nx.DiGraph"]:
@@ -652,6 +674,7 @@ def plan_with_graph(model: nn.Module, spec: Any, example_inputs: Any = None,
     ``units_only``: return ``(unit table, None)`` without planning (see
     :func:`planning_units`)."""
     spec = as_spec(spec)
+    _check_compression_rank(model, spec)
     if example_inputs is None and example_kwargs is None:
         batch = example_microbatch(spec, 1)
         args, kwargs = batch.args, batch.kwargs
@@ -738,6 +761,11 @@ def plan_with_graph(model: nn.Module, spec: Any, example_inputs: Any = None,
         plan = _assemble_folded(pr, result, cand, spec, mbs, explain)
     else:
         plan = _assemble(pr, result, cand, spec, mbs, explain)
+    if spec.train.updates == "async":
+        assign_servers(plan, {n: p.numel() * p.element_size()
+                              for n, p in given.named_parameters(remove_duplicate=False)}, spec)
+        if not plan.folded:  # priced again with the servers' real shares
+            plan.predicted = predict(plan)
     if spec.cluster.nodes > 1:
         plan.explain.append(_placement_note(plan, spec))
     if cand.recompute:

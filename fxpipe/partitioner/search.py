@@ -99,15 +99,15 @@ def candidates(spec: ParallelSpec, max_stages: int | None = None) -> list[Candid
             the message says "cannot cut N units into K stages" and how many stages fit.
         ScheduleError: fixed (not ``auto``) schedule and micro-batches that the schedule rejects.
     """
-    par, world = spec.parallel, spec.cluster.world_size
+    par, world = spec.parallel, spec.cluster.trainers  # the parameter servers do not train
     pps = _divisors(world) if par.pipeline == "auto" else [par.pipeline]
     spread = spec.cluster.nodes > 1  # only then does the layout decide which link a group uses
     out = []
     too_many: tuple[int, int, int] | None = None  # (stages, pipeline, stages per rank), smallest
     for pp in pps:
         dp = world // pp if par.data == "auto" else par.data
-        if pp * dp != world:
-            continue
+        if pp * dp != world or (dp == 1 and spec.train.updates == "async"):
+            continue  # (async updates need several replicas)
         per_replica = spec.data.batch_size // dp
         if spec.data.batch_size % dp:
             continue

@@ -13,6 +13,8 @@ stages with them, the runtime's mesh builds its groups with them and the views p
   nodes; ``data-inner`` ``pipeline_rank * dp + replica``, so a stage's replicas share a node
   (the all-reduce stays inside it) and the pipeline strides across nodes.
 * Global rank -> node: ``rank // devices_per_node``.
+* Parameter servers (``train.updates: async``): the last ranks, after the grid
+  (:func:`server_ranks`), so they take the last node's last devices.
 """
 
 from __future__ import annotations
@@ -74,3 +76,17 @@ def nodes_of_stage_rank(pipe_rank: int, pipeline: int, dp: int, devices_per_node
     """The nodes holding pipeline rank ``pipe_rank`` in some replica."""
     return {node_of(global_rank(pipe_rank, d, pipeline, dp, layout), devices_per_node)
             for d in range(dp)}
+
+
+def server_ranks(pipeline: int, dp: int, servers: int) -> list[int]:
+    """Global ranks of ``servers`` parameter servers: the ones after the ``pipeline x dp`` grid."""
+    return list(range(pipeline * dp, pipeline * dp + servers))
+
+
+def server_link_crosses_nodes(pipe_rank: int, server_rank: int, pipeline: int, dp: int,
+                              devices_per_node: int, layout: str = "pipeline-inner") -> bool:
+    """Whether pipeline rank ``pipe_rank`` sits on another node than global rank ``server_rank``
+    in any replica (the slowest replica's link bounds the step)."""
+    home = node_of(server_rank, devices_per_node)
+    return any(node_of(global_rank(pipe_rank, d, pipeline, dp, layout), devices_per_node) != home
+               for d in range(dp))

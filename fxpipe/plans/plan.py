@@ -144,6 +144,12 @@ class Plan:
         placement: how the pipeline x data grid lies on the ranks and nodes
             (:data:`fxpipe.plans.placement.LAYOUTS`): ``pipeline-inner`` keeps each pipeline's
             stages on adjacent ranks, ``data-inner`` each stage's replicas.
+        parameter_servers: global ranks of the parameter servers (``train.updates: async``),
+            the last ranks after the ``pipeline x dp`` grid; empty for sync updates.
+        server_params: canonical parameter FQN -> index of the server holding it (and its
+            optimizer state), ``0 .. len(parameter_servers)-1``.
+        server_stage_bytes: ``[stage][server]``: bytes of the stage's parameters held by that
+            server, which the stage pushes (gradients) and pulls (weights) every step.
     """
 
     model: str
@@ -170,12 +176,15 @@ class Plan:
     recomputed: dict[str, list[int]] = field(default_factory=dict)
     folded: dict[str, Any] = field(default_factory=dict)
     placement: str = "pipeline-inner"
+    parameter_servers: list[int] = field(default_factory=list)
+    server_params: dict[str, int] = field(default_factory=dict)
+    server_stage_bytes: list[list[int]] = field(default_factory=list)
 
     # ------------------------------------------------------------------ derived views
     @property
     def world_size(self) -> int:
-        """Number of ranks: ``pipeline * dp``."""
-        return self.pipeline * self.dp
+        """Number of ranks: ``pipeline * dp`` plus the parameter servers."""
+        return self.pipeline * self.dp + len(self.parameter_servers)
 
     def stage_of_node(self) -> dict[str, int]:
         """Map FX node name -> stage index."""
@@ -261,7 +270,37 @@ class Plan:
         d["values"] = {k: ValueInfo(**v) for k, v in d["values"].items()}
         if d.get("predicted") is not None:
             d["predicted"] = Predicted(**d["predicted"])
-        return cls(**d)
+        plan = cls(**d)
+        problems = plan.inconsistencies()
+        if problems:
+            raise ValueError("plan.json: " + "; ".join(problems[:5]) + f"; {_RECREATE}")
+        return plan
+
+    def inconsistencies(self) -> list[str]:
+        """Fields that contradict each other (each a phrase; empty for a sound plan)."""
+        out = []
+        if self.num_stages != len(self.stages):
+            out.append(f"num_stages is {self.num_stages} but it lists {len(self.stages)} stages")
+        if sorted(s.index for s in self.stages) != list(range(len(self.stages))):
+            out.append("the stages' indices are not 0 .. num_stages-1")
+        for name in ("pipeline", "dp", "microbatches", "virtual_stages", "microbatch_size"):
+            if getattr(self, name) < 1:
+                out.append(f"{name} is {getattr(self, name)}; it must be at least 1")
+        if self.pipeline >= 1 and self.virtual_stages >= 1 and \
+                self.pipeline * self.virtual_stages != self.num_stages:
+            out.append(f"pipeline x virtual_stages = {self.pipeline} x {self.virtual_stages} is "
+                       f"not num_stages = {self.num_stages}")
+        if self.model_output not in self.values:
+            out.append(f"model_output {self.model_output!r} is not among the values")
+        missing = [n for n in self.model_inputs if n not in self.values]
+        if missing:
+            out.append(f"model inputs {missing[:3]} are not among the values")
+        for name, v in self.values.items():
+            if v.producer >= self.num_stages or any(c >= self.num_stages or c < 0
+                                                     for c in v.consumers):
+                out.append(f"value {name!r} names a stage outside 0..{self.num_stages - 1}")
+                break
+        return out
 
     def to_json(self) -> str:
         """Deterministic JSON text (sorted keys, 2-space indent)."""
@@ -289,6 +328,9 @@ class Plan:
             data = json.loads(path.read_text())
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}: not a plan JSON file ({e})") from None
+        except RecursionError:
+            raise ValueError(f"{path}: nested too deeply to be a plan JSON file; "
+                             f"{_RECREATE}") from None
         if not isinstance(data, dict) or "stages" not in data:
             raise ValueError(f"{path}: not a plan JSON file (no 'stages' key)")
         return cls.from_dict(data)
@@ -314,7 +356,8 @@ _RECREATE = "re-create it with `fxpipe plan`"
 
 def _type_ok(value: Any, tp: Any) -> bool:
     """Whether a JSON value fits a dataclass field annotation (int excludes bool; a float field
-    takes an int; a nested dataclass is a mapping; dict contents are not checked)."""
+    takes an int; a nested dataclass is a mapping, checked on its own; a ``dict[str, V]``'s keys
+    are strings and its values fit ``V``)."""
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         return any(_type_ok(value, a) for a in typing.get_args(tp))
@@ -327,7 +370,13 @@ def _type_ok(value: Any, tp: Any) -> bool:
         if not isinstance(value, list):
             return False
         return not args or all(_type_ok(v, args[0]) for v in value)
-    if origin is dict or tp is dict or dataclasses.is_dataclass(tp):
+    if origin is dict:
+        args = typing.get_args(tp)
+        if not isinstance(value, dict):
+            return False
+        return not args or all(isinstance(k, str) and _type_ok(v, args[1])
+                               for k, v in value.items())
+    if tp is dict or dataclasses.is_dataclass(tp):
         return isinstance(value, dict)
     if tp is int:
         return isinstance(value, int) and not isinstance(value, bool)

@@ -9,19 +9,21 @@ summed over every rank holding them in every replica and divided by the number o
 
 DDP is deliberately not used: in torch 2.13 DDP composed with pipeline schedules asserts at the
 second GPipe step and gives wrong gradients with ``static_graph=True`` (see FIELD-NOTES).
+
+What a bucket sends (exact fp32, 16-bit casts, PowerSGD, top-k) is its reducer's job
+(:mod:`fxpipe.runtime.compression`); a bucket of the same parameters is reused step after step,
+so a compression's error feedback carries over.
 """
 
 from __future__ import annotations
 
-import datetime
 from typing import Sequence
 
 import torch
 import torch.distributed as dist
 
 from fxpipe.errors import RuntimeFailure
-
-COMPRESSIONS = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
+from fxpipe.runtime.compression import Compression, as_compression, make_reducer
 
 
 class GradBucket:
@@ -36,21 +38,26 @@ class GradBucket:
         group: process group (``None``: a group of one rank; nothing is communicated, the
             gradient is only divided by ``divisor``).
         divisor: the summed gradient is divided by this (the number of replicas).
-        compression: ``"none"`` (exact, fp32 sum), ``"fp16"`` or ``"bf16"`` (the flat buffer is
-            pre-divided and cast to 16 bits for the all-reduce: half the bytes, not exact).
+        compression: ``"none"`` (exact, fp32 sum), ``"fp16"`` / ``"bf16"`` (the flat buffer is
+            pre-divided and cast to 16 bits: half the bytes, not exact), ``"powersgd"`` /
+            ``"topk"``, or a :class:`~fxpipe.runtime.compression.Compression` with settings.
+
+    Attributes:
+        bytes_sent: bytes this rank sent for the bucket's last all-reduce (ring algorithm).
+
+    Raises:
+        RuntimeFailure: unknown compression, or a PowerSGD rank larger than a matrix's side.
     """
 
     def __init__(self, name: str, params: Sequence[torch.nn.Parameter], group, divisor: float,
-                 compression: str = "none"):
-        if compression not in COMPRESSIONS:
-            raise RuntimeFailure(
-                f"gradient compression {compression!r} is unknown; use one of "
-                f"{sorted(COMPRESSIONS)}")
+                 compression: "str | Compression" = "none"):
         self.name, self.params, self.group = name, list(params), group
-        self.divisor, self.compression = float(divisor), compression
-        self._work = None
-        self._flat: torch.Tensor | None = None
+        self.divisor, self.compression = float(divisor), as_compression(compression)
+        self._reducer = (make_reducer(self.compression, [p.shape for p in self.params], group,
+                                      divisor) if group is not None and self.params else None)
+        self._busy = False
         self.launched = False
+        self.bytes_sent = 0
         self.nbytes = sum(p.numel() * p.element_size() for p in self.params)
 
     def launch(self) -> None:
@@ -70,11 +77,27 @@ class GradBucket:
             (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
             for p in self.params
         ])
-        wire = COMPRESSIONS[self.compression]
-        if wire is not None:
-            flat = flat.div_(self.divisor).to(wire)
-        self._flat = flat
-        self._work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        self._reducer.launch(flat)
+        self._busy = True
+
+    def _failed(self, e: Exception, timeout_s: float) -> RuntimeFailure:
+        return RuntimeFailure(
+            f"{self.name} gradient all-reduce ({self.nbytes} bytes) failed or timed out after "
+            f"{timeout_s:g} s: {e}. Check the other ranks' logs; raise train.timeout_s if a "
+            "peer is only slow")
+
+    def progress(self, timeout_s: float) -> None:
+        """Start a multi-round compression's next round (PowerSGD's second all-reduce); call
+        on every rank of the group at the same point, in the buckets' launch order.
+
+        Raises:
+            RuntimeFailure: the first round failed or timed out.
+        """
+        if self._busy:
+            try:
+                self._reducer.progress(timeout_s)
+            except Exception as e:  # gloo/NCCL raise RuntimeError / DistBackendError
+                raise self._failed(e, timeout_s) from None
 
     def wait(self, timeout_s: float) -> None:
         """Wait for the all-reduce and write the averaged gradient back into every ``.grad``.
@@ -85,20 +108,14 @@ class GradBucket:
         """
         if not self.launched:
             raise RuntimeFailure(f"{self.name} all-reduce waited before it was launched (bug)")
-        if self._work is None:
+        if not self._busy:
             return
         try:
-            self._work.wait(datetime.timedelta(seconds=timeout_s))
+            flat = self._reducer.result(timeout_s)
         except Exception as e:  # gloo/NCCL raise RuntimeError / DistBackendError
-            raise RuntimeFailure(
-                f"{self.name} gradient all-reduce ({self.nbytes} bytes) failed or timed out after "
-                f"{timeout_s:g} s: {e}. Check the other ranks' logs; raise train.timeout_s if a "
-                "peer is only slow") from None
-        flat = self._flat
-        if COMPRESSIONS[self.compression] is not None:
-            flat = flat.to(self.params[0].dtype)
-        else:
-            flat.div_(self.divisor)
+            raise self._failed(e, timeout_s) from None
+        self._busy = False
+        self.bytes_sent = self._reducer.bytes_sent
         offset = 0
         for p in self.params:
             n = p.numel()
@@ -108,14 +125,23 @@ class GradBucket:
             else:
                 p.grad.copy_(g)
             offset += n
-        self._work = None
-        self._flat = None
+
+    def end_step(self, applied: bool) -> None:
+        """The step's gradients were applied, or (``applied=False``: an fp16 step skipped for
+        inf/NaN gradients) dropped: then the compression's error memory is rolled back."""
+        if self._reducer is not None:
+            self._reducer.end_step(applied)
+
+    def residual(self) -> torch.Tensor | None:
+        """The error memory of a compression with error feedback (what this rank's gradients
+        still owe the group, flat, in parameter order); None when nothing is kept."""
+        return self._reducer.residual() if self._reducer is not None else None
 
     def reset(self) -> None:
         """Forget this step's state (call after the optimizer step)."""
         self.launched = False
-        self._work = None
-        self._flat = None
+        self._busy = False
+        self.bytes_sent = 0
 
 
 class GradSynchronizer:
@@ -130,12 +156,14 @@ class GradSynchronizer:
         compression: see :class:`GradBucket`.
 
     Order of launches is deterministic (the order of :meth:`stage_done` calls, parameters in module
-    order), so replicas running the same action list launch matching buckets.
+    order), so replicas running the same action list launch matching buckets. A bucket is kept
+    for the same parameters step after step (a compression's error memory lives in it).
     """
 
     def __init__(self, stage_params: dict[int, list[torch.nn.Parameter]],
-                 shared: dict[int, tuple[tuple[int, ...], str]], mesh, compression: str = "none"):
-        self.mesh, self.compression = mesh, compression
+                 shared: dict[int, tuple[tuple[int, ...], str]], mesh,
+                 compression: "str | Compression" = "none"):
+        self.mesh, self.compression = mesh, as_compression(compression)
         self._users: dict[int, set[int]] = {}
         self._param: dict[int, torch.nn.Parameter] = {}
         self._order: list[int] = []
@@ -162,6 +190,7 @@ class GradSynchronizer:
                                 mesh.replica_group(key), mesh.dp, compression)
             self._shared_buckets.append((users, bucket))
         self._buckets: list[GradBucket] = []
+        self._dp_buckets: dict[tuple[int, ...], GradBucket] = {}  # by parameter ids, all steps
         self._done: set[int] = set()
         self._launched_params: set[int] = set()
 
@@ -178,8 +207,12 @@ class GradSynchronizer:
                  and self._users[pid] <= self._done]
         if ready:
             self._launched_params.update(ready)
-            bucket = GradBucket(f"stage {stage} data-parallel", [self._param[p] for p in ready],
-                                self.mesh.dp_group, self.mesh.dp, self.compression)
+            key = tuple(ready)
+            bucket = self._dp_buckets.get(key)
+            if bucket is None:
+                bucket = self._dp_buckets[key] = GradBucket(
+                    f"stage {stage} data-parallel", [self._param[p] for p in ready],
+                    self.mesh.dp_group, self.mesh.dp, self.compression)
             bucket.launch()
             self._buckets.append(bucket)
         for users, bucket in self._shared_buckets:
@@ -187,23 +220,36 @@ class GradSynchronizer:
                 bucket.launch()
 
     def finish(self, timeout_s: float) -> None:
-        """Launch whatever is left (stages without an ``ALLREDUCE`` action) and wait for all.
+        """Launch whatever is left (stages without an ``ALLREDUCE`` action), start every
+        bucket's next round (PowerSGD), in launch order, then wait for all.
 
         Raises:
             RuntimeFailure: an all-reduce timed out or failed.
         """
         for s in sorted(set().union(*self._users.values()) - self._done) if self._users else []:
             self.stage_done(s)
-        for bucket in self._buckets:
-            bucket.wait(timeout_s)
         for _, bucket in self._shared_buckets:
             bucket.launch()
+        for bucket in self.buckets:
+            bucket.progress(timeout_s)
+        for bucket in self.buckets:
             bucket.wait(timeout_s)
+
+    @property
+    def bytes_sent(self) -> int:
+        """Bytes this rank sent for this step's all-reduces (after :meth:`finish`)."""
+        return sum(b.bytes_sent for b in self.buckets)
+
+    def end_step(self, applied: bool) -> None:
+        """After :meth:`finish`: the step's gradients were applied, or dropped (an fp16 step
+        skipped for inf/NaN gradients; the compressions' error memory is rolled back)."""
+        for bucket in self.buckets:
+            bucket.end_step(applied)
 
     def reset(self) -> None:
         """Start a new step."""
+        for bucket in self.buckets:
+            bucket.reset()
         self._buckets = []
         self._done = set()
         self._launched_params = set()
-        for _, bucket in self._shared_buckets:
-            bucket.reset()

@@ -18,7 +18,8 @@ its action list from the :class:`~fxpipe.schedule.actions.Schedule` once per tra
   2023). A value read by several stages receives the SUM of
   their gradients before its producer's backward.
 * ``ALLREDUCE`` - start the asynchronous data-parallel all-reduce of the stage's gradients
-  (:mod:`fxpipe.runtime.data_parallel`; tied parameters summed across the stages holding them).
+  (:mod:`fxpipe.runtime.data_parallel`; tied parameters summed across the stages holding them;
+  exact, or compressed by :mod:`fxpipe.runtime.compression`).
 * ``STEP`` - wait for the all-reduces and outstanding sends, ``optimizer.step()``, clear gradients
   (with ``optimizer=None`` the gradients stay in ``.grad`` and accumulate over steps).
 
@@ -27,9 +28,12 @@ in the schedule's order) without gradients: the batch's loss for evaluation.
 
 Mixed precision (``precision="bf16"``/``"fp16"``, :mod:`fxpipe.runtime.precision`): each stage's
 forward and the loss run under ``torch.autocast(device.type, dtype)``; parameters, gradients and
-the optimizer stay fp32. Every value sent to another stage is cast to its dtype in the plan
-(``ValueInfo.dtype``, fp32 for an fp32-traced model) before it leaves the stage, so receive
-buffers, same-rank hand-overs and the gradients sent back all keep the plan's dtypes. fp16 adds
+the optimizer stay fp32. Every fp32 value (in the plan, ``ValueInfo.dtype``) that goes from one
+stage to another travels in the 16-bit dtype, and so does its gradient on the way back
+(:func:`~fxpipe.runtime.precision.message_dtype`; integer and bool values as they are): half
+the bytes. The receiver casts it back to the plan dtype, so its stage computes as planned; a
+value handed over in memory (two stages on one rank) is rounded the same way, so the numbers do
+not depend on the placement. fp16 adds
 dynamic loss scaling (``torch.amp.GradScaler`` semantics): the loss is multiplied by the scale
 before the backward, each gradient is divided by it before its data-parallel all-reduce, and a
 step with an inf/NaN gradient on any rank is skipped on every rank (one extra world all-reduce
@@ -37,6 +41,7 @@ of a flag per step) while the scale backs off.
 
 Activations of a micro-batch are released after its last backward (``B``, or ``W`` when split).
 The executor counts the micro-batches whose activations are held per stage (peak in flight) and
+the bytes it sends per step (:class:`BytesSent`: stage messages, gradient all-reduces), and
 records one wall-clock event per action for Chrome traces. The schedule format and per-rank action
 lists follow torch.distributed.pipelining's ``_Action`` IR; no DDP is used (see data_parallel).
 """
@@ -45,6 +50,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Callable
 
 import torch
@@ -56,9 +62,10 @@ from fxpipe.plans.plan import Plan
 from fxpipe.plans.values import MODEL_INPUT, needs_grad
 from fxpipe.runtime import p2p
 from fxpipe.runtime.checks import check_actions, check_fits
+from fxpipe.runtime.compression import Compression, as_compression
 from fxpipe.runtime.data_parallel import GradSynchronizer
 from fxpipe.runtime.mesh import Mesh
-from fxpipe.runtime.precision import LossScaler, autocast_dtype, found_nonfinite
+from fxpipe.runtime.precision import LossScaler, autocast_dtype, found_nonfinite, message_dtype
 from fxpipe.runtime.stage import StageWork
 from fxpipe.schedule.actions import Action, Op, Schedule
 from fxpipe.schedule.timeline import TimelineEvent, action_label
@@ -76,6 +83,23 @@ Event = TimelineEvent
 
 
 @dataclass
+class BytesSent:
+    """Bytes one rank sent: ``messages`` (activations and their gradients to the stages of other
+    pipeline ranks, point to point) and ``gradients`` (its data-parallel all-reduces, counted as
+    the ring algorithms send them: ``2 (n-1)/n x`` the payload of an all-reduce over ``n``
+    ranks, ``(n-1) x`` that of an all-gather). The loss and inf/NaN-flag all-reduces (a few
+    bytes) are not counted."""
+
+    messages: int = 0
+    gradients: int = 0
+
+    @property
+    def total(self) -> int:
+        """``messages + gradients``."""
+        return self.messages + self.gradients
+
+
+@dataclass
 class _StepState:
     """What one step's actions hand each other across stages and ranks."""
 
@@ -89,6 +113,7 @@ class _StepState:
     stepped: bool = False
     posted: dict[int, list[tuple[str, p2p.Pending]]] = field(default_factory=dict)  # by index
     index: int = -1  # index of the action being run
+    message_bytes: int = 0  # sent to other ranks this step
 
 
 class PipelineExecutor:
@@ -113,14 +138,22 @@ class PipelineExecutor:
             exactly: each all-reduce sums only its own step's gradients, tied ones included;
             an fp16 step skipped for inf/NaN gradients adds nothing).
         timeout_s: seconds any single wait (receive, send, all-reduce) may take.
-        grad_compression: ``"none"`` (exact), ``"fp16"`` or ``"bf16"`` all-reduce payloads.
+        grad_compression: ``"none"`` (exact), ``"fp16"`` / ``"bf16"`` all-reduce payloads,
+            ``"powersgd"`` / ``"topk"`` (default settings), or a
+            :class:`~fxpipe.runtime.compression.Compression` with its settings (spec
+            ``train.grad_compression`` and ``train.compression``).
         precision: ``"fp32"`` (default, exact), ``"bf16"`` or ``"fp16"``: forward and loss under
-            ``torch.autocast`` with fp32 master weights (spec ``train.precision``); values sent
-            between stages keep the plan's dtypes.
+            ``torch.autocast`` with fp32 master weights (spec ``train.precision``); fp32 values
+            sent between stages, and their gradients, travel in the 16-bit dtype.
         loss_scaler: the :class:`~fxpipe.runtime.precision.LossScaler` to use; default a new one
             for ``"fp16"`` and none otherwise (a scaler given with bf16/fp32 is used too).
         needs_target: False when the model computes its own loss (its labels are a model
             input): :meth:`step` then takes ``target=None``.
+        sync_gradients: True (default): all-reduce the gradients over the replicas (and sum
+            tied ones over the ranks holding them); False (``train.updates: async``): each
+            replica keeps its own gradients, which parameter servers sum and apply
+            (:mod:`fxpipe.runtime.parameter_server`), and :meth:`step` returns the replica's
+            loss, reduced over its pipeline only (no rank waits for another replica).
 
     Attributes:
         events: one :data:`Event` ``(rank, label, start_s, end_s, lane)`` per executed action,
@@ -131,6 +164,8 @@ class PipelineExecutor:
         step_starts_s: start of each step, same clock as ``events``.
         skipped_steps: indices (0-based, counted by :meth:`step` calls) of the steps whose
             optimizer step was skipped because a gradient was inf/NaN (loss scaling only).
+        step_bytes_sent: one :class:`BytesSent` per :meth:`step`; :attr:`bytes_sent` is their
+            sum.
 
     Raises:
         ScheduleError: the schedule does not match the plan (ranks, stages, micro-batches) or lacks
@@ -141,9 +176,11 @@ class PipelineExecutor:
     def __init__(self, plan: Plan, schedule: Schedule, stage_modules: dict[int, nn.Module],
                  mesh: Mesh, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                  optimizer: torch.optim.Optimizer | None, timeout_s: float = 300.0, *,
-                 grad_compression: str = "none", precision: str = "fp32",
-                 loss_scaler: LossScaler | None = None, needs_target: bool = True):
+                 grad_compression: "str | Compression" = "none", precision: str = "fp32",
+                 loss_scaler: LossScaler | None = None, needs_target: bool = True,
+                 sync_gradients: bool = True):
         self.plan, self.schedule, self.mesh = plan, schedule, mesh
+        self.sync_gradients = sync_gradients
         self.precision = precision
         self._amp_dtype = autocast_dtype(precision)  # raises on an unknown precision
         self.loss_scaler = loss_scaler if loss_scaler is not None else (
@@ -169,6 +206,8 @@ class PipelineExecutor:
         self._stage_rank = list(schedule.stage_to_rank)
         self._value_index = {name: i for i, name in enumerate(sorted(plan.values))}
         self._dtypes = {name: getattr(torch, v.dtype) for name, v in plan.values.items()}
+        #: the dtype each value (and its gradient) travels in between stages
+        self._wire = {name: message_dtype(d, precision) for name, d in self._dtypes.items()}
         self._model_inputs = set(plan.model_inputs) | {
             n for n, v in plan.values.items() if v.producer == MODEL_INPUT}
         # consumers of each value = stages whose inputs name it (gradient contributions to sum)
@@ -185,11 +224,14 @@ class PipelineExecutor:
                                   plan.model_output if s == self.loss_stage else None)
                      for s in self.local_stages}
         self._stage_params = {s: w.params for s, w in self.work.items()}
-        shared = self._shared_map()
+        shared = self._shared_map() if sync_gradients else {}
         #: parameter object id -> (pipeline ranks holding it, canonical FQN), for the tied /
         #: shared parameters of this rank's stages (their gradient is summed over those ranks)
         self.shared_param_ranks = dict(shared)
-        self._sync = GradSynchronizer(self._stage_params, shared, mesh, grad_compression)
+        self.compression = as_compression(grad_compression)
+        # without all-reduce: a mesh view with no data-parallel group (buckets only collect)
+        self._sync = GradSynchronizer(self._stage_params, shared, mesh if sync_gradients else
+                                      SimpleNamespace(dp=1, dp_group=None), self.compression)
         # stages whose ALLREDUCE the schedule leaves out: launched after their last backward
         self._auto_reduce_after: dict[int, int] = {}
         self._labels = [action_label(a) for a in schedule.actions[mesh.pipe_rank]]  # for events
@@ -214,6 +256,8 @@ class PipelineExecutor:
         self.step_times_s: list[float] = []
         self.step_starts_s: list[float] = []
         self.skipped_steps: list[int] = []
+        self.step_bytes_sent: list[BytesSent] = []
+        self._step_gradient_bytes = 0
         self._steps_run = 0
         # loss scaling: a parameter is unscaled once every local stage using it is done
         self._param_users: dict[int, tuple[nn.Parameter, set[int]]] = {}
@@ -224,7 +268,7 @@ class PipelineExecutor:
         self._unscaled: set[int] = set()
         # gradients from earlier steps (accumulation, optimizer=None) set aside during a step:
         # of shared parameters always, of every parameter under loss scaling or compression
-        exact_sum = self.loss_scaler is None and grad_compression == "none"
+        exact_sum = self.loss_scaler is None and self.compression.exact
         self._aside_ids = [pid for pid in self._param_users
                            if not exact_sum or pid in shared]
         self._aside: dict[int, torch.Tensor] = {}
@@ -315,6 +359,7 @@ class PipelineExecutor:
             raise ScheduleError(
                 f"rank {self.rank}: the schedule left stage:micro-batch {leftovers} without their "
                 "backward or gradient send; check the schedule with the validator")
+        self.step_bytes_sent.append(BytesSent(st.message_bytes, self._step_gradient_bytes))
         loss = self._reduce_loss(st)
         self.last_peak_inflight = {s: w.peak for s, w in self.work.items()}
         for s, v in self.last_peak_inflight.items():
@@ -479,7 +524,7 @@ class PipelineExecutor:
             if p == s and t in self.modules:
                 slot = st.inputs.setdefault((t, i), {})
                 for n in names:
-                    v = outs[n].detach()
+                    v = self._from_wire(n, self._to_wire(n, outs[n].detach()))
                     slot[n] = v.requires_grad_() if needs_grad(v.dtype) else v
 
     def _microbatch_loss(self, output: torch.Tensor, target: torch.Tensor | None,
@@ -502,8 +547,9 @@ class PipelineExecutor:
         s, i = a.stage, a.microbatch
         for name, g in self.work[s].backward(i):
             producer = self.plan.values[name].producer
-            if producer in self.modules:
-                self.work[producer].add_output_grad(i, name, g)
+            if producer in self.modules:  # rounded as if it had travelled
+                self.work[producer].add_output_grad(i, name,
+                                                    self._from_wire(name, self._to_wire(name, g)))
             else:
                 st.send_grads.setdefault((s, i), {})[name] = g
 
@@ -527,9 +573,21 @@ class PipelineExecutor:
             return
         ctx, dst = self._ctx(a), self._peer_rank(t)
         for name in self.edges[(s, t)]:
-            pend = p2p.isend(self.work[s].output(i, name), dst, self._tag(name, t, i, False),
+            msg = self._to_wire(name, self.work[s].output(i, name))
+            pend = p2p.isend(msg, dst, self._tag(name, t, i, False),
                              f"send of {name!r} to stage {t}", ctx, self.timeout_s)
             st.sends.append((pend, ctx))
+            st.message_bytes += msg.numel() * msg.element_size()
+
+    def _to_wire(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """``t`` (value ``name`` or its gradient) in the dtype it travels in."""
+        want = self._wire[name]
+        return t if t.dtype == want else t.to(want)
+
+    def _from_wire(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """A received ``t`` back in value ``name``'s plan dtype."""
+        want = self._dtypes[name]
+        return t if t.dtype == want else t.to(want)
 
     def _post_recv(self, a: Action) -> list[tuple[str, p2p.Pending]]:
         """Post the receives of a cross-rank RECV_F / RECV_B action (values or gradients)."""
@@ -537,12 +595,12 @@ class PipelineExecutor:
         if a.op is Op.RECV_F:
             t, s, i = a.stage, a.peer, a.microbatch
             src = self._peer_rank(s)
-            return [(n, p2p.irecv(self.plan.values[n].shape, self._dtypes[n], self.device, src,
+            return [(n, p2p.irecv(self.plan.values[n].shape, self._wire[n], self.device, src,
                                   self._tag(n, t, i, False), f"receive of {n!r} from stage {s}",
                                   ctx, self.timeout_s)) for n in self.edges[(s, t)]]
         s, t, i = a.stage, a.peer, a.microbatch
         src = self._peer_rank(t)
-        return [(n, p2p.irecv(self.plan.values[n].shape, self._dtypes[n], self.device, src,
+        return [(n, p2p.irecv(self.plan.values[n].shape, self._wire[n], self.device, src,
                               self._tag(n, t, i, True),
                               f"receive of the gradient of {n!r} from stage {t}", ctx,
                               self.timeout_s)) for n in self._float_names(s, t)]
@@ -555,7 +613,7 @@ class PipelineExecutor:
         pend = st.posted.pop(st.index, None) or self._post_recv(a)
         slot = st.inputs.setdefault((t, i), {})
         for name, pd in pend:
-            buf = p2p.wait(pd, ctx, self.timeout_s)
+            buf = self._from_wire(name, p2p.wait(pd, ctx, self.timeout_s))
             slot[name] = buf.requires_grad_() if needs_grad(buf.dtype) else buf
 
     def _float_names(self, s: int, t: int) -> list[str]:
@@ -573,9 +631,11 @@ class PipelineExecutor:
             raise ScheduleError(f"{self._ctx(a)}: gradient send before the stage's backward")
         ctx, dst = self._ctx(a), self._peer_rank(s)
         for n in names:
-            pend = p2p.isend(grads.pop(n), dst, self._tag(n, t, i, True),
+            msg = self._to_wire(n, grads.pop(n))
+            pend = p2p.isend(msg, dst, self._tag(n, t, i, True),
                              f"send of the gradient of {n!r} to stage {s}", ctx, self.timeout_s)
             st.sends.append((pend, ctx))
+            st.message_bytes += msg.numel() * msg.element_size()
         if not grads:
             del st.send_grads[(t, i)]
 
@@ -586,7 +646,8 @@ class PipelineExecutor:
         ctx = self._ctx(a)
         pend = st.posted.pop(st.index, None) or self._post_recv(a)
         for n, pd in pend:
-            self.work[s].add_output_grad(i, n, p2p.wait(pd, ctx, self.timeout_s))
+            self.work[s].add_output_grad(i, n, self._from_wire(n, p2p.wait(pd, ctx,
+                                                                           self.timeout_s)))
 
     # ------------------------------------------------------------------ step end
     def _stage_done(self, stage: int) -> None:
@@ -621,6 +682,8 @@ class PipelineExecutor:
             self.loss_scaler.update(skip)
             if skip:
                 self.skipped_steps.append(self._steps_run)
+        self._sync.end_step(applied=not skip)  # a skipped step rolls back error feedback
+        self._step_gradient_bytes = self._sync.bytes_sent
         self._restore_aside(skip)
         if self.optimizer is not None:
             if not skip:
@@ -665,17 +728,26 @@ class PipelineExecutor:
     def _reduce_loss(self, st: _StepState) -> float:
         local = st.loss_sum if st.loss_sum is not None else torch.zeros((), device=self.device)
         buf = local.detach().to(torch.float64).reshape(1).clone()
-        if self.mesh.world_size > 1:
-            work = dist.all_reduce(buf, op=dist.ReduceOp.SUM, async_op=True)
+        group = None if self.sync_gradients else self.mesh.pipe_group  # async: this replica
+        if (self.mesh.world_size > 1) if self.sync_gradients else group is not None:
+            work = dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group, async_op=True)
             p2p.wait(p2p.Pending(work, buf, -1, "loss all-reduce"),
                      f"rank {self.rank} end of step", self.timeout_s)
-        return float(buf.item()) / self.mesh.dp
+        return float(buf.item()) / (self.mesh.dp if self.sync_gradients else 1)
 
     # ------------------------------------------------------------------ accounting
     def reset_stats(self) -> None:
-        """Clear events, peak in-flight counters and step times."""
+        """Clear events, peak in-flight counters, step times and bytes sent."""
         self.events.clear()
         self.step_times_s.clear()
         self.step_starts_s.clear()
+        self.step_bytes_sent.clear()
         self.peak_inflight = {s: 0 for s in self.local_stages}
         self.last_peak_inflight = {s: 0 for s in self.local_stages}
+
+    @property
+    def bytes_sent(self) -> BytesSent:
+        """Bytes this rank sent over all steps since the last :meth:`reset_stats` (the sum of
+        :attr:`step_bytes_sent`)."""
+        return BytesSent(sum(b.messages for b in self.step_bytes_sent),
+                         sum(b.gradients for b in self.step_bytes_sent))

@@ -77,11 +77,28 @@ def init_distributed(device: str = "cpu", timeout_s: float = 300.0) -> torch.dev
             "a process group; launch it with `fxpipe run SPEC` or `torchrun --nproc-per-node N ...`"
         )
     timeout = datetime.timedelta(seconds=timeout_s)
+    kwargs = {}
+    store = _attempt_store(timeout)
+    if store is not None:
+        kwargs = dict(store=store, rank=int(os.environ["RANK"]),
+                      world_size=int(os.environ["WORLD_SIZE"]))
     if device == "cuda":
-        dist.init_process_group("nccl", timeout=timeout, device_id=dev)
+        dist.init_process_group("nccl", timeout=timeout, device_id=dev, **kwargs)
     else:
-        dist.init_process_group("gloo", timeout=timeout)
+        dist.init_process_group("gloo", timeout=timeout, **kwargs)
     return dev
+
+
+def _attempt_store(timeout: datetime.timedelta):
+    """Under torchrun's elastic agent: its shared store, with keys prefixed by the restart
+    attempt. The agent keeps one store across restarts, so without a prefix the workers of a
+    restart read the addresses the dead workers published and never connect. None otherwise."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                         is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"fxpipe/attempt_{attempt}", base)
 
 
 class Mesh:
@@ -92,12 +109,15 @@ class Mesh:
         dp: data-parallel degree (replicas of every stage).
         device: device of this rank (default CPU); tensors the runtime allocates live there.
         timeout_s: timeout of the groups created here, seconds.
+        servers: parameter servers (``train.updates: async``): the last ranks, after the grid.
+            They build the mesh too (group creation is collective) but hold no grid place.
 
     Attributes:
-        rank / world_size: global rank and ``pipeline * dp``.
+        rank / world_size: global rank and ``pipeline * dp + servers``.
+        server_ranks: global ranks of the parameter servers; is_server: this rank is one.
         layout: how the grid lies on the ranks (:data:`fxpipe.plans.placement.LAYOUTS`; the
             Plan's ``placement``).
-        pipe_rank / dp_rank: this rank's coordinates.
+        pipe_rank / dp_rank: this rank's coordinates (-1 on a parameter server).
         dp_group: data-parallel group of this pipeline rank (``None`` when ``dp == 1``).
         pipe_group: pipeline group of this replica (``None`` when ``pipeline == 1``).
         dp_ranks / pipe_ranks: global ranks of those groups, ascending.
@@ -111,7 +131,7 @@ class Mesh:
     """
 
     def __init__(self, pipeline: int, dp: int, device: torch.device | str | None = None,
-                 timeout_s: float = 300.0, layout: str = "pipeline-inner"):
+                 timeout_s: float = 300.0, layout: str = "pipeline-inner", servers: int = 0):
         if pipeline < 1 or dp < 1:
             raise RuntimeFailure(f"Mesh(pipeline={pipeline}, dp={dp}): both must be >= 1")
         single = not dist.is_initialized()
@@ -121,14 +141,19 @@ class Mesh:
                 "first (under `fxpipe run` or torchrun)"
             )
         world = 1 if single else dist.get_world_size()
-        if world != pipeline * dp:
+        if world != pipeline * dp + servers:
+            more = f" + {servers} parameter servers" if servers else ""
             raise RuntimeFailure(
-                f"world size is {world} but pipeline x dp = {pipeline} x {dp} = {pipeline * dp}; "
-                f"launch {pipeline * dp} processes or change parallel.pipeline / parallel.data"
+                f"world size is {world} but pipeline x dp{' + servers' if servers else ''} = "
+                f"{pipeline} x {dp}{more} = {pipeline * dp + servers}; launch "
+                f"{pipeline * dp + servers} processes or change parallel.pipeline / parallel.data"
             )
         self.pipeline, self.dp, self.world_size, self.layout = pipeline, dp, world, layout
         self.rank = 0 if single else dist.get_rank()
-        self.pipe_rank, self.dp_rank = rank_coords(self.rank, pipeline, dp, layout)
+        self.server_ranks = list(range(pipeline * dp, pipeline * dp + servers))
+        self.is_server = self.rank in self.server_ranks
+        self.pipe_rank, self.dp_rank = ((-1, -1) if self.is_server else
+                                        rank_coords(self.rank, pipeline, dp, layout))
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.timeout = datetime.timedelta(seconds=timeout_s)
         # Collective creation: every rank creates every group, in the same order.
@@ -142,6 +167,9 @@ class Mesh:
             self._pipe_groups[d] = (
                 dist.new_group(ranks, timeout=self.timeout) if pipeline > 1 else None)
         self._replica_groups: dict[tuple[int, ...], object] = {}
+        if self.is_server:
+            self.dp_ranks, self.pipe_ranks, self.dp_group, self.pipe_group = [], [], None, None
+            return
         self.dp_ranks = [global_rank(self.pipe_rank, d, pipeline, dp, layout) for d in range(dp)]
         self.pipe_ranks = [global_rank(r, self.dp_rank, pipeline, dp, layout) for r in range(pipeline)]
         self.dp_group = self._dp_groups[self.pipe_rank]

@@ -8,7 +8,8 @@ factor ``S`` before the backward pass and divides the gradients by ``S`` before 
 all-reduced and applied (dynamic loss scaling, the semantics of ``torch.amp.GradScaler``): a step
 whose gradients hold an inf or NaN on ANY rank is skipped on EVERY rank and ``S`` is halved;
 after ``growth_interval`` clean steps in a row ``S`` doubles. bf16 has fp32's exponent range and
-needs no scaling.
+needs no scaling. Under ``bf16`` / ``fp16`` the fp32 values sent between stages (activations
+forward, their gradients backward) travel in that 16-bit dtype (:func:`message_dtype`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,17 @@ from fxpipe.errors import RuntimeFailure
 #: spec ``train.precision`` -> autocast dtype (``None``: plain fp32, no autocast)
 PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16,
                                              "fp16": torch.float16}
+
+
+def message_dtype(dtype: torch.dtype, precision: str) -> torch.dtype:
+    """The dtype a value of plan dtype ``dtype`` travels in between stages under ``precision``:
+    an fp32 activation (or its gradient) in the autocast dtype under ``bf16`` / ``fp16`` (half
+    the bytes; the receiver casts it back to fp32, so its stage computes as planned), every other
+    value (``fp32`` precision, integer and bool tensors, fp64, values already in 16 bits) as it
+    is. An fp32 value beyond fp16's range becomes inf on the way, which the loss scaler's
+    inf/NaN check then sees (the step is skipped, not silently wrong)."""
+    amp = autocast_dtype(precision)
+    return amp if amp is not None and dtype == torch.float32 else dtype
 
 
 def autocast_dtype(precision: str) -> torch.dtype | None:

@@ -14,7 +14,10 @@ timeline and the measured one have the same actions. Semantics:
 * ALLREDUCE starts the stage's data-parallel ring all-reduce asynchronously (one at a time per
   rank), ``2(n-1)/n x bytes / bandwidth + 2(n-1) x latency`` seconds (Patarasuk & Yuan, 2009);
   it overlaps with later work; STEP waits for all of the rank's all-reduces, then takes
-  ``StageCosts.step_s``.
+  ``StageCosts.step_s``;
+* with parameter servers (``train.updates: async``, ``server_bytes`` given) there is no
+  all-reduce: STEP adds the push of the rank's gradients to the servers and the pull of its
+  weights (:meth:`Links.push_pull_seconds`), as the runtime does them after the step.
 
 Bubble fraction (the documented definition): ``1 - mean over ranks of (compute busy seconds of
 the rank) / step time``, i.e. the mean per-rank idle share of the step, where "busy" counts only
@@ -32,7 +35,7 @@ import numpy as np
 from dataclasses import dataclass, field
 
 from fxpipe.errors import ScheduleError
-from fxpipe.plans.placement import global_rank, node_of
+from fxpipe.plans.placement import global_rank, node_of, server_link_crosses_nodes
 from fxpipe.plans.plan import Plan, Predicted
 from fxpipe.schedule.actions import Action, Op, Schedule
 from fxpipe.schedule.lowering import linear_edges, schedule_for_plan
@@ -116,6 +119,8 @@ class Links:
         dp_GBps: default bandwidth of a data-parallel ring; None: ``p2p_GBps``.
         pair_GBps: overrides for a (src pipeline rank, dst pipeline rank) pair.
         dp_rank_GBps: overrides of the ring bandwidth per pipeline rank (its stages' groups).
+        server_GBps: bandwidth between a pipeline rank and a parameter server, by
+            ``(pipeline rank, server index)``; default ``p2p_GBps``.
     """
 
     p2p_GBps: float = DEFAULT_INTRA_NODE_GBPS
@@ -123,6 +128,7 @@ class Links:
     dp_GBps: float | None = None
     pair_GBps: dict[tuple[int, int], float] = field(default_factory=dict)
     dp_rank_GBps: dict[int, float] = field(default_factory=dict)
+    server_GBps: dict[tuple[int, int], float] = field(default_factory=dict)
 
     def p2p_seconds(self, src: int, dst: int, nbytes: float) -> tuple[float, float]:
         """(link occupancy, latency) seconds to move ``nbytes`` from rank ``src`` to ``dst``."""
@@ -137,6 +143,21 @@ class Links:
         bw = self.dp_rank_GBps.get(rank, self.dp_GBps or self.p2p_GBps)
         return 2 * (n - 1) / n * nbytes / (bw * 1e9) + 2 * (n - 1) * self.latency_s
 
+    def push_pull_seconds(self, rank: int, stage_bytes: Sequence[float],
+                          loads: Sequence[float], dp: int) -> float:
+        """Parameter servers: seconds pipeline rank ``rank`` spends pushing a stage's gradients
+        to, and pulling its weights from, every server ``j`` holding ``stage_bytes[j]`` of them,
+        where server ``j`` holds ``loads[j]`` bytes for every one of ``dp`` replicas. Per server
+        the longer of the rank's own round trip (``2 x bytes / bandwidth``) and the server's
+        link carrying all replicas' traffic (``dp x load / bandwidth`` each way: the central
+        bottleneck of a parameter server), plus two latencies; the servers work in parallel."""
+        out = 0.0
+        for j, b in enumerate(stage_bytes):
+            if b > 0:
+                bw = self.server_GBps.get((rank, j), self.p2p_GBps) * 1e9
+                out = max(out, max(2 * b, dp * loads[j]) / bw + 2 * self.latency_s)
+        return out
+
     @classmethod
     def from_cluster(
         cls,
@@ -148,10 +169,12 @@ class Links:
         inter_node_GBps: float = DEFAULT_INTER_NODE_GBPS,
         latency_s: float = DEFAULT_LATENCY_S,
         layout: str = "pipeline-inner",
+        servers: int = 0,
     ) -> "Links":
-        """Links for ``pipeline x dp`` ranks on ``nodes`` nodes of ``devices_per_node``, placed as
-        :mod:`fxpipe.plans.placement` places them: a pipeline pair / data-parallel ring gets the
-        inter-node bandwidth when any replica's pair / the ring crosses nodes."""
+        """Links for ``pipeline x dp`` ranks (and ``servers`` parameter servers after them) on
+        ``nodes`` nodes of ``devices_per_node``, placed as :mod:`fxpipe.plans.placement` places
+        them: a pipeline pair / data-parallel ring / rank-to-server link gets the inter-node
+        bandwidth when any replica's pair / the ring / the rank crosses nodes."""
         dpn = devices_per_node or max(1, (pipeline * dp) // max(nodes, 1))
         node = np.array([[node_of(global_rank(r, d, pipeline, dp, layout), dpn)
                           for r in range(pipeline)] for d in range(dp)])  # [replica, rank]
@@ -160,7 +183,10 @@ class Links:
                  for a in range(pipeline) for b in range(pipeline) if a != b}
         dpr = {r: inter_node_GBps if len(set(node[:, r].tolist())) > 1 else intra_node_GBps
                for r in range(pipeline)}
-        return cls(intra_node_GBps, latency_s, intra_node_GBps, pairs, dpr)
+        srv = {(r, j): inter_node_GBps if server_link_crosses_nodes(
+                   r, pipeline * dp + j, pipeline, dp, dpn, layout) else intra_node_GBps
+               for r in range(pipeline) for j in range(servers)}
+        return cls(intra_node_GBps, latency_s, intra_node_GBps, pairs, dpr, srv)
 
 
 @dataclass
@@ -202,6 +228,7 @@ def simulate(
     grad_edge_bytes: Mapping[Edge, float] | None = None,
     check: bool = True,
     timeline: bool = True,
+    server_bytes: Sequence[Sequence[float]] | None = None,
 ) -> SimResult:
     """Price one training step of ``schedule`` (see the module docstring for the semantics).
 
@@ -218,6 +245,8 @@ def simulate(
         check: validate the schedule first (recommended; raises on a broken schedule).
         timeline: record the per-action events (``SimResult.events``); False when only the
             figures matter (the planner's search), which is faster.
+        server_bytes: parameter servers instead of the all-reduce: ``[stage][server]`` bytes
+            each stage pushes and pulls per step (see the module docstring); None: all-reduce.
 
     Returns:
         :class:`SimResult`.
@@ -242,6 +271,12 @@ def simulate(
     s2r = schedule.stage_to_rank
     split = schedule.split_backward
     send_cost = list(costs.send_s) if costs.send_s is not None else [0.0] * n
+    push_pull = [0.0] * p  # per rank: parameter-server round trips of its stages
+    if server_bytes is not None:
+        loads = [sum(row[j] for row in server_bytes) for j in range(len(server_bytes[0]))] \
+            if server_bytes else []
+        for s in range(n):
+            push_pull[s2r[s]] += links.push_pull_seconds(s2r[s], server_bytes[s], loads, dp)
 
     def dur(a: Action) -> float:
         s = a.stage
@@ -304,7 +339,8 @@ def simulate(
                         events.append(TimelineEvent(r, action_label(a), t[r], end))
                     t[r] = end
                 elif a.op is Op.ALLREDUCE:
-                    d = links.allreduce_seconds(ar_bytes[a.stage], dp, r)
+                    d = 0.0 if server_bytes is not None else links.allreduce_seconds(
+                        ar_bytes[a.stage], dp, r)
                     start = max(t[r], ar_free[r])
                     ar_free[r] = start + d
                     if timeline:
@@ -314,8 +350,8 @@ def simulate(
                     start = max(t[r], ar_free[r])
                     if timeline:
                         events.append(TimelineEvent(r, action_label(a), t[r],
-                                                    start + costs.step_s))
-                    t[r] = start + costs.step_s
+                                                    start + costs.step_s + push_pull[r]))
+                    t[r] = start + costs.step_s + push_pull[r]
                 ptr[r] += 1
                 progress = True
     stuck = [r for r in range(p) if ptr[r] < len(schedule.actions[r])]
@@ -379,6 +415,7 @@ def links_from_plan(plan: Plan) -> Links:
         inter_node_GBps=lk.inter_node_GBps,
         latency_s=lk.latency_s,
         layout=plan.placement,
+        servers=len(plan.parameter_servers),
     )
 
 
@@ -392,7 +429,8 @@ def simulate_plan(
 
     Costs from :func:`costs_from_plan`, edges and bytes from the plan's values, links from
     :func:`links_from_plan` unless given, all-reduce bytes = each stage's ``param_bytes``
-    over ``plan.dp`` replicas.
+    over ``plan.dp`` replicas; with parameter servers, their push/pull of
+    ``plan.server_stage_bytes`` instead.
 
     Raises:
         ScheduleError: the plan's parameters do not suit the schedule.
@@ -407,6 +445,7 @@ def simulate_plan(
         dp=plan.dp,
         allreduce_bytes=[st.param_bytes for st in plan.stages],
         grad_edge_bytes=grad,
+        server_bytes=plan.server_stage_bytes if plan.parameter_servers else None,
     )
 
 

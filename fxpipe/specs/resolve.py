@@ -11,6 +11,7 @@ import difflib
 import importlib
 import inspect
 import re
+import sys
 from typing import Any, Callable
 
 from fxpipe.errors import SpecError
@@ -59,8 +60,14 @@ def resolve_callable(ref: str, what: str, *, spec: Any = None) -> Callable:
                         "the module path, a colon, then the name, e.g. "
                         "'fxpipe.examples.gpt:CharGPT'")
     mod_name, _, attr_path = ref.partition(":")
+    argv = sys.argv
+    sys.argv = [mod_name]  # a module that parses the command line at import sees no fxpipe flags
     try:
         obj: Any = importlib.import_module(mod_name)
+    except SystemExit as err:  # sys.exit() or argparse at import time
+        raise SpecError(f"{head}: importing module {mod_name!r} called sys.exit({err.code!r}) "
+                        "(parsing the command line or exiting at import); move that code under "
+                        "`if __name__ == \"__main__\":`") from None
     except ModuleNotFoundError as err:
         missing = err.name or ""
         if missing == mod_name or mod_name.startswith(missing + "."):
@@ -71,7 +78,9 @@ def resolve_callable(ref: str, what: str, *, spec: Any = None) -> Callable:
                         f"imports, {missing!r}, is not installed; install it") from None
     except Exception as err:  # the user's module raised while importing
         raise SpecError(f"{head}: importing module {mod_name!r} raised "
-                        f"{type(err).__name__}: {err}; fix that module") from None
+                        f"{type(err).__name__}: {_one_line(err)}; fix that module") from None
+    finally:
+        sys.argv = argv
     parts = attr_path.split(".")
     for i, part in enumerate(parts):
         if not hasattr(obj, part):
@@ -145,6 +154,10 @@ def build_model(spec: Any, load_weights: bool = True):
         raise SpecError(f"{head}: {spec.model.factory}(**model.args) raised "
                         f"{type(err).__name__}: {_one_line(err)}; fix the values in model.args"
                         ) from err
+    except SystemExit as err:
+        raise SpecError(f"{_prefix(spec, 'model.factory')}: {spec.model.factory}(**model.args) "
+                        f"called sys.exit({err.code!r}); a model factory must return the model"
+                        ) from None
     except Exception as err:  # the user's factory failed: a clean message, not a traceback
         raise SpecError(f"{_prefix(spec, 'model.factory')}: building the model with "
                         f"{spec.model.factory}(**model.args) raised {type(err).__name__}: "

@@ -9,13 +9,12 @@ of every problem so :func:`fxpipe.specs.loader.load_spec` can point at the YAML 
 
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
-    PositiveFloat,
     PositiveInt,
     ValidationInfo,
     field_validator,
@@ -23,6 +22,10 @@ from pydantic import (
 )
 
 Auto = Literal["auto"]
+#: a finite positive number (no inf, no NaN)
+PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+#: a rate (FLOP/s, bytes/s): finite and not vanishingly small, so seconds stay finite
+Rate = Annotated[float, Field(ge=1e-6, allow_inf_nan=False)]
 
 #: The pipeline schedules, spelled as in ``parallel.schedule`` (the one list every module uses).
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
@@ -40,6 +43,24 @@ DEFAULT_LATENCY_S = 5e-6
 
 #: Stages per rank that ``interleaved`` gets when the search or ``fxpipe simulate`` picks it.
 AUTO_VIRTUAL_STAGES = 2
+
+#: ``train.grad_compression``: how data-parallel gradients travel. ``none`` is exact; ``fp16`` /
+#: ``bf16`` cast the payload; ``powersgd`` (low rank) and ``topk`` (sparse) keep error feedback
+#: and take their settings from ``train.compression``.
+GRAD_COMPRESSIONS = ("none", "fp16", "bf16", "powersgd", "topk")
+
+
+def low_rank_view(shape) -> tuple[int, int] | None:
+    """The matrix PowerSGD compresses a gradient of ``shape`` as: ``(shape[0], product of the
+    rest)`` for 2 or more dimensions (as torch's PowerSGD hook views it); None for scalars and
+    vectors, which are all-reduced exactly."""
+    dims = [int(d) for d in shape]
+    if len(dims) < 2:
+        return None
+    cols = 1
+    for d in dims[1:]:
+        cols *= d
+    return dims[0], cols
 
 
 def stages_per_rank(schedule: str, virtual_stages: int = 1) -> int:
@@ -134,9 +155,9 @@ class LinksSpec(_Section):
     ``intra_node_GBps``: e.g. NVLink 4 about 450 each way; ``inter_node_GBps``: e.g. NDR
     InfiniBand about 50."""
 
-    intra_node_GBps: PositiveFloat = DEFAULT_INTRA_NODE_GBPS
-    inter_node_GBps: PositiveFloat = DEFAULT_INTER_NODE_GBPS
-    latency_s: float = Field(default=DEFAULT_LATENCY_S, ge=0)
+    intra_node_GBps: Rate = DEFAULT_INTRA_NODE_GBPS
+    inter_node_GBps: Rate = DEFAULT_INTER_NODE_GBPS
+    latency_s: float = Field(default=DEFAULT_LATENCY_S, ge=0, allow_inf_nan=False)
 
 
 #: Device memory bandwidth (GB/s) when ``cluster.memory_GBps`` is not given: one CPU core's
@@ -156,23 +177,32 @@ class ClusterSpec(_Section):
     fixed cost of launching one op (default 4 on CPU, 6 on CUDA). ``node_tflops``: a speed
     per node when nodes differ (overrides ``device_tflops`` node by node). ``costs``:
     ``analytic`` (FLOPs and bytes, default) or ``measured`` (``fxpipe profile`` times every
-    planning unit on the device; cached)."""
+    planning unit on the device; cached). ``parameter_servers``: with ``train.updates: async``,
+    how many devices hold the parameters and optimizer state instead of training: the last
+    ranks (the last node's last devices), so ``pipeline x data + parameter_servers`` equals
+    ``nodes x devices_per_node``; the parameters are sharded over them."""
 
     nodes: PositiveInt = 1
     devices_per_node: PositiveInt = 1
     device: Literal["cpu", "cuda"] = "cpu"
     memory_gb: PositiveFloat = 16.0
-    device_tflops: PositiveFloat = 0.05
-    memory_GBps: PositiveFloat | None = None
-    op_overhead_us: float | None = Field(default=None, ge=0)
-    node_tflops: list[PositiveFloat] | None = None
+    device_tflops: Rate = 0.05
+    memory_GBps: Rate | None = None
+    op_overhead_us: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    node_tflops: list[Rate] | None = None
     costs: Literal["analytic", "measured"] = "analytic"
     links: LinksSpec = Field(default_factory=LinksSpec)
+    parameter_servers: int = Field(default=0, ge=0)
 
     @property
     def world_size(self) -> int:
         """Devices (= ranks): ``nodes * devices_per_node``."""
         return self.nodes * self.devices_per_node
+
+    @property
+    def trainers(self) -> int:
+        """Devices that train (the pipeline x data grid): all but the parameter servers."""
+        return self.world_size - self.parameter_servers
 
     @property
     def op_overhead_s(self) -> float:
@@ -193,6 +223,18 @@ class CheckpointSpec(_Section):
     dir: str = "checkpoint"
     every: int = Field(default=0, ge=0)
 
+    @field_validator("dir")
+    @classmethod
+    def _inside_run(cls, v: str) -> str:
+        from pathlib import PurePath
+
+        p = PurePath(v)
+        if not v.strip() or p.is_absolute() or v.startswith("~") or ".." in p.parts \
+                or p.parts in ((), (".",)):
+            raise ValueError(f"{v!r} must be a folder name inside the run folder (relative, no "
+                             "'..', not the run folder itself), e.g. 'checkpoint'")
+        return v
+
 
 class LRScheduleSpec(_Section):
     """``train.lr_schedule``: the learning rate per optimizer step, ``warmup_steps`` of linear
@@ -201,13 +243,38 @@ class LRScheduleSpec(_Section):
 
     warmup_steps: int = Field(default=0, ge=0)
     decay: Literal["constant", "cosine"] = "constant"
-    min_lr: float = Field(default=0.0, ge=0)
+    min_lr: float = Field(default=0.0, ge=0, allow_inf_nan=False)
+
+
+class CompressionSpec(_Section):
+    """``train.compression``: settings of the lossy gradient compressions with error feedback.
+    ``rank`` (``powersgd``): rank of the low-rank approximation of every gradient matrix (at most
+    the smaller side of each matrix parameter); ``ratio`` (``topk``): fraction of each bucket's
+    entries sent, in (0, 1]; ``warmup_steps`` (both): global batches all-reduced exactly before
+    compression starts (Vogels et al. 2019 warm up PowerSGD this way)."""
+
+    rank: PositiveInt = 4
+    ratio: float = Field(default=0.01, allow_inf_nan=False)
+    warmup_steps: int = Field(default=10, ge=0)
+
+    @field_validator("ratio")
+    @classmethod
+    def _fraction(cls, v: float) -> float:
+        if not 0 < v <= 1:
+            raise ValueError(f"ratio={v:g} is not in (0, 1]: it is the fraction of each "
+                             "bucket's gradient entries that topk sends (e.g. 0.01)")
+        return v
 
 
 class TrainSpec(_Section):
     """Training loop settings. ``precision``: ``fp32`` | ``bf16`` | ``fp16`` (16-bit compute with
-    fp32 master weights). ``grad_compression``: ``none`` | ``fp16`` | ``bf16`` (all-reduce in 16
-    bits). ``updates``: ``sync`` (the only exact mode). ``timeout_s``: a peer silent for this long
+    fp32 master weights; activations and their gradients travel between stages in 16 bits).
+    ``grad_compression``: ``none`` (exact) | ``fp16`` | ``bf16`` (all-reduce in 16 bits) |
+    ``powersgd`` | ``topk`` (low-rank / sparse with error feedback, settings in ``compression``:
+    :class:`CompressionSpec`). ``updates``: ``sync`` (all-reduce, every replica steps together;
+    exact) or ``async`` (parameter servers, ``cluster.parameter_servers``: replicas push gradients
+    and pull weights at their own pace and never use weights more than ``max_staleness`` server
+    updates older than those their gradient is applied to; 0 equals sync). ``timeout_s``: a peer silent for this long
     is an error, not a hang. ``eval_batches``: held-out batches on which ``fxpipe run`` measures the
     loss of the initial and the final model (0: skip). ``loss``: ``cross_entropy``, ``mse``,
     ``"package.module:function"``, or ``model`` (the model computes its own loss, e.g. a
@@ -220,26 +287,42 @@ class TrainSpec(_Section):
     optimizer step (``steps`` counts optimizer steps; each step's loss weighs ``1/k``).
     ``activation_recompute``: keep only each stage's inputs per micro-batch in flight and
     recompute the stage's forward in its backward (``on``), never (``off``), or where the
-    activations would not fit otherwise (``auto``, default); exact either way."""
+    activations would not fit otherwise (``auto``, default); exact either way.
+    ``nan_policy``: on a non-finite loss, ``stop`` the run with a message (default) or ``skip``
+    that step's update. ``max_restarts``: torchrun elastic restarts after a failed worker (a
+    killed rank); the workers resume from the latest checkpoint (``checkpoint.every``)."""
 
     steps: PositiveInt = 200
     optimizer: Literal["adamw", "sgd"] = "adamw"
     lr: PositiveFloat = 3e-4
-    weight_decay: float = Field(default=0.0, ge=0)
+    weight_decay: float = Field(default=0.0, ge=0, allow_inf_nan=False)
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     seed: int = 0
     loss: str = "cross_entropy"
-    grad_compression: Literal["none", "fp16", "bf16"] = "none"
+    grad_compression: Literal[GRAD_COMPRESSIONS] = "none"  # type: ignore[valid-type]
+    compression: CompressionSpec = Field(default_factory=CompressionSpec)
     ignore_index: int = -100
     activation_recompute: Literal["auto", "on", "off"] = "auto"
-    updates: Literal["sync"] = "sync"
+    updates: Literal["sync", "async"] = "sync"
+    max_staleness: int | None = None
     log_every: PositiveInt = 10
     timeout_s: PositiveFloat = 300.0
     eval_batches: int = Field(default=4, ge=0)
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     lr_schedule: LRScheduleSpec = Field(default_factory=LRScheduleSpec)
-    grad_clip: float = Field(default=0.0, ge=0)
+    grad_clip: float = Field(default=0.0, ge=0, allow_inf_nan=False)
     grad_accumulation: PositiveInt = 1
+    nan_policy: Literal["stop", "skip"] = "stop"
+    max_restarts: int = Field(default=0, ge=0, le=100)
+
+    @field_validator("max_staleness")
+    @classmethod
+    def _staleness_not_negative(cls, v: int | None) -> int | None:
+        if v is not None and v < 0:
+            raise ValueError(f"{v} is negative; max_staleness counts server updates a replica's "
+                             "weights may lag behind: 0 (lockstep, the same training as sync) "
+                             "or more")
+        return v
 
 
 def _train_problems(t: TrainSpec) -> list[tuple[tuple[str, ...], str]]:
@@ -318,7 +401,8 @@ def cross_section_problems(spec: ParallelSpec) -> list[tuple[tuple[str, ...], st
     pipeline; ``interleaved`` / ``zb-v``: pipeline >= 2).
     """
     out: list[tuple[tuple[str, ...], str]] = []
-    par, world = spec.parallel, spec.cluster.world_size
+    par, world = spec.parallel, spec.cluster.trainers
+    servers = spec.cluster.parameter_servers
     p, d, m = par.pipeline, par.data, par.microbatches
     speeds = spec.cluster.node_tflops
     if speeds is not None and len(speeds) != spec.cluster.nodes:
@@ -330,7 +414,8 @@ def cross_section_problems(spec: ParallelSpec) -> list[tuple[tuple[str, ...], st
         out.append((("parallel", "pipeline"),
                     f"pipeline x data = {p} x {d} = {p * d} ranks, but the cluster has {world} "
                     f"devices (cluster.nodes x cluster.devices_per_node = "
-                    f"{spec.cluster.nodes} x {spec.cluster.devices_per_node}); make "
+                    f"{spec.cluster.nodes} x {spec.cluster.devices_per_node}"
+                    + (f", minus {servers} parameter servers" if servers else "") + "); make "
                     "parallel.pipeline x parallel.data equal the device count, or set one of "
                     "them to 'auto'"))
     for name, k in (("pipeline", p), ("data", d)):
@@ -338,7 +423,9 @@ def cross_section_problems(spec: ParallelSpec) -> list[tuple[tuple[str, ...], st
         if fixed(k) and not fixed(getattr(par, other)) and world % k:
             out.append((("parallel", name),
                         f"{name}={k} does not divide the {world} devices of the cluster "
-                        f"(cluster.nodes x cluster.devices_per_node), so no parallel.{other} "
+                        f"(cluster.nodes x cluster.devices_per_node"
+                        + (" minus cluster.parameter_servers" if servers else "")
+                        + f"), so no parallel.{other} "
                         f"fits; choose a divisor of {world}"))
     b = spec.data.batch_size
     if fixed(d) and fixed(m) and b % (d * m):
@@ -358,7 +445,51 @@ def cross_section_problems(spec: ParallelSpec) -> list[tuple[tuple[str, ...], st
                     "(zb-v always uses 2 stages per rank by itself)"))
     out += _schedule_problems(par)
     out += _train_problems(spec.train)
+    out += _compression_problems(spec.train)
+    from fxpipe.specs.updates import update_problems
+
+    out += update_problems(spec)
     return out
+
+
+#: ``train.compression`` keys -> the ``grad_compression`` methods that read them
+_COMPRESSION_KEYS = {"rank": ("powersgd",), "ratio": ("topk",),
+                     "warmup_steps": ("powersgd", "topk")}
+
+
+def _compression_problems(t: TrainSpec) -> list[tuple[tuple[str, ...], str]]:
+    """``train.compression`` keys set to other than their defaults that the chosen
+    ``train.grad_compression`` does not read (a plan's saved spec repeats the defaults)."""
+    out: list[tuple[tuple[str, ...], str]] = []
+    default = CompressionSpec()
+    for key, users in _COMPRESSION_KEYS.items():
+        if getattr(t.compression, key) != getattr(default, key) \
+                and t.grad_compression not in users:
+            out.append((("train", "compression", key),
+                        f"compression.{key} applies to grad_compression: {' or '.join(users)}, "
+                        f"but grad_compression is {t.grad_compression!r}; drop it or set "
+                        f"train.grad_compression: {users[0]}"))
+    return out
+
+
+def compression_rank_problems(spec: ParallelSpec, shapes: dict[str, tuple[int, ...]]
+                              ) -> list[tuple[tuple[str, ...], str]]:
+    """With ``grad_compression: powersgd``, the parameters (name -> shape, the trained ones)
+    whose matrix (:func:`low_rank_view`) has a side shorter than ``train.compression.rank``: a
+    rank-r approximation of such a matrix does not exist. Checked when planning, where the
+    model's shapes are known."""
+    t = spec.train
+    if t.grad_compression != "powersgd":
+        return []
+    rank = t.compression.rank
+    small = [(n, v) for n, s in shapes.items() if (v := low_rank_view(s)) and min(v) < rank]
+    if not small:
+        return []
+    name, (rows, cols) = min(small, key=lambda x: (min(x[1]), x[0]))
+    more = f" ({len(small) - 1} more parameters are too small too)" if len(small) > 1 else ""
+    return [(("train", "compression", "rank"),
+             f"rank={rank} is larger than the smaller side of parameter {name!r}, a {rows} x "
+             f"{cols} matrix{more}; choose a rank of at most {min(rows, cols)}")]
 
 
 def _schedule_problems(par: ParallelSpec_) -> list[tuple[tuple[str, ...], str]]:

@@ -22,6 +22,11 @@ from fxpipe.errors import SpecError
 
 _MERGE_TAG = "tag:yaml.org,2002:merge"
 
+#: deepest nesting a spec may have (a real spec has 4 levels)
+MAX_DEPTH = 64
+#: most values a spec may hold once its aliases are expanded (no "billion laughs")
+MAX_VALUES = 100_000
+
 
 @dataclass
 class Located:
@@ -133,6 +138,28 @@ def _check_nodes(label: str, root: Node) -> list[tuple[int, str]]:
     return sorted(problems)
 
 
+def _size_and_depth(root: Node) -> tuple[int, int]:
+    """Values (aliases expanded) and nesting depth of a node tree, in linear time (subtree
+    figures memoised by node, so aliased subtrees are counted as often as they are used without
+    being walked again)."""
+    memo: dict[int, tuple[int, int]] = {}
+    stack: list[tuple[Node, bool]] = [(root, False)]
+    while stack:
+        node, done = stack.pop()
+        if id(node) in memo:
+            continue
+        kids = ([x for kv in node.value for x in kv] if isinstance(node, MappingNode) else
+                list(node.value) if isinstance(node, SequenceNode) else [])
+        if not done:
+            stack.append((node, True))
+            stack.extend((k, False) for k in kids if id(k) not in memo)
+            continue
+        size = 1 + sum(memo[id(k)][0] for k in kids)
+        depth = 1 + max((memo[id(k)][1] for k in kids), default=0)
+        memo[id(node)] = (min(size, MAX_VALUES + 1), depth)
+    return memo[id(root)]
+
+
 def read_yaml(text: str, label: str) -> tuple[Any, SourceMap]:
     """Parse one YAML document safely.
 
@@ -148,12 +175,27 @@ def read_yaml(text: str, label: str) -> tuple[Any, SourceMap]:
         ``!!python/object/apply:os.system``, or a duplicate key. Messages start with
         ``FILE:LINE``.
     """
-    loader = yaml.SafeLoader(text)
+    try:
+        loader = yaml.SafeLoader(text)
+    except yaml.YAMLError as err:  # e.g. a control character (the reader checks first)
+        raise _yaml_error(label, err) from None
     try:
         try:
             root = loader.get_single_node()
         except yaml.YAMLError as err:
             raise _yaml_error(label, err) from None
+        except RecursionError:
+            raise SpecError(f"{label}: the spec is nested too deeply to read (a spec has a few "
+                            f"levels: sections, keys, values); fix its structure") from None
+        if root is not None:
+            size, depth = _size_and_depth(root)
+            if depth > MAX_DEPTH:
+                raise SpecError(f"{label}: the spec is nested {depth} levels deep; at most "
+                                f"{MAX_DEPTH} are allowed (a spec has a few); fix its structure")
+            if size > MAX_VALUES:
+                raise SpecError(f"{label}: the spec expands to more than {MAX_VALUES} values "
+                                "(its aliases repeat each other); write the values it needs "
+                                "without aliases that multiply")
         if root is None:
             raise SpecError(f"{label}: the spec is empty; write at least a 'model:' section, e.g. "
                             "model: {factory: \"fxpipe.examples.gpt:CharGPT\"}")

@@ -1,31 +1,63 @@
-"""Checkpoints with torch.distributed.checkpoint (DCP), keyed by the ORIGINAL FQNs.
+"""Checkpoints with torch.distributed.checkpoint (DCP), keyed by the ORIGINAL FQNs, atomic,
+validated before anything is unpickled, resumable exactly and under another plan.
 
-Every rank saves the parameters AND persistent buffers (e.g. BatchNorm's ``running_mean``,
-``running_var``, ``num_batches_tracked``) of its stages: exactly what ``model.state_dict()`` of
-the unsplit model holds, under the same names. Non-persistent buffers and traced constants are
-not saved (the model rebuilds them). Keys held by several ranks (data-parallel replicas, tied
-weights on two stages) are written once by DCP's de-duplicating planner. A checkpoint taken from a
-pipelined run therefore loads straight into the plain single-process model
-(:func:`load_into_model`). Each save goes into its own ``step_NNNNNN`` folder and an existing
-checkpoint is never overwritten.
+A checkpoint is the folder ``ROOT/step_NNNNNN`` holding:
 
-Data parallel and buffers: gradients are all-reduced, so replicas hold identical parameters, but
-buffers updated in the forward pass from the local micro-batches (BatchNorm running statistics)
-are NOT synchronised and can differ between replicas; DCP keeps ONE replica's copy of such a key.
+* the DCP shards and ``.metadata`` of one state dict: every rank's parameters and persistent
+  buffers under their original names (what ``model.state_dict()`` of the unsplit model holds),
+  the optimizer state flattened per parameter name (``optim.state.<fqn>.exp_avg``, ...: it
+  follows its parameter to whichever rank holds it under another plan), and each rank's RNG
+  state (``rng.rank<r>.torch``);
+* ``train_state.json``: the step (data position: batch ``k`` of step ``s`` is batch
+  ``s * grad_accumulation + k``), the learning-rate schedule's and the loss scaler's state;
+* ``manifest.json``, written last: the format, the step, every key's shape and dtype, and the
+  size and SHA-256 of every file.
+
+Saving is atomic: the ranks write into ``ROOT/.step_NNNNNN.partial``; once all are done, rank 0
+writes the manifest, renames the folder and then points ``ROOT/latest`` at it (written to a
+temporary name and renamed). A crash mid-save leaves the previous checkpoint as ``latest``; the
+partial folder is removed, with a message, by the next save or resume.
+
+Loading (:func:`open_checkpoint`) trusts nothing before checking it: ``latest`` must name a
+``step_NNNNNN`` folder inside the root, the manifest must parse and every file must have its
+recorded size and hash (a truncated, corrupted or missing shard is an error naming it), and the
+model's parameters must match the manifest's shapes (a checkpoint of another model is refused).
+Only then is DCP's ``.metadata`` read, which is a pickle: checkpoints are code, load only those
+you trust (see README, Security).
+
+Data parallel and buffers: replicas hold identical parameters, but buffers updated in the
+forward pass (BatchNorm running statistics) are not synchronised; DCP keeps one replica's copy.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
+import os
+import re
+import shutil
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 
-from fxpipe.errors import FxpipeError
+from fxpipe.errors import FxpipeError, first_line
+
+__all__ = ["CHECKPOINT_FORMAT", "step_dir", "stage_state", "save_checkpoint", "open_checkpoint",
+           "load_checkpoint", "load_into_model", "latest_checkpoint", "clean_partial"]
+
+CHECKPOINT_FORMAT = 1
+MANIFEST = "manifest.json"
+TRAIN_STATE = "train_state.json"
+_STEP_NAME = re.compile(r"^step_\d{6}$")
+_PARTIAL = re.compile(r"^\.step_\d{6}\.partial$")
+_OPT = "optim."
+_RNG = "rng."
 
 
 @contextlib.contextmanager
@@ -38,19 +70,31 @@ def _single_process_quiet():
         yield
 
 
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
 def step_dir(root: Path, step: int) -> Path:
     """``root/step_000123``."""
     return Path(root) / f"step_{step:06d}"
 
 
-def stage_state(stages: dict[int, nn.Module]) -> dict[str, torch.Tensor]:
-    """What :func:`save_checkpoint` writes for this rank: every stage module's parameters and
-    persistent buffers (``module.state_dict()``; non-persistent buffers and constants excluded),
-    keyed by original FQN, detached (same storage: no copy). A tensor reachable under several
-    names inside one stage module is kept under its first name only, as
-    ``named_parameters()`` does."""
+def _modules(stages: nn.Module | dict[int, nn.Module]) -> list[nn.Module]:
+    return list(stages.values()) if isinstance(stages, dict) else [stages]
+
+
+def stage_state(stages: nn.Module | dict[int, nn.Module]) -> dict[str, torch.Tensor]:
+    """This rank's parameters and persistent buffers (``module.state_dict()`` of every stage
+    module; non-persistent buffers and constants excluded), keyed by original FQN, detached
+    (same storage: no copy). A tensor reachable under several names inside one module is kept
+    under its first name only, as ``named_parameters()`` does."""
     state: dict[str, torch.Tensor] = {}
-    for module in stages.values():
+    for module in _modules(stages):
         seen: set[int] = set()
         for name, t in module.state_dict(keep_vars=True).items():
             if id(t) in seen:
@@ -60,29 +104,312 @@ def stage_state(stages: dict[int, nn.Module]) -> dict[str, torch.Tensor]:
     return state
 
 
-def save_checkpoint(stages: dict[int, nn.Module], root: Path, step: int) -> Path:
-    """Save this rank's stage parameters and persistent buffers (collective: every rank must
-    call it; also works in one process without a process group).
+def _optimizer_state(module: nn.Module, optimizer) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    flat = get_optimizer_state_dict(module, optimizer,
+                                    options=StateDictOptions(flatten_optimizer_state_dict=True))
+    return {_OPT + k: v for k, v in flat.items()}
+
+
+def _rng_state() -> dict[str, torch.Tensor]:
+    r = _rank()
+    out = {f"{_RNG}rank{r}.torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out[f"{_RNG}rank{r}.cuda"] = torch.cuda.get_rng_state()
+    return out
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _gather_keys(state: dict[str, Any]) -> dict[str, list]:
+    mine = {k: ([list(v.shape), str(v.dtype).removeprefix("torch.")]
+                if isinstance(v, torch.Tensor) else [None, type(v).__name__])
+            for k, v in state.items()}
+    if not dist.is_initialized():
+        return mine
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    out: dict[str, list] = {}
+    for d in every:
+        out.update(d)
+    return out
+
+
+def clean_partial(root: Path) -> list[Path]:
+    """Remove folders of saves that did not finish (``.step_NNNNNN.partial``); returns them."""
+    root = Path(root)
+    gone = []
+    if root.is_dir():
+        for p in sorted(root.iterdir()):
+            if _PARTIAL.match(p.name) and p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
+                gone.append(p)
+    return gone
+
+
+def save_checkpoint(stages: nn.Module | dict[int, nn.Module], root: Path, step: int, *,
+                    optimizer: Any = None, train_state: dict[str, Any] | None = None) -> Path:
+    """Save this rank's share atomically (collective: every rank calls it; also works in one
+    process without a process group).
 
     Args:
-        stages: stage index -> stage module (parameters and buffers named by original FQN, as
-            built by :func:`fxpipe.partitioner.split.build_stage_module`).
-        root: checkpoint folder; the checkpoint goes into ``root/step_NNNNNN``.
+        stages: this rank's stage modules (stage index -> module) or one module holding them
+            (``CompiledPipeline.module``), parameters and buffers named by original FQN.
+        root: checkpoint folder; the checkpoint becomes ``root/step_NNNNNN``.
         step: optimizer steps taken so far.
+        optimizer: the optimizer over those parameters (saved per parameter name), or None.
+        train_state: JSON-able state to resume with (rank 0's is written): the learning-rate
+            schedule's, the loss scaler's...
 
-    With data parallel, replicas' BatchNorm statistics (any buffer the forward pass updates) can
-    differ; the checkpoint keeps one replica's copy of each such key.
+    Returns the checkpoint folder.
 
-    Returns the checkpoint folder. Raises FxpipeError if that folder already holds a checkpoint.
+    Raises:
+        FxpipeError: that step already holds a checkpoint (never overwritten), or the folder
+            cannot be written.
     """
-    path = step_dir(root, step)
-    if (path / ".metadata").exists():
-        raise FxpipeError(f"{path} already holds a checkpoint; refusing to overwrite it")
-    with _single_process_quiet():
-        dcp.save(stage_state(stages), checkpoint_id=str(path), no_dist=not dist.is_initialized())
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        (Path(root) / "latest").write_text(path.name + "\n")
-    return path
+    root = Path(root)
+    final, partial = step_dir(root, step), root / f".step_{step:06d}.partial"
+    if (final / MANIFEST).exists():
+        raise FxpipeError(f"{final} already holds a checkpoint; refusing to overwrite it")
+    if _rank() == 0:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            for stale in clean_partial(root):
+                print(f"fxpipe: removed {stale.name} in {root} (a save that did not finish)",
+                      flush=True)
+            partial.mkdir()
+        except OSError as e:
+            raise FxpipeError(f"cannot write the checkpoint folder {root}: {e.strerror or e}; "
+                              "make it writable or choose train.checkpoint.dir") from None
+    _barrier()
+    state: dict[str, Any] = dict(stage_state(stages))
+    if optimizer is not None:
+        module = stages if isinstance(stages, nn.Module) else _merged(stages)
+        state.update(_optimizer_state(module, optimizer))
+    state.update(_rng_state())
+    keys = _gather_keys(state)
+    try:
+        with _single_process_quiet():
+            dcp.save(state, checkpoint_id=str(partial), no_dist=not dist.is_initialized())
+    except Exception as e:  # a full disk, a rank that died mid-save (DCP's CheckpointException)
+        raise FxpipeError(f"saving the checkpoint of step {step} in {root} failed: "
+                          f"{first_line(e)}; the previous checkpoint stays the latest, the "
+                          "unfinished folder is removed by the next save") from None
+    _barrier()
+    # every rank hashes the shards it wrote (on its own node's file system), rank 0 the rest
+    rank = _rank()
+    mine = {p.name: [p.stat().st_size, _sha256(p)] for p in sorted(partial.iterdir())
+            if p.is_file() and (p.name.startswith(f"__{rank}_") or
+                                (rank == 0 and not re.match(r"^__\d+_", p.name)))}
+    if rank == 0:
+        (partial / TRAIN_STATE).write_text(json.dumps({"step": step, **(train_state or {})}))
+        mine[TRAIN_STATE] = [(partial / TRAIN_STATE).stat().st_size,
+                             _sha256(partial / TRAIN_STATE)]
+    files: dict[str, list] = dict(mine)
+    if dist.is_initialized():
+        every: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        for d in every:
+            files.update(d)
+    manifest = {"format": CHECKPOINT_FORMAT, "writer": "fxpipe", "step": step, "keys": keys,
+                "files": dict(sorted(files.items())),
+                "world_size": dist.get_world_size() if dist.is_initialized() else 1}
+    if rank == 0:
+        _finish(partial, final, root, manifest)
+    _barrier()
+    # a node whose file system is not rank 0's (per-node folders) finishes its own folder: its
+    # shards and the manifest of the whole; copy the shards into node 0's folder to load it
+    if rank != 0 and int(os.environ.get("LOCAL_RANK", "-1")) == 0 \
+            and not (final / MANIFEST).exists() and partial.is_dir():
+        _finish(partial, final, root, manifest)
+    _barrier()
+    return final
+
+
+def _finish(partial: Path, final: Path, root: Path, manifest: dict) -> None:
+    """Write the manifest, rename the folder into place and point ``latest`` at it (written to a
+    temporary name and renamed)."""
+    (partial / MANIFEST).write_text(json.dumps(manifest))
+    os.replace(partial, final)
+    tmp = root / f".latest.{os.getpid()}.tmp"
+    tmp.write_text(final.name + "\n")
+    os.replace(tmp, root / "latest")
+
+
+def _merged(stages: dict[int, nn.Module]) -> nn.Module:
+    """One module holding the tensors of several stage modules under their names."""
+    holder = nn.Module()
+    for module in stages.values():
+        for name, p in module.named_parameters():
+            _put(holder, name, p, param=True)
+    return holder
+
+
+def _put(root: nn.Module, path: str, t: torch.Tensor, param: bool) -> None:
+    *parents, leaf = path.split(".")
+    mod = root
+    for part in parents:
+        if not hasattr(mod, part):
+            mod.add_module(part, nn.Module())
+        mod = getattr(mod, part)
+    if param and isinstance(t, nn.Parameter):
+        mod.register_parameter(leaf, t)
+    else:
+        mod.register_buffer(leaf, t)
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    """The folder ``root/latest`` names, checked: a ``step_NNNNNN`` folder inside ``root``, or
+    None when there is no ``latest``.
+
+    Raises:
+        FxpipeError: ``latest`` names anything else.
+    """
+    root = Path(root)
+    pointer = root / "latest"
+    if not pointer.exists():
+        return None
+    try:
+        name = pointer.read_text(errors="replace").strip()
+    except OSError as e:
+        raise FxpipeError(f"cannot read {pointer}: {e.strerror or e}") from None
+    if not _STEP_NAME.match(name) or not (root / name).is_dir():
+        raise FxpipeError(f"{pointer} names {name[:80]!r}, which is not a step_NNNNNN "
+                          f"checkpoint folder in {root}; point it at one or remove it")
+    return root / name
+
+
+def open_checkpoint(path: str | Path) -> tuple[Path, dict[str, Any]]:
+    """Find and validate a checkpoint before anything is unpickled.
+
+    Args:
+        path: a ``step_NNNNNN`` folder, or the checkpoint root (its ``latest`` is followed).
+
+    Returns ``(folder, manifest)``.
+
+    Raises:
+        FxpipeError: not a checkpoint fxpipe wrote (no or malformed manifest), or a file is
+            missing, truncated or changed since it was written.
+    """
+    path = Path(path)
+    if not _STEP_NAME.match(path.name):
+        found = latest_checkpoint(path)
+        if found is None:
+            partial = [p.name for p in path.glob(".step_*.partial")] if path.is_dir() else []
+            extra = (f" (only {partial[0]}, a save that did not finish)" if partial else "")
+            raise FxpipeError(f"{path} holds no checkpoint{extra}: no 'latest' and not a "
+                              "step_NNNNNN folder; give the run's checkpoint folder")
+        path = found
+    try:
+        text = (path / MANIFEST).read_text()
+        if len(text) > 64 << 20:
+            raise ValueError("too large")
+        manifest = json.loads(text)
+    except FileNotFoundError:
+        raise FxpipeError(f"{path} is not a checkpoint fxpipe wrote (no {MANIFEST}); refusing "
+                          "to load it: DCP checkpoints hold pickled metadata, which runs code"
+                          ) from None
+    except (OSError, ValueError, RecursionError) as e:
+        raise FxpipeError(f"{path / MANIFEST} is not a valid manifest ({e}); the checkpoint is "
+                          "damaged") from None
+    if not (isinstance(manifest, dict) and manifest.get("writer") == "fxpipe"
+            and manifest.get("format") == CHECKPOINT_FORMAT
+            and isinstance(manifest.get("files"), dict) and isinstance(manifest.get("keys"), dict)
+            and isinstance(manifest.get("step"), int)):
+        raise FxpipeError(f"{path / MANIFEST} is not an fxpipe checkpoint manifest of format "
+                          f"{CHECKPOINT_FORMAT}; re-create the checkpoint with `fxpipe run`")
+    present = {p.name for p in path.iterdir() if p.is_file()} - {MANIFEST}
+    for name, entry in manifest["files"].items():
+        f = path / name
+        if "/" in name or name.startswith(".."):
+            raise FxpipeError(f"{path / MANIFEST} lists a file outside the checkpoint: {name!r}")
+        if not f.is_file():
+            raise FxpipeError(f"checkpoint {path} lacks {name} (a shard is missing); it cannot "
+                              "be loaded: resume from an earlier checkpoint")
+        size, digest = entry
+        if f.stat().st_size != size or _sha256(f) != digest:
+            raise FxpipeError(f"checkpoint {path}: {name} is truncated or changed since it was "
+                              f"written ({f.stat().st_size} bytes, {size} written); resume from "
+                              "an earlier checkpoint")
+    extra = sorted(present - set(manifest["files"]))
+    if extra:
+        raise FxpipeError(f"checkpoint {path} holds files its manifest does not list: {extra[:3]}"
+                          "; refusing to load it")
+    return path, manifest
+
+
+def _check_model(path: Path, manifest: dict[str, Any], state: dict[str, torch.Tensor]) -> None:
+    keys = manifest["keys"]
+    missing = [k for k in state if k not in keys]
+    if missing:
+        raise FxpipeError(f"checkpoint {path} lacks {missing[:5]} (parameters or persistent "
+                          "buffers of this model); was it saved from another model? Re-create "
+                          "it with `fxpipe run`")
+    wrong = [f"{k} {keys[k][0]} vs {list(t.shape)}" for k, t in state.items()
+             if list(t.shape) != keys[k][0]]
+    if wrong:
+        raise FxpipeError(f"checkpoint {path} was saved from another model: shapes differ "
+                          f"({'; '.join(wrong[:3])})")
+
+
+def _dcp_load(state: dict[str, Any], path: Path) -> None:
+    try:
+        with _single_process_quiet():
+            dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+    except Exception as e:  # the files passed their hashes; anything left is a bad checkpoint
+        raise FxpipeError(f"cannot load checkpoint {path}: {first_line(e)}") from None
+
+
+def load_checkpoint(stages: nn.Module | dict[int, nn.Module], path: str | Path, *,
+                    optimizer: Any = None, rng: bool = True) -> dict[str, Any]:
+    """Load a checkpoint into this rank's modules (any plan: keys are parameter names) and
+    optimizer, and restore this rank's RNG state when the checkpoint has it (the same rank of a
+    run of the same size). Collective when a process group exists.
+
+    Returns the training state saved with it (``step`` and what the run stored).
+
+    Raises:
+        FxpipeError: see :func:`open_checkpoint`; the model or optimizer does not match.
+    """
+    folder, manifest = open_checkpoint(path)
+    model_state = {k: v.detach().clone() for k, v in stage_state(stages).items()}
+    _check_model(folder, manifest, model_state)
+    state: dict[str, Any] = dict(model_state)
+    module = stages if isinstance(stages, nn.Module) else _merged(stages)
+    if optimizer is not None:
+        opt = _optimizer_state(module, optimizer)
+        missing = [k for k in opt if k not in manifest["keys"]]
+        if missing:
+            raise FxpipeError(f"checkpoint {folder} holds no optimizer state for {missing[:3]}; "
+                              "was it saved with another optimizer?")
+        state.update({k: v for k, v in opt.items() if k in manifest["keys"]})
+    mine = {k: v for k, v in _rng_state().items() if k in manifest["keys"]} if rng else {}
+    state.update({k: v.clone() for k, v in mine.items()})
+    _dcp_load(state, folder)
+    live = stage_state(stages)
+    with torch.no_grad():
+        for k, t in model_state.items():
+            live[k].copy_(state[k])
+    if optimizer is not None:
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                             set_optimizer_state_dict)
+
+        set_optimizer_state_dict(module, optimizer, {k[len(_OPT):]: v for k, v in state.items()
+                                                     if k.startswith(_OPT)},
+                                 options=StateDictOptions(flatten_optimizer_state_dict=True))
+    for k in mine:
+        (torch.set_rng_state if k.endswith(".torch") else torch.cuda.set_rng_state)(state[k])
+    try:
+        return json.loads((folder / TRAIN_STATE).read_text())
+    except (OSError, ValueError):
+        return {"step": manifest["step"]}
 
 
 def load_into_model(model: nn.Module, path: str | Path) -> list[str]:
@@ -92,17 +419,17 @@ def load_into_model(model: nn.Module, path: str | Path) -> list[str]:
 
     Args:
         model: the plain model (same architecture the checkpoint was saved from).
-        path: a ``step_NNNNNN`` folder, or the checkpoint root (its ``latest`` file is followed).
+        path: a ``step_NNNNNN`` folder, or the checkpoint root (its ``latest`` is followed).
 
-    Returns the loaded keys (sorted). Raises FxpipeError if the folder is not a checkpoint or a
-    model parameter or persistent buffer is missing from it.
+    Returns the loaded keys (sorted).
+
+    Raises:
+        FxpipeError: not a checkpoint fxpipe wrote, damaged (see :func:`open_checkpoint`), or
+            saved from another model (a parameter or persistent buffer missing or of another
+            shape).
     """
-    path = Path(path)
-    if (path / "latest").exists():
-        path = path / (path / "latest").read_text().strip()
-    if not (path / ".metadata").exists():
-        raise FxpipeError(f"{path} is not a checkpoint folder (no .metadata)")
-    saved = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+    folder, manifest = open_checkpoint(path)
+    saved = manifest["keys"]
     named = model.state_dict(keep_vars=True)  # params + persistent buffers, aliases included
     by_tensor: dict[int, str] = {}
     for name, t in named.items():
@@ -110,12 +437,12 @@ def load_into_model(model: nn.Module, path: str | Path) -> list[str]:
             by_tensor.setdefault(id(t), name)
     missing = [n for n, t in named.items() if id(t) not in by_tensor]
     if missing:
-        raise FxpipeError(f"checkpoint {path} lacks {missing[:5]} (parameters or persistent "
-                          "buffers of this model); was it saved from another model, or by an "
-                          "older fxpipe that saved no buffers? Re-create it with `fxpipe run`")
+        raise FxpipeError(f"checkpoint {folder} lacks {missing[:5]} (parameters or persistent "
+                          "buffers of this model); was it saved from another model? Re-create "
+                          "it with `fxpipe run`")
     state = {name: named[name].detach().clone() for name in by_tensor.values()}
-    with _single_process_quiet():
-        dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+    _check_model(folder, manifest, state)
+    _dcp_load(state, folder)
     with torch.no_grad():
         for name, t in state.items():
             named[name].copy_(t)

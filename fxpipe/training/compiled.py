@@ -28,6 +28,7 @@ into the plan's micro-batches, ``compile`` outside a torch.distributed job.
 from __future__ import annotations
 
 import hashlib
+import json
 import itertools
 import os
 import weakref
@@ -525,7 +526,9 @@ def _plan_on_rank0(model, spec, example_inputs, example_kwargs) -> Plan:
 def _same_plan_everywhere(plan: Plan) -> None:
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
-    digest = hashlib.sha1(plan.to_json().encode()).hexdigest()
+    d = plan.to_dict()  # the run folder (spec.output) may differ between nodes
+    d["spec"] = {k: v for k, v in d["spec"].items() if k != "output"}
+    digest = hashlib.sha1(json.dumps(d, sort_keys=True).encode()).hexdigest()
     every: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(every, digest)
     if len(set(every)) > 1:
@@ -606,6 +609,7 @@ def compile(model: nn.Module, spec_or_plan: Any, example_inputs: Any = None,
     """
     from fxpipe.partitioner.loss_targets import target_counter
     from fxpipe.partitioner.split import build_stages, trace_for_plan
+    from fxpipe.runtime.compression import Compression
     from fxpipe.runtime.executor import PipelineExecutor
     from fxpipe.runtime.mesh import Mesh
     from fxpipe.schedule.lowering import schedule_for_plan
@@ -642,7 +646,8 @@ def compile(model: nn.Module, spec_or_plan: Any, example_inputs: Any = None,
     executor = PipelineExecutor(plan, schedule, stages, mesh,
                                 loss_fn if loss_fn is not None else resolve_loss(t.loss,
                                                                                  t.ignore_index),
-                                None, timeout_s=timeout, grad_compression=t.grad_compression,
+                                None, timeout_s=timeout,
+                                grad_compression=Compression.from_train(t),
                                 precision=t.precision, needs_target=not model_loss)
     k = grad_accumulation if grad_accumulation is not None else t.grad_accumulation
     if not isinstance(k, int) or k < 1:

@@ -2,7 +2,8 @@
 launcher (``torch.distributed.launcher.api.elastic_launch``, the engine behind
 ``torch.distributed.run``), rendezvous on loopback unless ``--rdzv-endpoint`` says otherwise.
 
-Multi-node: run the same command on every node with ``--nnodes N --rdzv-endpoint HOST:PORT``;
+Multi-node: run the same command on every node with ``--nnodes N --rdzv-endpoint HOST:PORT``
+(and ``--node-rank R``, or let the nodes number themselves: the endpoint's machine is node 0);
 each node plans for itself (planning is deterministic) and starts ``cluster.devices_per_node``
 workers.
 """
@@ -68,7 +69,8 @@ def _check_endpoint(endpoint: str) -> None:
         raise FxpipeError(f"--rdzv-endpoint {endpoint!r} is not HOST:PORT (e.g. node0:29500)")
 
 
-def _check_launchable(spec, nnodes: int, endpoint: str | None) -> None:
+def _check_launchable(spec, nnodes: int, endpoint: str | None,
+                      node_rank: int | None = None) -> None:
     """Everything that would otherwise fail only after the workers start."""
     import torch
 
@@ -85,6 +87,8 @@ def _check_launchable(spec, nnodes: int, endpoint: str | None) -> None:
         raise FxpipeError("multi-node runs need --rdzv-endpoint HOST:PORT (the same on every node)")
     if endpoint:
         _check_endpoint(endpoint)
+    if node_rank is not None and not 0 <= node_rank < nnodes:
+        raise FxpipeError(f"--node-rank {node_rank} must be in 0 .. {nnodes - 1} (--nnodes {nnodes})")
     resolve_loss(spec.train.loss, spec.train.ignore_index)
     if spec.cluster.device == "cuda":
         have = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -134,77 +138,176 @@ def _check_loss_fits(spec, plan) -> None:
         ) from None
 
 
+def _check_out_path(out: Path) -> None:
+    """Refuse an output folder that is the current folder or one above it (moving it aside or
+    filling it would take the user's working folder with it)."""
+    here, target = Path.cwd().resolve(), out.resolve()
+    if target == here or target in here.parents:
+        raise FxpipeError(f"--out {out} is the current folder or one above it; give a folder "
+                          "of its own for the run, e.g. --out runs/NAME")
+
+
+def check_checkpoint_dir(out: Path, spec) -> Path:
+    """Create the run's checkpoint folder and check that it can be written, so a bad
+    ``train.checkpoint.dir`` fails before training, not at the first save.
+
+    Raises:
+        FxpipeError: it is a file, lies outside the run, or cannot be written.
+    """
+    root = out / spec.train.checkpoint.dir
+    if out.resolve() not in root.resolve().parents:  # e.g. a symlink pointing elsewhere
+        raise FxpipeError(f"train.checkpoint.dir {spec.train.checkpoint.dir!r} resolves to "
+                          f"{root.resolve()}, outside the run folder {out}; name a folder inside it")
+    if root.exists() and not root.is_dir():
+        raise FxpipeError(f"the checkpoint folder {root} is a file; remove it or set "
+                          "train.checkpoint.dir to another name")
+    probe = root / f".write-test.{os.getpid()}"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise FxpipeError(f"cannot write checkpoints to {root}: {e.strerror or e}; make it "
+                          "writable or set train.checkpoint.dir") from None
+    return root
+
+
+def run_fingerprint(plan) -> str:
+    """What every node of a run must share, as JSON: the spec (less ``output``), fxpipe's
+    version and a hash of its source, torch's version, and the plan's shape and hash."""
+    import hashlib
+    import json
+
+    import torch
+
+    import fxpipe
+
+    spec = {k: v for k, v in plan.spec.items() if k != "output"}
+    source = hashlib.sha256()
+    root = Path(fxpipe.__file__).parent
+    for f in sorted(root.rglob("*.py")):
+        source.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes())
+    d = plan.to_dict()
+    d["spec"] = spec
+    shape = {"schedule": plan.schedule, "pipeline": plan.pipeline, "dp": plan.dp,
+             "microbatches": plan.microbatches, "placement": plan.placement,
+             "nodes per stage": [len(st.nodes) for st in plan.stages],
+             "hash": hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]}
+    return json.dumps({"spec": spec, "fxpipe": {"version": fxpipe.__version__,
+                                                 "source": source.hexdigest()[:12]},
+                       "torch": torch.__version__, "plan": shape}, sort_keys=True)
+
+
+def _resume_dir(args, spec) -> Path:
+    """The run folder ``--resume RUN_DIR`` names, checked: it holds a valid checkpoint."""
+    from fxpipe.training.checkpoint import open_checkpoint
+
+    run_dir = Path(args.resume)
+    if args.out and Path(args.out).resolve() != run_dir.resolve():
+        raise FxpipeError(f"--resume {run_dir} continues that run in its own folder; drop --out "
+                          f"{args.out} (or give the same folder)")
+    if not run_dir.is_dir():
+        raise FxpipeError(f"--resume {run_dir}: no such run folder")
+    folder, manifest = open_checkpoint(run_dir / spec.train.checkpoint.dir)
+    if manifest["step"] >= spec.train.steps:
+        raise FxpipeError(f"--resume {run_dir}: its checkpoint {folder.name} is at step "
+                          f"{manifest['step']} and train.steps is {spec.train.steps}; nothing "
+                          "left to train: raise train.steps or pass --steps N")
+    return run_dir
+
+
+def _rendezvous(args, nnodes: int, wait: float) -> tuple[str, str]:
+    """``(endpoint, bind address)``: loopback and a free port for a single node; for several
+    nodes the given endpoint (checked to answer, when another node hosts it) and the address of
+    the interface named by ``--bind`` (default: the one that routes to the endpoint)."""
+    from fxpipe.training.rendezvous import (LOOPBACK, is_local_host, interface_address,
+                                            probe_endpoint, route_address)
+
+    endpoint = args.rdzv_endpoint
+    if nnodes == 1:
+        bind = LOOPBACK if not getattr(args, "bind", None) else interface_address(args.bind)
+        if endpoint is None:
+            return f"{LOOPBACK}:{_free_port()}", bind
+        host, _, port = endpoint.rpartition(":")
+        if not is_local_host(host):
+            raise FxpipeError(f"--rdzv-endpoint {endpoint}: a single-node run hosts its own "
+                              "rendezvous, so the host must be this machine (e.g. 127.0.0.1)")
+        with socket.socket() as s:
+            try:
+                s.bind((bind, int(port)))
+            except OSError as e:
+                raise FxpipeError(f"--rdzv-endpoint {endpoint}: port {port} is taken "
+                                  f"({e.strerror}); pick a free one or leave the option out"
+                                  ) from None
+        return endpoint, bind
+    host, _, port = endpoint.rpartition(":")
+    bind = interface_address(args.bind) if getattr(args, "bind", None) else route_address(host)
+    node_rank = getattr(args, "node_rank", None)
+    local = is_local_host(host)
+    if node_rank == 0 and not local:
+        raise FxpipeError(f"--node-rank 0 hosts the rendezvous, but {host} (--rdzv-endpoint) is "
+                          "not this machine; start node 0 on the machine the endpoint names")
+    hosting = False
+    if local and node_rank in (None, 0):
+        with socket.socket() as s:
+            try:
+                s.bind((bind, int(port)))
+                hosting = True
+            except OSError as e:  # hosted by another launcher on this machine, or taken
+                if node_rank == 0:
+                    raise FxpipeError(f"--rdzv-endpoint {endpoint}: port {port} is taken "
+                                      f"({e.strerror}); pick a free one") from None
+    if not hosting:
+        probe_endpoint(endpoint, wait)
+    return endpoint, bind
+
+
 def run(args) -> int:
     """Plan the spec, dump the plan into the output folder and train with torchrun.
 
-    Every check that can fail before training (spec, launch arguments, plan) runs before the
-    output folder is touched. Returns 0 on success. Raises FxpipeError (printed cleanly by the
-    CLI) on failure, KeyboardInterrupt when interrupted.
+    Every check that can fail before training (spec, launch arguments, plan, the checkpoint
+    folder, the rendezvous endpoint) runs before the workers start; the output folder is
+    touched only after the plan exists. ``--resume RUN_DIR`` continues the run in that folder
+    from its latest checkpoint, under the plan the spec gives now (any stage count, replica
+    count or schedule). Returns 0 on success. Raises FxpipeError (printed cleanly by the CLI)
+    on failure, KeyboardInterrupt when interrupted.
     """
     from fxpipe.partitioner.driver import plan_from_spec
     from fxpipe.specs.loader import load_spec
+    from fxpipe.training.worker import STOPPED
 
     spec = load_spec(args.spec)
     if args.steps is not None:
         if args.steps < 1:
             raise FxpipeError(f"--steps must be at least 1 (got {args.steps})")
         spec = spec.model_copy(update={"train": spec.train.model_copy(update={"steps": args.steps})})
-    out = Path(args.out or spec.output.dir)
+    resume = getattr(args, "resume", None)
+    out = _resume_dir(args, spec) if resume else Path(args.out or spec.output.dir)
+    _check_out_path(out)
     spec = spec.model_copy(update={"output": spec.output.model_copy(update={"dir": str(out)})})
     nnodes = args.nnodes
-    _check_launchable(spec, nnodes, args.rdzv_endpoint)
-    check_output_dir(out, args.overwrite)
+    _check_launchable(spec, nnodes, args.rdzv_endpoint, getattr(args, "node_rank", None))
+    if not resume:
+        check_output_dir(out, args.overwrite)
 
-    from fxpipe.reports.progress import PROGRESS_ENV, planning_progress, progress_mode
+    from fxpipe.reports.progress import planning_progress
 
     with planning_progress():  # a spinner with the planner's phases on a terminal
         plan, graph = plan_from_spec(spec)
     _check_loss_fits(spec, plan)
-    prepare_output_dir(out, args.overwrite)
+    wait = float(spec.train.timeout_s)
+    endpoint, bind = _rendezvous(args, nnodes, wait)
+    if not resume:
+        prepare_output_dir(out, args.overwrite)
+    check_checkpoint_dir(out, spec)
+    (out / STOPPED).unlink(missing_ok=True)
     plan.dump(out, graph)
     from fxpipe.reports.partition_picture import write_partition_picture
 
     write_partition_picture(plan, out, graph)
     print(plan.summary(), flush=True)
-
-    per_node = spec.cluster.devices_per_node
-    endpoint = args.rdzv_endpoint or f"127.0.0.1:{_free_port()}"
-
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.elastic.rendezvous.api import RendezvousError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    os.environ.setdefault(PROGRESS_ENV, progress_mode())  # the workers' stdout is ours
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
-    wait = int(spec.train.timeout_s)
-    config = LaunchConfig(
-        min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=per_node,
-        run_id=args.rdzv_id, rdzv_backend="c10d", rdzv_endpoint=endpoint,
-        rdzv_configs={"join_timeout": wait, "timeout": wait}, max_restarts=0,
-        monitor_interval=0.5, start_method="spawn",
-    )
-    worker_args = ["-m", "fxpipe.training.worker", "--plan", str(out / "plan.json"), "--out", str(out)]
-    print(f"launching {nnodes} x {plural(per_node, 'worker')}, rendezvous at {endpoint}", flush=True)
-    try:
-        elastic_launch(config, sys.executable)(*worker_args)
-    except SignalException:
-        raise KeyboardInterrupt from None
-    except ChildFailedError as e:
-        first = min(e.failures.items(), key=lambda kv: kv[1].timestamp or 0)
-        rank, failure = first
-        raise FxpipeError(
-            f"training failed (first failure: rank {rank}, exit code {failure.exitcode}); the "
-            f"ranks' messages are printed above. Outputs so far are kept in {out}"
-        ) from None
-    except (RendezvousError, RuntimeError, ValueError) as e:  # e.g. a peer never joins
-        what = str(e) or type(e).__name__
-        raise FxpipeError(
-            f"could not start the workers: {what}. For multi-node runs, start `fxpipe run` on "
-            f"every node within train.timeout_s ({wait} s) with the same --rdzv-endpoint and "
-            "--rdzv-id"
-        ) from None
+    _launch(spec, out, nnodes, endpoint, bind, args.rdzv_id, resume=bool(resume),
+            node_rank=getattr(args, "node_rank", None), fingerprint=run_fingerprint(plan))
     if nnodes == 1:  # multi-node: checkpoint shards live on several machines
         from fxpipe.training.evaluate import evaluate_run
 
@@ -230,3 +333,86 @@ def _write_report(out: Path) -> None:
               f"try `fxpipe report {out}`", file=sys.stderr, flush=True)
         return
     print(f"report: {path} (pictures: partition, timeline and training .png/.svg)", flush=True)
+
+
+def _report_restarts(restarts: int, world: int) -> None:
+    """Print one line when torchrun's agent restarts the workers (it logs the decision at INFO,
+    which is otherwise silenced)."""
+    agent = logging.getLogger("torch.distributed.elastic.agent.server.api")
+
+    class Restarts(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            if "attempts left" in record.msg and len(record.args) >= 3:
+                left = int(record.args[2])
+                print(f"fxpipe: a worker failed ({record.args[1]}); restarting all "
+                      f"{plural(world, 'worker')} from the latest checkpoint (restart "
+                      f"{restarts - left + 1} of {restarts})", flush=True)
+            return False
+
+    agent.setLevel(logging.INFO)
+    agent.addFilter(Restarts())
+
+
+def _launch(spec, out: Path, nnodes: int, endpoint: str, bind: str, run_id: str,
+            resume: bool, node_rank: int | None = None, fingerprint: str = "{}") -> None:
+    """Start ``cluster.devices_per_node`` workers with torchrun's launcher (the ``fxpipe``
+    rendezvous: stores on ``bind`` only), restarting them up to ``train.max_restarts`` times."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from fxpipe.training.rendezvous import NodeMismatch, register, socket_env
+
+    per_node = spec.cluster.devices_per_node
+    wait = int(spec.train.timeout_s)
+    restarts = spec.train.max_restarts
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from fxpipe.reports.progress import PROGRESS_ENV, progress_mode
+
+    os.environ.setdefault(PROGRESS_ENV, progress_mode())  # the workers' stdout is ours
+    os.environ.update(TORCH_CPP_LOG_LEVEL=os.environ.get("TORCH_CPP_LOG_LEVEL", "FATAL"),
+                      TORCH_SHOW_CPP_STACKTRACES="0", **socket_env(bind))
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    if restarts:
+        _report_restarts(restarts, per_node * nnodes)
+    config = LaunchConfig(
+        min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=per_node,
+        run_id=run_id, rdzv_backend=register(), rdzv_endpoint=endpoint,
+        rdzv_configs={"join_timeout": wait, "bind": bind, "fingerprint": fingerprint,
+                      "node_rank": -1 if node_rank is None else node_rank},
+        max_restarts=restarts, monitor_interval=0.5, start_method="spawn", local_addr=bind,
+    )
+    worker_args = ["-m", "fxpipe.training.worker", "--plan", str(out / "plan.json"), "--out",
+                   str(out), *(["--resume"] if resume else [])]
+    print(f"launching {nnodes} x {plural(per_node, 'worker')}, rendezvous at {endpoint} "
+          f"(listening on {bind} only)"
+          + (f", up to {plural(restarts, 'restart')}" if restarts else ""), flush=True)
+    try:
+        elastic_launch(config, sys.executable)(*worker_args)
+    except SignalException:
+        raise KeyboardInterrupt from None
+    except ChildFailedError as e:
+        from fxpipe.training.worker import STOPPED
+
+        if (out / STOPPED).exists():
+            raise FxpipeError(f"training stopped (rank 0's message above); outputs so far are "
+                              f"kept in {out}") from None
+        first = min(e.failures.items(), key=lambda kv: kv[1].timestamp or 0)
+        rank, failure = first
+        after = f" after {plural(restarts, 'restart')}" if restarts else ""
+        raise FxpipeError(
+            f"training failed{after} (first failure: rank {rank}, exit code "
+            f"{failure.exitcode}); the ranks' messages are printed above. Outputs so far are "
+            f"kept in {out}" + ("; continue with --resume " + str(out)
+                                if (out / spec.train.checkpoint.dir / "latest").exists() else "")
+        ) from None
+    except NodeMismatch as e:
+        raise FxpipeError(str(e)) from None
+    except (RendezvousError, RuntimeError, ValueError, OSError) as e:  # e.g. a peer never joins
+        what = (str(e).splitlines() or [type(e).__name__])[0][:300]
+        raise FxpipeError(
+            f"could not start the workers: {what}. For multi-node runs, start `fxpipe run` on "
+            f"every node within train.timeout_s ({wait} s) with the same --rdzv-endpoint and "
+            "--rdzv-id"
+        ) from None

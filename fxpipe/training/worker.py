@@ -1,30 +1,45 @@
 """The per-rank training worker started by ``fxpipe run`` (through torchrun).
 
-``python -m fxpipe.training.worker --plan OUT/plan.json --out OUT`` on every rank:
+``python -m fxpipe.training.worker --plan OUT/plan.json --out OUT [--resume]`` on every rank:
 rebuild the model from the plan's spec (same seed everywhere), compile this rank's share of it
 (:func:`fxpipe.compile`: the same code path as a user's own training script) and train it with
 the plan's schedule in the spec's ``train.precision`` (fp32, or bf16/fp16 autocast with fp32
 master weights; fp16 with dynamic loss scaling), the spec's optimizer, learning-rate schedule,
 gradient clipping and accumulation. Rank 0 shows progress (step, loss, tokens/s, time left: a
 bar on a terminal, plain lines otherwise, :mod:`fxpipe.reports.progress`), writes
-``environment.json`` (:mod:`fxpipe.training.run_record`) and ``losses.csv``; all ranks write
-checkpoints (torch.distributed.checkpoint, keyed by the original parameter FQNs) and rank 0
-writes the measured timeline (Chrome trace JSON, one track per rank, the optimizer steps
-included).
+``environment.json`` (:mod:`fxpipe.training.run_record`) and appends
+to ``losses.csv`` (flushed every row); all ranks write checkpoints (see
+:mod:`fxpipe.training.checkpoint`: model, optimizer, RNG, step, schedule and loss-scaler state)
+and rank 0 writes the measured timeline (Chrome trace JSON, one track per rank, the optimizer
+steps included).
+
+Resuming (``--resume``, or a restart after a failure under ``train.max_restarts``): every rank
+loads the latest checkpoint (under any plan: keys are parameter names), ``losses.csv`` keeps
+the rows before its step, and training continues from there; on CPU the losses equal an
+uninterrupted run's bit for bit. A run that stopped for a reason a restart would meet again
+(a non-finite loss, a bad dataset) leaves ``stopped.json``: restarts end at once with its
+message instead of training again.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import json
+import os
 import sys
 import time
 from pathlib import Path
 
-from fxpipe.errors import FxpipeError
+from fxpipe.errors import FxpipeError, RuntimeFailure, SpecError, TrainingStopped, first_line
 
 # torch is imported inside the functions: a Ctrl-C while a worker is still starting then ends
 # in main()'s handler instead of a traceback from the middle of `import torch`.
+
+#: written by rank 0 when training stopped for a reason a restart would meet again
+STOPPED = "stopped.json"
+LOSSES = "losses.csv"
+_HEADER = ["step", "loss", "step_time_s"]
 
 
 def _optimizer(spec, params):
@@ -45,22 +60,84 @@ def _throughput_unit(plan, batch_size: int) -> tuple[str, int]:
     ``("samples", batch)``."""
     ids = [plan.values[n] for n in plan.model_inputs
            if plan.values[n].dtype == "int64" and len(plan.values[n].shape) == 2]
-    first = ids[0] if ids else None
-    if first is not None and first.dtype == "int64" and len(first.shape) == 2:
-        return "tokens", batch_size * first.shape[1]
+    if ids:
+        return "tokens", batch_size * ids[0].shape[1]
     return "samples", batch_size
 
 
-def train(plan_path: Path, out: Path) -> None:
+class LossLog:
+    """Rank 0's ``losses.csv``: one row per optimizer step, the loss at full precision (its
+    ``repr``: a resumed run's rows compare bit for bit), flushed as it is written so a crash loses
+    nothing. Created at the first row (a run that fails before any step leaves no loss file)."""
+
+    def __init__(self, path: Path, unit: str, start: int = 0):
+        self.path, self.header = path, [*_HEADER, f"{unit}_per_s"]
+        self._fh = self._writer = None
+        if start > 0 and path.exists():  # resuming: keep the rows before the checkpoint's step
+            with open(path, newline="") as f:
+                rows = list(csv.reader(f))
+            kept = [r for r in rows[1:] if r and r[0].isdigit() and int(r[0]) < start]
+            self._open("w")
+            for row in kept:
+                self._writer.writerow(row)
+            self._fh.flush()
+        elif start == 0 and path.exists():
+            path.unlink()  # a restart before the first checkpoint: start the file again
+
+    def _open(self, mode: str) -> None:
+        self._fh = open(self.path, mode, newline="")
+        self._writer = csv.writer(self._fh)
+        if mode == "w":
+            self._writer.writerow(self.header)
+
+    def write(self, step: int, loss: float, dt: float, rate: float) -> None:
+        if self._writer is None:
+            self._open("a" if self.path.exists() else "w")
+        self._writer.writerow([step, repr(loss), f"{dt:.4f}", f"{rate:.1f}"])
+        self._fh.flush()
+
+    def close(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+
+
+def _stop(out: Path, rank: int, message: str) -> None:
+    """Record that training stopped for a reason a restart would meet again (every rank writes
+    the same file atomically: whichever rank the launcher stops first, it is there)."""
+    tmp = out / f".{STOPPED}.{rank}.tmp"
+    tmp.write_text(json.dumps({"message": message}))
+    os.replace(tmp, out / STOPPED)
+
+
+def restart_count() -> int:
+    """How many times torchrun restarted the workers (``TORCHELASTIC_RESTART_COUNT``)."""
+    try:
+        return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    except ValueError:
+        return 0
+
+
+def train(plan_path: Path, out: Path, resume: bool = False) -> None:
     """Train one rank's share of the plan at ``plan_path``; outputs go to ``out``.
 
     The loop is a user's training script on :func:`fxpipe.compile`: the spec's optimizer over
     ``pipe.parameters()``, ``train.lr_schedule`` (warm-up, then constant or cosine),
-    ``train.grad_accumulation`` global batches per optimizer step, ``train.grad_clip``.
+    ``train.grad_accumulation`` global batches per optimizer step, ``train.grad_clip``; a
+    non-finite loss stops the run (``train.nan_policy: stop``) or drops that step's update
+    (``skip``).
+
+    Args:
+        plan_path: the plan (``OUT/plan.json``).
+        out: the run folder.
+        resume: continue from the latest checkpoint in ``out`` (also done on a torchrun
+            restart, when one exists).
 
     Raises:
-        FxpipeError: bad plan, a peer timed out, or shapes disagree with the plan.
+        FxpipeError: bad plan, a peer timed out, shapes disagree with the plan, the loss is not
+            finite, no checkpoint to resume from.
     """
+    import math
+
     import torch
     import torch.distributed as dist
 
@@ -69,7 +146,8 @@ def train(plan_path: Path, out: Path) -> None:
     from fxpipe.runtime.mesh import init_distributed
     from fxpipe.schedule.timeline import write_chrome_trace
     from fxpipe.specs.loader import build_model, load_spec
-    from fxpipe.training.checkpoint import save_checkpoint
+    from fxpipe.training.checkpoint import (clean_partial, latest_checkpoint, load_checkpoint,
+                                            save_checkpoint)
     from fxpipe.training.compiled import compile
     from fxpipe.training.lr_schedule import build_scheduler, lr_factor
     from fxpipe.training.run_record import OptimizerTimer, environment, write_environment
@@ -80,38 +158,90 @@ def train(plan_path: Path, out: Path) -> None:
     torch.set_num_threads(1)
     init_distributed(spec.cluster.device, t.timeout_s)
     rank = dist.get_rank()
+    restarts = restart_count()
+    if restarts and (out / STOPPED).exists():
+        message = json.loads((out / STOPPED).read_text())["message"]
+        raise TrainingStopped(f"{message} (restart {restarts} not run: it would meet it again)")
     pipe = compile(build_model(spec), plan)
     executor = pipe.executor
     optimizer = _optimizer(spec, list(pipe.parameters()))
     sched = t.lr_schedule
     scheduler = (build_scheduler(optimizer, t) if optimizer is not None
                  and (sched.warmup_steps or sched.decay != "constant") else None)
+    ckpt_root = out / t.checkpoint.dir
+    start = 0
+    if resume or restarts:
+        if rank == 0:
+            for stale in clean_partial(ckpt_root):
+                print(f"removed {stale} (a save that did not finish)", flush=True)
+        dist.barrier()
+        latest = latest_checkpoint(ckpt_root)
+        if latest is None and resume:
+            raise RuntimeFailure(f"--resume: {ckpt_root} holds no checkpoint to resume from")
+        if latest is not None:
+            state = load_checkpoint(pipe.module, latest, optimizer=optimizer)
+            start = int(state["step"])
+            if scheduler is not None and state.get("lr_schedule"):
+                scheduler.load_state_dict(state["lr_schedule"])
+            if executor.loss_scaler is not None and state.get("loss_scaler"):
+                executor.loss_scaler.load_state_dict(state["loss_scaler"])
+            if rank == 0:
+                why = "resuming" if resume and not restarts else f"restart {restarts}: resuming"
+                print(f"{why} from {latest} (step {start} of {t.steps})", flush=True)
+    if start >= t.steps:
+        raise RuntimeFailure(f"the checkpoint in {ckpt_root} is at step {start}, and train.steps "
+                             f"is {t.steps}: nothing left to train; raise train.steps (or "
+                             "--steps) to continue")
     batches = make_batches(spec)
     k = t.grad_accumulation
     unit, items_per_step = _throughput_unit(plan, spec.data.batch_size * k)
+    log = LossLog(out / LOSSES, unit, start) if rank == 0 else None
     env = environment(pipe.device)  # collective: every rank's device and host
     if rank == 0:
         from fxpipe.reports.progress import TrainingProgress
 
         write_environment(out, env)
-        progress = TrainingProgress(t.steps, unit, t.log_every)
+        progress = TrainingProgress(t.steps, unit, t.log_every, start=start)
     opt_timer = OptimizerTimer(rank)  # optimizer steps on the timeline
-    losses_path = out / "losses.csv"
-    fh = writer = None  # rank 0 creates losses.csv after the first step: a run that fails
-    # before any step leaves no loss file, so its folder does not count as an earlier run
+    skipped: list[int] = []
+
+    def save(step: int) -> None:
+        state = {"lr_schedule": scheduler.state_dict() if scheduler is not None else None,
+                 "loss_scaler": (executor.loss_scaler.state_dict()
+                                 if executor.loss_scaler is not None else None)}
+        save_checkpoint(pipe.module, ckpt_root, step, optimizer=optimizer, train_state=state)
+
     t_start = time.perf_counter()
-    for step in range(t.steps):
+    for step in range(start, t.steps):
         t0 = time.perf_counter()
         loss = 0.0
         for j in range(k):
-            batch = get_batch(batches, spec, step * k + j)
+            try:
+                batch = get_batch(batches, spec, step * k + j)
+            except SpecError as e:
+                _stop(out, rank, f"step {step}: {e}")
+                raise TrainingStopped(f"step {step}: {e}") from None
             try:
                 loss += pipe.step(batch) / k
             except FxpipeError as e:
                 raise type(e)(f"step {step}: {e}") from None
+        if not math.isfinite(loss):
+            if t.nan_policy == "stop":
+                message = (f"step {step}: the loss is {loss} (not finite); training stopped. "
+                           f"The latest checkpoint (if any) in {ckpt_root} is from before it. "
+                           f"Lower train.lr (now {t.lr:g}), set train.grad_clip"
+                           + (", use fp32" if t.precision != "fp32" else "")
+                           + ", or set train.nan_policy: skip to drop such steps")
+                _stop(out, rank, message)
+                raise TrainingStopped(message)
+            skipped.append(step)
+            pipe.zero_grad()
+            if rank == 0:
+                print(f"step {step:5d}/{t.steps}  loss {loss} (not finite): update skipped "
+                      "(train.nan_policy: skip)", flush=True)
         opt_timer.start()
         norm = float(pipe.clip_grad_norm_(t.grad_clip)) if t.grad_clip else None
-        if optimizer is not None:
+        if optimizer is not None and math.isfinite(loss):
             optimizer.step()
         if scheduler is not None:
             scheduler.step()
@@ -119,21 +249,15 @@ def train(plan_path: Path, out: Path) -> None:
         opt_timer.stop()
         dt = time.perf_counter() - t0
         if rank == 0:
-            if writer is None:
-                fh = open(losses_path, "w", newline="")
-                writer = csv.writer(fh)
-                writer.writerow(["step", "loss", "step_time_s", f"{unit}_per_s"])
-            writer.writerow([step, f"{loss:.6f}", f"{dt:.4f}", f"{items_per_step / dt:.1f}"])
-            if step % t.log_every == 0 or step == t.steps - 1:
-                fh.flush()
+            log.write(step, loss, dt, items_per_step / dt)
             lr = t.lr * lr_factor(step, t.steps, sched.warmup_steps, sched.decay, t.lr,
                                   sched.min_lr)
             extra = f"  lr {lr:.2e}" + (f"  grad norm {norm:.3f}" if norm is not None else "")
             progress.update(step, loss, items_per_step / dt, dt, extra)  # bar or plain lines
         every = t.checkpoint.every
         if every and (step + 1) % every == 0 and step + 1 < t.steps:
-            save_checkpoint({0: pipe.module}, out / t.checkpoint.dir, step + 1)
-    save_checkpoint({0: pipe.module}, out / t.checkpoint.dir, t.steps)
+            save(step + 1)
+    save(t.steps)
     wall = time.perf_counter() - t_start
     events = [None] * dist.get_world_size()
     dist.all_gather_object(events, executor.events + opt_timer.events)
@@ -141,7 +265,7 @@ def train(plan_path: Path, out: Path) -> None:
     dist.all_gather_object(peaks, executor.peak_inflight)
     if rank == 0:
         progress.close()
-        fh.close()
+        log.close()
         write_chrome_trace([e for evs in events for e in evs], out / "timeline.json",
                            process_name="fxpipe measured")
         per_stage: dict[int, int] = {}
@@ -149,8 +273,11 @@ def train(plan_path: Path, out: Path) -> None:
             for stage, n in peak.items():
                 per_stage[stage] = max(per_stage.get(stage, 0), n)
         held = ", ".join(f"stage {s}: {n}" for s, n in sorted(per_stage.items()))
-        print(f"trained {t.steps} steps in {wall:.1f} s; peak micro-batches held per "
+        print(f"trained {t.steps - start} steps in {wall:.1f} s; peak micro-batches held per "
               f"stage: {held}", flush=True)
+        if skipped:
+            print(f"train.nan_policy skip: {len(skipped)} step(s) with a non-finite loss had "
+                  f"their update dropped: {skipped[:10]}", flush=True)
         if executor.loss_scaler is not None:
             n = len(executor.skipped_steps)
             print(f"{t.precision} loss scaling: {n} batch{'' if n == 1 else 'es'} dropped for "
@@ -161,21 +288,30 @@ def train(plan_path: Path, out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Worker entry point; returns the exit code (2 on an fxpipe error, 130 on Ctrl-C)."""
+    """Worker entry point; returns the exit code (2 on an error, 130 on Ctrl-C). Every error
+    ends in one line naming this rank, never a traceback."""
     ap = argparse.ArgumentParser(prog="python -m fxpipe.training.worker")
     ap.add_argument("--plan", required=True, type=Path)
     ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--resume", action="store_true")
     args = ap.parse_args(argv)
+    os.environ.setdefault("TORCH_SHOW_CPP_STACKTRACES", "0")
     try:
-        train(args.plan, args.out)
-    except FxpipeError as e:
-        import torch.distributed as dist
-
-        rank = dist.get_rank() if dist.is_initialized() else "?"
-        print(f"fxpipe: error on rank {rank}: {e}", file=sys.stderr, flush=True)
-        return 2
+        train(args.plan, args.out, args.resume)
     except KeyboardInterrupt:
         return 130
+    except BaseException as e:  # noqa: BLE001 - one line per rank, whatever failed
+        import torch.distributed as dist
+
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else \
+            os.environ.get("RANK", "?")
+        if isinstance(e, TrainingStopped) and str(rank) != "0":
+            return 2  # every rank stopped for the same reason: rank 0 says it once
+        what = str(e) if isinstance(e, FxpipeError) else (
+            f"unexpected {first_line(e)} (please report it with the spec)")
+        sys.stderr.write(f"fxpipe: error on rank {rank}: {what}\n")  # one write: whole lines
+        sys.stderr.flush()
+        return 2
     return 0
 
 

@@ -1,0 +1,238 @@
+"""Bad input and faults end in one clean line (exit code 2), with nothing lost: hostile specs and
+plan files, user code that exits or parses the command line, unwritable or blocked checkpoint
+folders, a dataset failing mid-run, rendezvous ports held by programs that never answer, and
+single-node runs listening on the loopback only."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+from pathlib import Path
+
+import pytest
+
+from fxpipe.errors import SpecError
+from fxpipe.specs.loader import build_model, load_spec
+
+try:
+    from cli_helpers import fxpipe_cli
+except ImportError:  # collected as a package
+    from tests.cli_helpers import fxpipe_cli
+
+SPEC = """model:
+  factory: "fxpipe.examples.gpt:CharGPT"
+  args: {vocab_size: 256, block_size: 32, n_layer: 2, n_head: 2, n_embd: 32}
+data: {batch_size: 8, seq_len: 32}
+parallel: {pipeline: 2, data: 1, microbatches: 2, schedule: 1f1b}
+cluster: {devices_per_node: 2, memory_gb: 2}
+train: {steps: 4, lr: 1.0e-3, log_every: 1, timeout_s: 20, eval_batches: 0}
+"""
+
+
+def spec_file(tmp_path: Path, text: str = SPEC, name: str = "spec.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def clean_failure(r, *words: str) -> str:
+    """Assert exit code 2, no traceback or C++ frames, and ``words`` in stderr."""
+    err = r.stderr
+    assert r.returncode == 2, (r.returncode, r.stdout[-2000:], err[-2000:])
+    assert "Traceback" not in err and "frame #" not in err, err[-3000:]
+    for w in words:
+        assert w in err, err[-3000:]
+    return err
+
+
+# ------------------------------------------------------------------------- hostile specs
+@pytest.mark.parametrize("text, words", [
+    ("model: " + "[" * 100_000 + "]" * 100_000 + "\n", "nested"),
+    ("model: " + "{a: " * 20_000 + "1" + "}" * 20_000 + "\n", "nested"),
+])
+def test_deeply_nested_yaml_is_a_spec_error(tmp_path, text, words):
+    with pytest.raises(SpecError, match=words):
+        load_spec(spec_file(tmp_path, text))
+
+
+def test_alias_bomb_is_refused_before_it_expands(tmp_path):
+    """Nine levels of ten aliases each under model.args: 10**9 values once expanded."""
+    bomb = ['a: &a ["x","x","x","x","x","x","x","x","x","x"]']
+    for i in range(1, 9):
+        prev, name = chr(ord("a") + i - 1), chr(ord("a") + i)
+        bomb.append(f"{name}: &{name} [{', '.join(['*' + prev] * 10)}]")
+    text = SPEC.replace("  args: {vocab_size: 256,",
+                        "  args: {bomb: {" + ", ".join(bomb) + "}, vocab_size: 256,")
+    with pytest.raises(SpecError, match="expands to more than 100000 values"):
+        load_spec(spec_file(tmp_path, text))
+
+
+@pytest.mark.parametrize("old, new, words", [
+    ("lr: 1.0e-3", "lr: .inf", "train.lr"),
+    ("lr: 1.0e-3", "lr: .nan", "train.lr"),
+    ("memory_gb: 2", "memory_gb: 2, device_tflops: 1.0e-310", "cluster.device_tflops"),
+    ("eval_batches: 0", "eval_batches: 0, checkpoint: {dir: /tmp/elsewhere}", "checkpoint.dir"),
+    ("eval_batches: 0", "eval_batches: 0, checkpoint: {dir: ../up}", "checkpoint.dir"),
+    ("eval_batches: 0", "eval_batches: 0, checkpoint: {dir: .}", "checkpoint.dir"),
+    ("eval_batches: 0", "eval_batches: 0, nan_policy: ignore", "train.nan_policy"),
+    ("eval_batches: 0", "eval_batches: 0, max_restarts: -1", "train.max_restarts"),
+])
+def test_wrong_values_are_spec_errors_with_file_and_line(tmp_path, old, new, words):
+    path = spec_file(tmp_path, SPEC.replace(old, new))
+    with pytest.raises(SpecError) as info:
+        load_spec(path)
+    assert f"{path}:" in str(info.value) and words in str(info.value)
+
+
+ARGV_MODULE = """
+import argparse
+ap = argparse.ArgumentParser()
+ap.add_argument("--data", required=True)
+ARGS = ap.parse_args()
+
+from fxpipe.examples.gpt import CharGPT as Model
+"""
+EXIT_MODULE = "import sys\nsys.exit(3)\n"
+
+
+@pytest.mark.parametrize("source, words", [
+    (ARGV_MODULE, None),  # parses sys.argv at import: sees no fxpipe flags, fails cleanly
+    (EXIT_MODULE, "called sys.exit(3)"),
+])
+def test_module_that_exits_or_parses_argv_at_import(tmp_path, monkeypatch, source, words):
+    (tmp_path / "fxpipe_fault_user.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    spec = load_spec(spec_file(tmp_path, SPEC.replace("fxpipe.examples.gpt:CharGPT",
+                                                      "fxpipe_fault_user:Model")))
+    with pytest.raises(SpecError) as info:
+        build_model(spec)
+    msg = str(info.value)
+    assert "model.factory" in msg and "sys.exit(2)" in msg if words is None else words in msg
+
+
+def test_factory_that_exits_is_a_spec_error(tmp_path):
+    spec = load_spec(spec_file(tmp_path, SPEC.replace("fxpipe.examples.gpt:CharGPT",
+                                                      "tests.fault_modules:exits")))
+    with pytest.raises(SpecError, match=r"called sys.exit\(3\)"):
+        build_model(spec)
+
+
+# ------------------------------------------------------------------------- hostile plan files
+@pytest.mark.parametrize("mutate, words", [
+    (lambda d: d.update(num_stages=d["num_stages"] + 1), "num_stages"),
+    (lambda d: d.update(microbatches=0), "microbatches"),
+    (lambda d: d["stages"].pop(), "num_stages"),
+])
+def test_inconsistent_plan_json_is_refused(tmp_path, mutate, words):
+    r = fxpipe_cli("plan", spec_file(tmp_path), "--out", tmp_path / "p")
+    assert r.returncode == 0, r.stderr
+    data = json.loads((tmp_path / "p" / "plan.json").read_text())
+    mutate(data)
+    (tmp_path / "bad.json").write_text(json.dumps(data))
+    clean_failure(fxpipe_cli("show", tmp_path / "bad.json"), words, "bad.json")
+
+
+def test_deeply_nested_plan_json_is_refused(tmp_path):
+    (tmp_path / "deep.json").write_text('{"stages": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    clean_failure(fxpipe_cli("show", tmp_path / "deep.json"), "nested too deeply")
+
+
+# ------------------------------------------------------------------------- output folders
+def test_out_dot_is_refused(tmp_path):
+    spec = spec_file(tmp_path)
+    (tmp_path / "keep.txt").write_text("mine")
+    for args in (["--out", "."], ["--out", ".", "--overwrite"], ["--out", ".."]):
+        clean_failure(fxpipe_cli("run", spec, *args, cwd=tmp_path), "current folder")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["keep.txt", "spec.yaml"]
+
+
+def test_blocked_checkpoint_folder_fails_before_training(tmp_path):
+    spec = spec_file(tmp_path, SPEC.replace("eval_batches: 0",
+                                            "eval_batches: 0, checkpoint: {dir: ckpt/inner}"))
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "ckpt").write_text("a file in the way")
+    clean_failure(fxpipe_cli("run", spec, "--out", out), "cannot write checkpoints to")
+    assert not (out / "losses.csv").exists()  # nothing trained, nothing thrown away
+    assert (out / "ckpt").read_text() == "a file in the way"
+    spec = spec_file(tmp_path, SPEC.replace("eval_batches: 0",
+                                            "eval_batches: 0, checkpoint: {dir: ckpt}"))
+    clean_failure(fxpipe_cli("run", spec, "--out", out), "is a file")
+
+
+@pytest.mark.distributed
+def test_dataset_failing_mid_run_keeps_what_was_done(tmp_path):
+    spec = spec_file(tmp_path, SPEC.replace(
+        "data: {batch_size: 8, seq_len: 32}",
+        'data: {batch_size: 8, seq_len: 32, dataset: "tests.fault_modules:fails_mid_run"}'
+        ).replace(
+        "eval_batches: 0", "eval_batches: 0, checkpoint: {every: 2}, max_restarts: 1"))
+    out = tmp_path / "run"
+    r = fxpipe_cli("run", spec, "--out", out, timeout=300)
+    err = clean_failure(r, "step 3:", "shard 3 is unreadable", "it would meet it again")
+    assert err.count("shard 3 is unreadable") == 2  # rank 0, once more on the restart, no more
+    rows = (out / "losses.csv").read_text().splitlines()
+    assert [r.split(",")[0] for r in rows[1:]] == ["0", "1", "2"]  # every finished step
+    assert (out / "checkpoint" / "latest").read_text().strip() == "step_000002"
+
+
+# ------------------------------------------------------------------------- rendezvous
+class Squatter:
+    """A program holding a port: it accepts and then never answers (``mode="silent"``) or
+    closes at once (``"close"``)."""
+
+    def __init__(self, mode: str):
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.port, self.mode, self.held = self.sock.getsockname()[1], mode, []
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self):
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            if self.mode == "close":
+                conn.close()
+            else:
+                self.held.append(conn)
+
+    def close(self):
+        self.sock.close()
+        for c in self.held:
+            c.close()
+
+
+def test_single_node_endpoint_on_a_taken_port(tmp_path):
+    squat = Squatter("silent")
+    try:
+        r = fxpipe_cli("run", spec_file(tmp_path), "--out", tmp_path / "run",
+                       "--rdzv-endpoint", f"127.0.0.1:{squat.port}", timeout=120)
+    finally:
+        squat.close()
+    clean_failure(r, f"port {squat.port} is taken")
+
+
+@pytest.mark.parametrize("mode, words", [
+    ("silent", "did not answer within 5 s"),
+    ("close", "is not reachable or is not an fxpipe/torch store"),
+])
+def test_multi_node_endpoint_held_by_another_program_ends_in_bounded_time(tmp_path, mode,
+                                                                            words):
+    import time
+
+    spec = spec_file(tmp_path, SPEC.replace("cluster: {devices_per_node: 2",
+                                            "cluster: {nodes: 2, devices_per_node: 1").replace(
+        "timeout_s: 20", "timeout_s: 5"))
+    squat = Squatter(mode)
+    t0 = time.monotonic()
+    try:
+        r = fxpipe_cli("run", spec, "--out", tmp_path / "run", "--nnodes", "2",
+                       "--rdzv-endpoint", f"127.0.0.1:{squat.port}", timeout=120)
+    finally:
+        squat.close()
+    clean_failure(r, words)
+    assert time.monotonic() - t0 < 60  # train.timeout_s + the stated probe margin + planning
