@@ -16,6 +16,10 @@ Each model is a plain ``nn.Module`` whose "layers" (the blocks a user would hand
 Shapes: ``HeadHeavyLM``: int64 ``[B, T]`` -> float32 ``[B, T, vocab]``. ``VGGLike``: float32
 ``[B, 3, H, W]`` (H, W divisible by 32) -> ``[B, classes]``. ``UNetLike``: float32
 ``[B, C, H, W]`` (H, W divisible by ``2**depth``) -> ``[B, classes, H, W]``.
+
+* :class:`SplitCharGPT` - fxpipe's ``CharGPT`` with a forced stage boundary after block 0
+  (``pipe_split()``), so a 2-stage pipeline sends the residual stream across its boundary
+  (bench_multinode_link.py).
 """
 
 from __future__ import annotations
@@ -27,9 +31,27 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fxpipe.examples.gpt import Block
+from fxpipe import pipe_split
+from fxpipe.examples.gpt import Block, CharGPT
 
-__all__ = ["HeadHeavyLM", "VGGLike", "UNetLike", "BenchModel", "MODELS", "build", "layer_paths"]
+__all__ = ["HeadHeavyLM", "VGGLike", "UNetLike", "SplitCharGPT", "BenchModel", "MODELS", "build",
+           "layer_paths"]
+
+
+class SplitCharGPT(CharGPT):
+    """``CharGPT`` with ``pipe_split()`` after block 0 (seeded: ``torch.manual_seed(0)``)."""
+
+    def __init__(self, **kwargs):
+        torch.manual_seed(0)
+        super().__init__(**kwargs)
+
+    def forward(self, idx):
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+        for i, block in enumerate(self.h):
+            x = block(x)
+            if i == 0:
+                pipe_split()
+        return self.head(self.ln_f(x))
 
 
 # --------------------------------------------------------------------------------------------

@@ -287,6 +287,25 @@ def train(plan_path: Path, out: Path, resume: bool = False) -> None:
     dist.destroy_process_group()
 
 
+def _die_with_launcher() -> None:
+    """Linux: end this worker when its launcher (the torchrun agent, which starts workers in
+    their own sessions) dies, as on a node that goes down: a launcher killed by SIGKILL cannot
+    stop its workers, and an orphaned worker would go on training with the other nodes."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the launcher died before the request took effect
+        os._exit(2)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Worker entry point; returns the exit code (2 on an error, 130 on Ctrl-C). Every error
     ends in one line naming this rank, never a traceback."""
@@ -296,6 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--resume", action="store_true")
     args = ap.parse_args(argv)
     os.environ.setdefault("TORCH_SHOW_CPP_STACKTRACES", "0")
+    _die_with_launcher()
     try:
         train(args.plan, args.out, args.resume)
     except KeyboardInterrupt:
