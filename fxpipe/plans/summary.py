@@ -101,8 +101,10 @@ def summary_table(plan: "Plan") -> str:
             per_rank[ranks[pos]] += st.time_s
         lines.append("per rank:     " + ", ".join(
             f"rank {r} {ms(t)} ms" for r, t in enumerate(per_rank)))
-    lines.append(f"parallelism:  pipeline {plan.pipeline} x dp {plan.dp} = world size "
-                 f"{plan.world_size}")
+    ps = len(plan.parameter_servers)
+    lines.append(f"parallelism:  pipeline {plan.pipeline} x dp {plan.dp}"
+                 + (f" + {plural(ps, 'parameter server')}" if ps else "")
+                 + f" = world size {plan.world_size}")
     lines.append(f"micro-batches: {plan.microbatches} per step per replica, "
                  f"{plural(plan.microbatch_size, 'sample')} each")
     lines.append(f"schedule:     {plan.schedule}" + (f" ({v} virtual stages per rank)" if v > 1

@@ -469,8 +469,10 @@ class ParameterClient:
         if m.pipe_group is not None:
             work = dist.broadcast(flag, src=m.global_rank(0), group=m.pipe_group,
                                   async_op=True)
-            _wait(work, self.timeout_s, f"{self._who()}: whether step {step} runs, from its "
-                                        f"pipeline rank 0 (rank {m.global_rank(0)})")
+            what = (f"telling its pipeline ranks {m.pipe_ranks[1:]} whether step {step} runs"
+                    if m.pipe_rank == 0 else f"whether step {step} runs, from its pipeline "
+                    f"rank 0 (rank {m.global_rank(0)})")
+            _wait(work, self.timeout_s, f"{self._who()}: {what}")
         return bool(flag.item())
 
     def _request(self, kind: int, step: int, what: str) -> None:
@@ -508,14 +510,15 @@ class ParameterClient:
         says so)."""
         self._request(PULL, step, "weights")
 
-    def push(self, step: int) -> None:
+    def push(self, step: int, drop: bool = False) -> None:
         """Send this rank's gradients of step ``step`` (``.grad``; none counts as zeros) to
         every server holding its parameters, tagged with the versions pulled; returns at once
-        (the next pull waits for the sends)."""
+        (the next pull waits for the sends). A gradient that is not finite, or ``drop`` (e.g.
+        a non-finite loss), flags the push: the servers drop the whole replica-step."""
         for j, server, names, tensors in self.shards:
             flat = torch.cat([(t.grad if t.grad is not None else torch.zeros_like(t)).reshape(-1)
                               for t in tensors]).detach().cpu()
-            bad = int(not bool(torch.isfinite(flat).all()))
+            bad = int(drop or not bool(torch.isfinite(flat).all()))
             what = f"{self._who()}: the gradients of step {step} to parameter server {j} " \
                    f"(rank {server})"
             for t, tag in ((_header(PUSH, step, self.versions.get(j, 0), bad), TAG_REQUEST),

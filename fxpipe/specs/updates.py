@@ -11,17 +11,13 @@ replica runs its schedule as in sync mode, only what happens after its last back
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from fxpipe.specs.schema import ParallelSpec
-
 Problem = tuple[tuple[str, ...], str]
 
 
-def update_problems(spec: "ParallelSpec") -> list[Problem]:
-    """Every rule between ``train.updates``, ``train.max_staleness``,
-    ``cluster.parameter_servers`` and the settings asynchronous updates cannot serve."""
+def update_problems(spec) -> list[Problem]:
+    """Every rule (``spec``: a :class:`~fxpipe.specs.schema.ParallelSpec`) between
+    ``train.updates``, ``train.max_staleness``, ``cluster.parameter_servers`` and the settings
+    asynchronous updates cannot serve."""
     t, cl = spec.train, spec.cluster
     servers = cl.parameter_servers
     out: list[Problem] = []

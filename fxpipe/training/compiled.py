@@ -42,7 +42,7 @@ from fxpipe.data.batches import Batch, as_tuple
 from fxpipe.errors import FxpipeError, RuntimeFailure, UsageError
 from fxpipe.plans.plan import Plan
 
-__all__ = ["CompiledPipeline", "UsageError", "compile"]
+__all__ = ["CompiledPipeline", "ServerShare", "UsageError", "compile"]
 
 _ENV_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -183,6 +183,8 @@ class CompiledPipeline:
             id(p) not in shared or min(shared[id(p)][0]) == self.pipe_rank)]
         self._accumulated = 0
         self._marks: list[tuple[int, int] | None] = []
+        #: train.updates: async: this rank's ParameterClient (set by compile), else None
+        self.client = None
         _register(self)
 
     def _of_model(self, p: torch.Tensor) -> bool:
@@ -460,6 +462,54 @@ class CompiledPipeline:
                 f"dp={self.plan.dp}, microbatches={self.plan.microbatches})")
 
 
+class ServerShare:
+    """A parameter server rank's share of the model (what :func:`fxpipe.compile` gives there).
+
+    Attributes:
+        plan, spec, mesh: as for a CompiledPipeline (``mesh.is_server`` is True).
+        index: this server's index in ``plan.parameter_servers``.
+        params: canonical parameter name -> the tensor this server keeps (on its device).
+        module: an ``nn.Module`` holding those parameters under the model's own first names
+            (for the optimizer's state and checkpoints).
+        group: the process group of the parameter traffic (:func:`~fxpipe.runtime.
+            parameter_server.wire_group`).
+        rank, device: global rank and device.
+    """
+
+    is_server = True
+
+    def __init__(self, model: nn.Module, plan, spec, mesh, group):
+        self.plan, self.spec, self.mesh, self.group = plan, spec, mesh, group
+        self.rank, self.device = mesh.rank, mesh.device
+        self.index = plan.parameter_servers.index(mesh.rank)
+        every = dict(model.named_parameters(remove_duplicate=False))
+        first = {}
+        for name, p in model.named_parameters():
+            first.setdefault(id(p), name)
+        self.params: dict[str, torch.Tensor] = {}
+        self.module = nn.Module()
+        for canon, j in plan.server_params.items():
+            if j != self.index:
+                continue
+            if canon not in every:
+                raise RuntimeFailure(f"parameter server {self.index}: the plan places {canon!r} "
+                                     "here but the model has no parameter of that name; plan "
+                                     "and model disagree")
+            p = every[canon]
+            p.data = p.data.to(self.device)
+            p.grad = None
+            self.params[canon] = p
+            _install(self.module, first[id(p)], p)
+
+    def parameters(self):
+        """The parameters this server keeps (each once)."""
+        return self.module.parameters()
+
+    def __repr__(self) -> str:
+        return (f"ServerShare(rank={self.rank}, server={self.index}, "
+                f"params={len(self.params)})")
+
+
 # ---------------------------------------------------------------------- compile
 def _join(spec, world: int, timeout_s: float) -> torch.device:
     """This process's device, joining torchrun's process group when there is none yet."""
@@ -600,7 +650,11 @@ def compile(model: nn.Module, spec_or_plan: Any, example_inputs: Any = None,
             its first holder (as DDP does), so every copy starts equal whatever the seeds.
 
     Returns:
-        A :class:`CompiledPipeline`.
+        A :class:`CompiledPipeline`. Under ``train.updates: async`` (a plan with
+        ``parameter_servers``) its executor keeps the replica's gradients (no all-reduce) and
+        ``pipe.client`` pulls and pushes them; on a parameter server rank the result is a
+        :class:`ServerShare` instead (see
+        :mod:`fxpipe.training.async_updates`: ``serve`` / ``train_replica``).
 
     Raises:
         UsageError: not launched under torch.distributed (for more than one rank), ranks given
@@ -633,8 +687,16 @@ def compile(model: nn.Module, spec_or_plan: Any, example_inputs: Any = None,
     else:
         _same_plan_everywhere(plan)
     layout = getattr(plan, "placement", None)  # how the grid lies on the ranks, when planned
-    mesh = Mesh(plan.pipeline, plan.dp, device=device, timeout_s=timeout,
+    servers = len(plan.parameter_servers)  # train.updates: async
+    mesh = Mesh(plan.pipeline, plan.dp, device=device, timeout_s=timeout, servers=servers,
                 **({"layout": layout} if layout is not None else {}))
+    wire = None
+    if servers:
+        from fxpipe.runtime.parameter_server import wire_group
+
+        wire = wire_group(device.type, timeout)  # collective
+        if mesh.is_server:  # this rank keeps parameters and optimizer state, no stage
+            return ServerShare(model, plan, spec, mesh, wire)
     schedule = schedule_for_plan(plan)
     traced = trace_for_plan(plan, model, device)
     stages = build_stages(plan, traced, schedule.stages_of_rank(mesh.pipe_rank))
@@ -648,11 +710,18 @@ def compile(model: nn.Module, spec_or_plan: Any, example_inputs: Any = None,
                                                                                  t.ignore_index),
                                 None, timeout_s=timeout,
                                 grad_compression=Compression.from_train(t),
-                                precision=t.precision, needs_target=not model_loss)
+                                precision=t.precision, needs_target=not model_loss,
+                                sync_gradients=not servers)
     k = grad_accumulation if grad_accumulation is not None else t.grad_accumulation
     if not isinstance(k, int) or k < 1:
         raise UsageError(f"fxpipe.compile: grad_accumulation must be a positive integer, got {k!r}")
     pipe = CompiledPipeline(model, plan, spec, mesh, stages, executor, count, k, model_loss)
-    if broadcast_weights:
+    if servers:  # the weights come from the servers at every step's pull
+        from fxpipe.runtime.parameter_server import ParameterClient
+
+        canonical = {plan.param_aliases.get(n, n): p for m in stages.values()
+                     for n, p in m.named_parameters(remove_duplicate=False)}
+        pipe.client = ParameterClient(plan, mesh, canonical, timeout, wire)
+    elif broadcast_weights:
         _broadcast_weights(pipe)
     return pipe

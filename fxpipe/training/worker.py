@@ -19,6 +19,10 @@ the rows before its step, and training continues from there; on CPU the losses e
 uninterrupted run's bit for bit. A run that stopped for a reason a restart would meet again
 (a non-finite loss, a bad dataset) leaves ``stopped.json``: restarts end at once with its
 message instead of training again.
+
+Under ``train.updates: async`` the servers serve and the replicas train at their own pace
+(:func:`train_async`, on :mod:`fxpipe.training.async_updates`: its logs, its final
+checkpoint).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 from fxpipe.errors import FxpipeError, RuntimeFailure, SpecError, TrainingStopped, first_line
 
@@ -162,6 +167,11 @@ def train(plan_path: Path, out: Path, resume: bool = False) -> None:
     if restarts and (out / STOPPED).exists():
         message = json.loads((out / STOPPED).read_text())["message"]
         raise TrainingStopped(f"{message} (restart {restarts} not run: it would meet it again)")
+    if t.updates == "async":  # parameter servers: fxpipe.training.async_updates
+        train_async(plan_path, out, resume=resume, restarts=restarts)
+        dist.barrier()
+        dist.destroy_process_group()
+        return
     pipe = compile(build_model(spec), plan)
     executor = pipe.executor
     optimizer = _optimizer(spec, list(pipe.parameters()))
@@ -304,6 +314,128 @@ def _die_with_launcher() -> None:
         return
     if os.getppid() != parent:  # the launcher died before the request took effect
         os._exit(2)
+
+
+def train_async(plan_path: Path, out: Path, *, resume: bool = False, restarts: int = 0,
+                after_backward: Callable[[int, int], None] | None = None) -> None:
+    """``fxpipe run`` of a plan with ``train.updates: async`` on this rank (the process group
+    is joined already; the caller destroys it).
+
+    Args:
+        plan_path: the plan. out: the run folder.
+        resume, restarts: a resume or a torchrun restart (refused: async runs write only their
+            final checkpoint).
+        after_backward: test and benchmark hook, ``after_backward(replica, step)`` on every
+            trainer rank after each backward (e.g. a sleep slowing one replica).
+
+    Raises:
+        FxpipeError: as :func:`train`.
+    """
+    import torch.distributed as dist
+
+    from fxpipe.data.batches import get_batch, make_batches
+    from fxpipe.plans.plan import Plan
+    from fxpipe.schedule.timeline import write_chrome_trace
+    from fxpipe.specs.loader import build_model, load_spec
+    from fxpipe.training.checkpoint import save_checkpoint
+    from fxpipe.training.compiled import compile
+    from fxpipe.training.run_record import environment, write_environment
+    from fxpipe.training.async_updates import (REPLICA_FIELDS, REPLICA_LOSSES, buffers_module,
+                                               merged_losses, serve, server_log_name,
+                                               train_replica)
+
+    plan = Plan.load(plan_path)
+    spec = load_spec(plan.spec)
+    t = spec.train
+    if resume or restarts:
+        raise RuntimeFailure("train.updates: async writes only its final checkpoint, so there "
+                             "is nothing to resume from; start a new run (or use updates: sync "
+                             "to resume)")
+    rank = dist.get_rank()
+    share = compile(build_model(spec), plan)
+    env = environment(share.device)  # collective
+    ckpt_root = out / t.checkpoint.dir
+    k = t.grad_accumulation
+    unit, items = _throughput_unit(plan, spec.data.batch_size * k)
+    per_replica = items // plan.dp
+    t_start = time.perf_counter()
+    rows: list[dict] = []
+    events: list = []
+    if getattr(share, "is_server", False):
+        optimizer = _optimizer(spec, list(share.parameters()))
+        log = serve(share, optimizer, log_path=out / server_log_name(share.index))
+        stale = max((r["staleness"] for r in log), default=0)
+        module = share.module
+        save_kw = {"optimizer": optimizer}
+        summary = (share.index, len(log), stale, len({r["round"] for r in log}))
+    else:
+        pipe = share
+        batches = make_batches(spec)
+        progress = None
+        if rank == 0:
+            from fxpipe.reports.progress import TrainingProgress
+
+            write_environment(out, env)
+            progress = TrainingProgress(t.steps, unit, t.log_every)
+
+        def on_step(c: int, loss: float, dt: float, version: int) -> None:
+            if progress is not None and c < t.steps:
+                progress.update(c, loss, per_replica / dt, dt,
+                                f"  (replica 0; weights version {version})")
+
+        def batch_of(i: int):
+            try:
+                return get_batch(batches, spec, i)
+            except SpecError as e:
+                _stop(out, rank, f"batch {i}: {e}")
+                raise TrainingStopped(f"batch {i}: {e}") from None
+
+        hook = None
+        if after_backward is not None:
+            hook = lambda c: after_backward(pipe.replica, c)  # noqa: E731
+        try:
+            rows = train_replica(pipe, batch_of, nan_policy=t.nan_policy, on_step=on_step,
+                                 after_backward=hook)
+        except TrainingStopped as e:
+            _stop(out, rank, str(e))
+            if pipe.replica != 0 and pipe.pipe_rank == 0:  # main() prints rank 0's only
+                sys.stderr.write(f"fxpipe: rank {rank}: {e}\n")
+            raise
+        if progress is not None:
+            progress.close()
+        events = pipe.executor.events
+        module = buffers_module(pipe)
+        save_kw = {}
+        summary = None
+    wall = time.perf_counter() - t_start
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, (rows if share.mesh.pipe_rank == 0 else [], events, summary))
+    save_checkpoint(module, ckpt_root, t.steps,
+                    train_state={"updates": "async", "max_staleness": t.max_staleness},
+                    **save_kw)
+    if rank != 0:
+        return
+    all_rows = [r for rs, _, _ in every for r in rs]
+    with open(out / REPLICA_LOSSES, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=REPLICA_FIELDS)
+        w.writeheader()
+        for r in sorted(all_rows, key=lambda r: (r["wall_s"], r["replica"])):
+            w.writerow({**r, "loss": repr(r["loss"])})
+    log = LossLog(out / "losses.csv", unit)
+    for c, loss, dt, rate in merged_losses(all_rows, per_replica):
+        log.write(c, loss, dt, rate)
+    log.close()
+    write_chrome_trace([e for _, evs, _ in every for e in evs], out / "timeline.json",
+                       process_name="fxpipe measured")
+    steps = {}
+    for r in all_rows:
+        steps[r["replica"]] = steps.get(r["replica"], 0) + 1
+    servers = [s for _, _, s in every if s is not None]
+    print(f"trained {sum(steps.values())} replica-steps in {wall:.1f} s (asynchronous updates, "
+          f"max_staleness {t.max_staleness}): "
+          + ", ".join(f"replica {d}: {n}" for d, n in sorted(steps.items()))
+          + "; " + "; ".join(f"server {j}: {n} gradients in {rounds} updates, staleness at "
+                             f"most {s}" for j, n, s, rounds in sorted(servers)), flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
