@@ -11,6 +11,8 @@
   equal single-process training within 1e-5; the lossy ones stay within stated bounds of it;
   under bf16 the messages between stages are bf16 and half the fp32 bytes; an fp16 overflow is
   a skipped step on every rank, never a silent one.
+* Overlap: with one replica starting its step late, the other's ``ALLREDUCE`` actions (the
+  launches of its compressed buckets) return at once and the wait happens in ``STEP``.
 
 One gloo group of 4 ranks runs every multi-process case (module fixture).
 """
@@ -266,6 +268,46 @@ CASES = [
 ]
 
 
+#: replica 1 starts its overlap step this many seconds late
+DELAY_S = 1.5
+#: compressions whose launch must not wait for the peer replica (warm-up 0: compressed at once)
+OVERLAP_CASES = [
+    ("none", "none"), ("fp16", "fp16"),
+    ("powersgd", Compression("powersgd", rank=2, warmup_steps=0)),
+    ("topk", Compression("topk", ratio=0.05, warmup_steps=0)),
+    ("powersgd-warmup", Compression("powersgd", rank=2, warmup_steps=1)),
+]
+
+
+def _overlap(plan, model, init, mods, mesh, compression) -> dict:
+    """One step with replica 1 starting :data:`DELAY_S` late: on replica 0, how long the
+    ``ALLREDUCE`` actions (the launches of the stage's buckets) and the ``STEP`` action (where
+    the all-reduces are waited for) took. An asynchronous launch returns at once; a blocking one
+    would sit in ``ALLREDUCE`` until the late replica joined."""
+    import time
+
+    model.load_state_dict(init)
+    schedule = schedule_for_plan(plan)
+    local = {s: mods[s] for s in schedule.stages_of_rank(mesh.pipe_rank)}
+    params = list({id(q): q for mod in local.values() for q in mod.parameters()}.values())
+    ex = PipelineExecutor(plan, schedule, local, mesh, cross_entropy,
+                          torch.optim.SGD(params, lr=LR), timeout_s=60.0,
+                          grad_compression=compression)
+    x, y = _batches()[0]
+    per = MBS * M
+    sl = slice(mesh.dp_rank * per, (mesh.dp_rank + 1) * per)
+    torch.distributed.barrier()
+    if mesh.dp_rank == 1:
+        time.sleep(DELAY_S)
+    ex.step({plan.model_inputs[0]: x[sl]}, y[sl])
+    dur = {}
+    for e in ex.events:
+        if e.name.startswith("ALLREDUCE") or e.name == "STEP":
+            dur.setdefault(e.name.split()[0], []).append(e.end_s - e.start_s)
+    return dict(dp_rank=mesh.dp_rank, allreduce=dur.get("ALLREDUCE", []),
+                step=dur.get("STEP", []), bytes=ex.step_bytes_sent[0].gradients)
+
+
 def _worker(rank: int, plan, ref):
     mesh = Mesh(P, DP)
     out = {"buckets": _bucket_checks(mesh)}
@@ -274,7 +316,10 @@ def _worker(rank: int, plan, ref):
     mods = materialize_stages(plan, model, list(range(plan.num_stages)))
     for name, comp, precision, scale in CASES:
         out[name] = _train(plan, model, init, mods, mesh, ref, comp, precision, scale)
-    # the spec route: fxpipe.compile reads train.grad_compression / train.compression
+    out["overlap"] = {name: _overlap(plan, model, init, mods, mesh, comp)
+                      for name, comp in OVERLAP_CASES}
+    # the spec route (last: fxpipe.compile hooks optimizer steps): fxpipe.compile reads
+    # train.grad_compression / train.compression
     spec = dict(plan.spec, train=dict(plan.spec["train"], grad_compression="powersgd",
                                       compression={"rank": 2, "warmup_steps": 1}))
     model.load_state_dict(init)
@@ -439,6 +484,30 @@ def test_fp16_messages_overflow_is_a_skipped_step(world4):
         assert r["skipped"] == [0], r["skipped"]
         assert r["finite"] and all(math.isfinite(x) for x in r["losses"])
         assert r["losses"][1] == r["losses"][0] and r["losses"][-1] < r["losses"][0]
+
+
+@pytest.mark.distributed
+def test_compressed_allreduce_is_launched_asynchronously(world4):
+    """The all-reduce stays overlapped with the other stages' work under every compression:
+    with replica 1 starting its step 1.5 s late, replica 0's ranks leave each ``ALLREDUCE``
+    action (the launch of the stage's bucket: the 16-bit cast, PowerSGD's ``P = M Q`` and its
+    first all-reduce, top-k's selection and all-gather) within a third of the delay and wait in
+    ``STEP`` instead (at least a third of the delay there: the delay was real). A launch that
+    waited for its peers would spend the delay in ``ALLREDUCE``. PowerSGD's second round (the
+    all-reduce of ``Q``) needs the first one's result and starts in ``STEP``, in launch order
+    on every rank. The compressed launches send fewer bytes than the exact one (so the
+    compressed path ran, not its warm-up)."""
+    for name, _ in OVERLAP_CASES:
+        rows = [r["overlap"][name] for r in world4[2]]
+        early = [r for r in rows if r["dp_rank"] == 0]
+        assert len(early) == P
+        for r in early:
+            assert r["allreduce"], f"{name}: no ALLREDUCE action ran ({r})"
+            assert max(r["allreduce"]) < DELAY_S / 3, (name, r)
+            assert len(r["step"]) == 1 and r["step"][0] > DELAY_S / 3, (name, r)
+        if name in ("powersgd", "topk", "fp16"):
+            none = [r["overlap"]["none"]["bytes"] for r in world4[2]]
+            assert all(r["bytes"] < n for r, n in zip(rows, none)), (name, rows, none)
 
 
 @pytest.mark.distributed
