@@ -55,7 +55,7 @@ cluster:
   devices_per_node: 1
   memory_gb: 2
   links: {{inter_node_GBps: {gbps}, latency_s: {latency}}}
-train: {{steps: {steps}, lr: 1.0e-3, seed: 0, log_every: 1, timeout_s: 60, eval_batches: 0}}
+train: {{steps: {steps}, lr: 1.0e-3, seed: 0, log_every: 1, timeout_s: 120, eval_batches: 0}}
 """
 
 
@@ -137,9 +137,10 @@ def run_two_nodes(folder: Path, rate_mbit: float | None, steps: int = 12, width:
                         os.killpg(q.pid, 9)
                 raise RuntimeError(f"a node did not finish within {timeout_s:.0f} s")
             outputs.append((p.returncode, text))
-    for rc, text in outputs:
-        if rc != 0:
-            raise RuntimeError(f"a node failed (exit {rc}):\n{text[-3000:]}")
+    if any(rc != 0 for rc, _ in outputs):
+        raise RuntimeError("a node failed:\n" + "\n".join(
+            f"--- node {1 - i} (exit {rc}):\n{text[-2500:]}"
+            for i, (rc, text) in enumerate(outputs)))
     run0 = folder / "n0"
     plan = json.loads((run0 / "plan.json").read_text())
     with open(run0 / "losses.csv", newline="") as f:

@@ -203,6 +203,11 @@ def _resume_dir(args, spec) -> Path:
     from fxpipe.training.checkpoint import open_checkpoint
 
     run_dir = Path(args.resume)
+    if spec.train.updates == "async":
+        raise FxpipeError(f"--resume {run_dir}: train.updates: async writes only its final "
+                          "checkpoint (replicas hold weights of different versions mid-run), so "
+                          "there is nothing to resume from; start a new run, or use updates: "
+                          "sync with train.checkpoint.every")
     if args.out and Path(args.out).resolve() != run_dir.resolve():
         raise FxpipeError(f"--resume {run_dir} continues that run in its own folder; drop --out "
                           f"{args.out} (or give the same folder)")
@@ -411,8 +416,7 @@ def _launch(spec, out: Path, nnodes: int, endpoint: str, bind: str, run_id: str,
         raise FxpipeError(str(e)) from None
     except (RendezvousError, RuntimeError, ValueError, OSError) as e:  # e.g. a peer never joins
         what = (str(e).splitlines() or [type(e).__name__])[0][:300]
-        raise FxpipeError(
-            f"could not start the workers: {what}. For multi-node runs, start `fxpipe run` on "
-            f"every node within train.timeout_s ({wait} s) with the same --rdzv-endpoint and "
-            "--rdzv-id"
-        ) from None
+        hint = "" if "--rdzv-endpoint" in what or "node 0" in what else (
+            f". For multi-node runs, start `fxpipe run` on every node within train.timeout_s "
+            f"({wait} s) with the same --rdzv-endpoint and --rdzv-id")
+        raise FxpipeError(f"could not start the workers: {what}{hint}") from None

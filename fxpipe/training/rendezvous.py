@@ -16,12 +16,14 @@ in one line instead of a hang or C++ stack frames.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import ipaddress
 import os
 import socket
 import subprocess
 import sys
+import time
 from datetime import timedelta
 
 from fxpipe.errors import FxpipeError
@@ -250,7 +252,10 @@ class FxpipeRendezvous:
             try:
                 joined = int(store.add(key + "/joined", 0))
             except Exception:  # noqa: BLE001 - the store itself is gone
-                joined = "?"
+                raise _fail("RendezvousClosedError",
+                            f"node 0's rendezvous at {self.host}:{self.port} went away before "
+                            f"all {self.nnodes} nodes joined: node 0 stopped or failed (its "
+                            "output says why)") from None
             raise _fail("RendezvousTimeoutError",
                         f"{joined} of {self.nnodes} nodes joined within "
                         f"{self.timeout.total_seconds():g} s (train.timeout_s); start `fxpipe "
@@ -261,20 +266,39 @@ class FxpipeRendezvous:
         import json
 
         mine = json.loads(self.fingerprint)
-        if self._rank == 0:
-            theirs = {r: json.loads(store.get(f"fingerprint/{r}").decode())
-                      for r in range(1, self.nnodes)}
-        else:
-            theirs = {0: json.loads(store.get("fingerprint/0").decode())}
+        try:
+            if self._rank == 0:
+                theirs = {r: json.loads(store.get(f"fingerprint/{r}").decode())
+                          for r in range(1, self.nnodes)}
+            else:
+                theirs = {0: json.loads(store.get("fingerprint/0").decode())}
+        except Exception:  # noqa: BLE001 - the host went away
+            raise _fail("RendezvousClosedError",
+                        f"node 0's rendezvous at {self.host}:{self.port} went away while the "
+                        "nodes compared their specs and plans: node 0 stopped or failed (its "
+                        "output says why)") from None
+        problem = None
         for r, other in theirs.items():
             diff = _difference(mine, other)
             causes = [d for d in diff if not d.startswith("plan.")]
             diff = causes or diff  # another plan from the same inputs only when none differs
             if diff:
-                raise NodeMismatch(
+                problem = NodeMismatch(
                     f"node {r} and node {self._rank} (this one) differ: {'; '.join(diff[:4])} "
                     f"(node {r}'s vs this node's); every node must run the same spec, fxpipe "
                     "code and torch, and get the same plan")
+                break
+        # every node has read what it compares before node 0 (which hosts the store) goes on or
+        # stops, so a node never meets a closed store instead of the difference
+        with contextlib.suppress(Exception):
+            store.add("compared", 1)
+            if self._rank == 0:
+                deadline = time.monotonic() + min(self.timeout.total_seconds(), 30.0)
+                while int(store.add("compared", 0)) < self.nnodes and \
+                        time.monotonic() < deadline:
+                    time.sleep(0.05)
+        if problem is not None:
+            raise problem
 
     def next_rendezvous(self):
         import torch.distributed as dist
