@@ -1,4 +1,5 @@
-"""Data-parallel gradient synchronisation without DDP: flat, asynchronous, exact all-reduces.
+"""Data-parallel gradient synchronisation without DDP: flat, asynchronous all-reduces (exact, or
+compressed by :mod:`fxpipe.runtime.compression`).
 
 Each stage's gradients are averaged over its data-parallel group once per step, started right
 after the stage's last backward (the ``ALLREDUCE`` action) so the other stages of the rank keep
