@@ -447,3 +447,42 @@ def test_lr_schedule_warms_up_then_decays_to_min_lr():
     assert f[:3] == [0.5, 1.0, 1.0] and f[-1] == pytest.approx(0.1)
     assert all(a >= b for a, b in zip(f[1:], f[2:]))  # non-increasing after the warm-up
     assert [lr_factor(s, 10, 0, "constant") for s in (0, 9)] == [1.0, 1.0]
+
+
+def _folded_spec() -> dict:
+    return {"model": {"factory": "fxpipe.examples.gpt:CharGPT"},
+            "data": {"batch_size": 4, "seq_len": 16},
+            "parallel": {"pipeline": 2, "data": 1, "microbatches": 2, "schedule": "1f1b"},
+            "cluster": {"devices_per_node": 2, "device_tflops": 0.02},
+            "train": {"loss": "cross_entropy", "timeout_s": 60}}
+
+
+def _folded_model() -> nn.Module:
+    torch.manual_seed(0)
+    from fxpipe.examples.gpt import CharGPT
+
+    return CharGPT(vocab_size=64, block_size=16, n_layer=8, n_head=2, n_embd=32)
+
+
+def _folded_worker(rank: int, plan_dict: dict) -> float:
+    from fxpipe.plans.plan import Plan
+
+    pipe = fxpipe.compile(_folded_model(), Plan.from_dict(plan_dict))
+    x = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(1))
+    return pipe.step(x, x)
+
+
+@pytest.mark.distributed
+def test_plan_of_repeated_blocks_compiles_and_trains():
+    """A plan made as repeated blocks (``plan.folded``: stages list no edges until a worker
+    resolves it) gets the schedule of its resolved stage edges: its sends, not a ScheduleError
+    for missing SEND_F/RECV_F."""
+    with torch.device("meta"):
+        meta = _folded_model()
+    plan = fxpipe.plan(meta, _folded_spec(), (torch.zeros(2, 16, dtype=torch.long,
+                                                          device="meta"),))
+    assert plan.folded, "the 8-block model should plan as repeated blocks"
+    got = run_ranks(_folded_worker, 2, plan.to_dict(), timeout_s=120)
+    x = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(1))
+    ref = F.cross_entropy(_folded_model()(x).flatten(0, 1), x.flatten()).item()
+    assert got[0] == got[1] == pytest.approx(ref, abs=1e-5)

@@ -697,8 +697,8 @@ def compile(model: nn.Module, spec_or_plan: Any, example_inputs: Any = None,
         wire = wire_group(device.type, timeout)  # collective
         if mesh.is_server:  # this rank keeps parameters and optimizer state, no stage
             return ServerShare(model, plan, spec, mesh, wire)
-    schedule = schedule_for_plan(plan)
-    traced = trace_for_plan(plan, model, device)
+    traced = trace_for_plan(plan, model, device)  # resolves a plan made of repeated blocks,
+    schedule = schedule_for_plan(plan)  # so the schedule gets the sends of its stage edges
     stages = build_stages(plan, traced, schedule.stages_of_rank(mesh.pipe_rank))
     t = spec.train
     model_loss = loss_fn is None and t.loss == MODEL_LOSS
