@@ -490,7 +490,13 @@ class ModelResult:
 
 
 def _stage_times(plan) -> list[tuple[float, float, float]]:
-    return [(s.fwd_time_s, s.bwd_input_time_s + s.bwd_weight_time_s, s.send_time_s)
+    """(F, B, send) predicted per stage; send: the mean over the stage's forward sends and
+    gradient sends (as the measured column averages its SEND_F and SEND_B actions)."""
+    def send(s) -> float:
+        ts = [t for t in (s.send_time_s if s.send_bytes else 0.0, s.grad_send_time_s or 0.0)
+              if t > 0]
+        return sum(ts) / len(ts) if ts else 0.0
+    return [(s.fwd_time_s, s.bwd_input_time_s + s.bwd_weight_time_s, send(s))
             for s in plan.stages]
 
 

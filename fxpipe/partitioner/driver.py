@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -206,6 +207,34 @@ def _slowdowns(spec: ParallelSpec, cand: Candidate, stage_to_rank: list[int]) ->
         r, cand.pipeline, cand.dp, cl.devices_per_node, cand.layout)) for r in stage_to_rank]
 
 
+def _fastest_slowdown(spec: ParallelSpec) -> float:
+    """The smallest per-stage slowdown any layout can give (:func:`_slowdowns`): 1 without
+    per-node speeds, else the fastest node's ``device_tflops / node_tflops``."""
+    cl = spec.cluster
+    if not cl.node_tflops:
+        return 1.0
+    return min(1.0, min(cl.device_tflops / t for t in cl.node_tflops))
+
+
+def _recompute_held(values: list[Value]) -> float:
+    """Bytes a recomputing stage keeps per micro-batch in flight: its input, at most the
+    largest value between units (the planner's memory model of recomputation)."""
+    return max((v.nbytes for v in values), default=0.0)
+
+
+def _held_note(capacity: float, inflight: int, held: float, mbs: float, whole: bool) -> str:
+    """Why recomputation leaves less (or no) device memory: the stage inputs it keeps."""
+    keep = (f"{human_bytes(held, True)} per micro-batch in flight on the stage (the largest "
+            f"value between units at micro-batch size {mbs:g}; up to {inflight} in flight: "
+            f"{human_bytes(inflight * held, True)})")
+    if whole:
+        return (f"with activation recomputation each stage keeps its input for every "
+                f"micro-batch in flight, {keep}, which fills the device's "
+                f"{human_bytes(capacity, True)}; use smaller micro-batches (more of them)")
+    return (f"with activation recomputation that is the device's {human_bytes(capacity, True)} "
+            f"less the stage inputs kept for recomputation, {keep}")
+
+
 def _cut_problem(pr: Priced, spec: ParallelSpec, cand: Candidate, scale: float) -> CutProblem:
     """The cut problem of one candidate layout at ``scale`` x the traced micro-batch, over the
     priced units (node-level, or blocks when the model folds); cheap values are not in it
@@ -218,8 +247,10 @@ def _cut_problem(pr: Priced, spec: ParallelSpec, cand: Candidate, scale: float) 
     if cand.recompute:  # keep each stage's input per micro-batch, run the forward again
         compute = [(2 * f + bi + bw) * scale for f, bi, bw in tb.times]
         saved = [0.0] * len(tb.saved)
-        held = max((v.nbytes for v in values), default=0.0)
-        capacity = [max(1.0, capacity - n * held) for n in inflight]
+        held = _recompute_held(values)
+        if max(inflight) * held >= capacity:
+            raise PlanError(_held_note(capacity, max(inflight), held, scale * pr.batch, True))
+        capacity = [capacity - n * held for n in inflight]
     else:
         compute = [sum(x) * scale for x in tb.times]
         saved = [s * scale for s in tb.saved]
@@ -307,6 +338,7 @@ def _assemble(pr: Priced, result: PartitionResult, cand: Candidate, spec: Parall
         explain=list(explain), spec=spec.model_dump(mode="json"), recomputed=recomputed,
         placement=cand.layout,
     )
+    _set_grad_send_times(plan, pr.send)
     plan.predicted = predict(plan)
     return plan
 
@@ -367,6 +399,32 @@ def _unit_prefix(pr: Priced) -> np.ndarray:
     return np.concatenate([np.zeros((3, 1)), np.cumsum(arr, axis=1)], axis=1)
 
 
+def grad_send_times(grad_edges: dict[tuple[int, int], float], num_stages: int,
+                    send: SendCost) -> list[float]:
+    """Per stage, what one gradient send (SEND_B) costs its rank: the mean over the edges it
+    sends gradients back on (``{(producer, consumer): bytes}``) of the send cost of their
+    bytes; 0 for a stage that sends none."""
+    out: list[list[float]] = [[] for _ in range(num_stages)]
+    for (_, cs), nbytes in grad_edges.items():
+        out[cs].append(send.seconds(nbytes))
+    return [sum(x) / len(x) if x else 0.0 for x in out]
+
+
+def _set_grad_send_times(plan: Plan, send: SendCost) -> None:
+    """Fill each stage's ``grad_send_time_s`` from the plan's gradient edges."""
+    _, grad = plan.edge_bytes()
+    for st, t in zip(plan.stages, grad_send_times(grad, len(plan.stages), send)):
+        st.grad_send_time_s = t
+
+
+@functools.lru_cache(maxsize=4)
+def _full_schedule(name: str, p: int, m: int, v: int, edges: frozenset, grad_edges: frozenset):
+    """``build_schedule`` for the search, kept for the few most recent layouts: both placements
+    of a grid and cuts with the same stage edges share it (the simulator only reads it; a
+    schedule of hundreds of micro-batches takes seconds to build)."""
+    return build_schedule(name, p, m, v, set(edges), set(grad_edges))
+
+
 def _simulate_cut(pr: Priced, prefix: np.ndarray, problem: CutProblem,
                   result: PartitionResult, cand: Candidate, spec: ParallelSpec,
                   scale: float) -> SimResult:
@@ -393,9 +451,10 @@ def _simulate_cut(pr: Priced, prefix: np.ndarray, problem: CutProblem,
                        [float(x[2]) for x in per],
                        activation_bytes=[int(b) for b in result.saved_bytes],
                        static_bytes=[int(b * factor) for b in result.param_bytes],
-                       send_s=[pr.send.seconds(result.send_bytes[j]) for j in range(len(per))])
-    sched = build_schedule(cand.schedule, cand.pipeline, cand.microbatches, cand.virtual_stages,
-                           set(fwd), set(grad))
+                       send_s=[pr.send.seconds(result.send_bytes[j]) for j in range(len(per))],
+                       grad_send_s=grad_send_times(grad, len(per), pr.send))
+    sched = _full_schedule(cand.schedule, cand.pipeline, cand.microbatches,
+                           cand.virtual_stages, frozenset(fwd), frozenset(grad))
     cl = spec.cluster
     servers = cl.parameter_servers if spec.train.updates == "async" else 0
     links = Links.from_cluster(cand.pipeline, cand.dp, cl.nodes, cl.devices_per_node,
@@ -492,6 +551,7 @@ def _assemble_folded(pr: Priced, result: PartitionResult, cand: Candidate, spec:
                 "epilogue": epi_stage, "cheap": sorted(pr.cheap)}, placement=cand.layout,
     )
     problem = _cut_problem(pr, spec, cand, 1.0)
+    _set_grad_send_times(plan, pr.send)
     plan.predicted = _simulate_cut(pr, prefix, problem, result, cand, spec, 1.0).predicted()
     return plan
 
@@ -516,25 +576,38 @@ def _block_range(run, block_stage: list[int], s: int) -> str:
 
 
 def _ring_s(nbytes: float, n: int, spec: ParallelSpec, pipeline: int, dp: int,
-            layout: str = "pipeline-inner") -> float:
+            layout: str = "pipeline-inner", latency: bool = True) -> float:
     """Seconds of a ring all-reduce of ``nbytes`` over ``n`` ranks on the link its group uses
     (0 under async updates: parameter servers replace the all-reduce, and the bounds this
-    serves stay valid)."""
+    serves stay valid). Pipeline rank 0's group decides the link: no rank's group uses a
+    faster one than rank 0's under either layout, so this never exceeds a rank's own ring.
+    ``latency=False`` leaves the per-hop latency out (for a bound on an average over ranks,
+    some of which may hold no parameters and run no all-reduce at all)."""
     if n <= 1 or nbytes <= 0 or spec.train.updates == "async":
         return 0.0
     links = spec.cluster.links
     crosses = ring_crosses_nodes(0, pipeline, dp, spec.cluster.devices_per_node, layout)
     bw = (links.inter_node_GBps if crosses else links.intra_node_GBps) * 1e9
-    return 2 * (n - 1) / n * nbytes / bw + 2 * (n - 1) * links.latency_s
+    return 2 * (n - 1) / n * nbytes / bw + (2 * (n - 1) * links.latency_s if latency else 0.0)
+
+
+#: schedules whose backward is split into B (input gradients) and W (weight gradients)
+_SPLIT_BACKWARD = frozenset({"zb-h1", "zb-v"})
 
 
 def _cut_bound(prefix: np.ndarray, result: PartitionResult, cand: Candidate, spec: ParallelSpec,
                scale: float, slow: np.ndarray) -> float:
-    """A lower bound on the step time of a cut, whatever the schedule: every rank runs ``m``
-    micro-batches of its stages after the first micro-batch reached it (the forwards of the
-    stages before it) and before the last one's input gradients went back through them, and
-    then all-reduces its gradients."""
+    """A lower bound on the simulated step time of a cut, whatever the schedule does.
+
+    For every rank ``r`` whose lowest stage is ``s0``: nothing runs on ``r`` before micro-batch
+    data has gone forward through stages ``0 .. s0-1`` (``fill``: their forwards, all on other
+    ranks). After that the rank computes all its ``m`` micro-batches' work, then the all-reduce
+    of the stage it finished last (at least the smallest of its stages' all-reduces; the
+    others may overlap its compute). And its last backward of ``s0`` (after every F and B of
+    its stages, but not necessarily after its split-off W's) is followed by the input
+    gradients of stages ``s0-1 .. 0`` (``drain``). Sends and latencies only add time."""
     cuts = list(result.cuts) + [prefix.shape[1] - 1]
+    split = cand.schedule in _SPLIT_BACKWARD
     f, b, w = [], [], []
     for j, (a, e) in enumerate(zip(cuts[:-1], cuts[1:])):
         x = (prefix[:, e] - prefix[:, a]) * scale * slow[j]
@@ -543,39 +616,98 @@ def _cut_bound(prefix: np.ndarray, result: PartitionResult, cand: Candidate, spe
         w.append(float(x[2]))
     ranks = stage_to_rank(cand.schedule, cand.pipeline, cand.num_stages)
     work = [0.0] * cand.pipeline
-    params = [0.0] * cand.pipeline
+    fb = [0.0] * cand.pipeline  # what must precede the rank's last B of its lowest stage
+    low = [cand.num_stages] * cand.pipeline
+    ars: list[list[float]] = [[] for _ in range(cand.pipeline)]
     for j, r in enumerate(ranks):
         work[r] += f[j] + b[j] + w[j]
-        params[r] += result.param_bytes[j]
-    one_per_rank = cand.num_stages == cand.pipeline
+        fb[r] += f[j] + b[j] + (0.0 if split else w[j])
+        low[r] = min(low[r], j)
+        ars[r].append(_ring_s(result.param_bytes[j], cand.dp, spec, cand.pipeline, cand.dp,
+                              cand.layout))
+    fcum = np.concatenate([[0.0], np.cumsum(f)])
+    bcum = np.concatenate([[0.0], np.cumsum(b)])
     best = 0.0
     for r in range(cand.pipeline):
-        fill = sum(f[:r]) if one_per_rank else 0.0
-        drain = sum(b[:r]) if one_per_rank else 0.0
-        ar = _ring_s(params[r], cand.dp, spec, cand.pipeline, cand.dp, cand.layout)
-        best = max(best, fill + cand.microbatches * work[r] + max(drain, ar))
+        s0 = low[r]
+        fill, drain = float(fcum[s0]), float(bcum[s0])
+        best = max(best, fill + cand.microbatches * work[r] + min(ars[r]),
+                   fill + cand.microbatches * fb[r] + drain, sum(ars[r]))
     return best
 
 
-def _search(pr: Priced, spec: ParallelSpec) -> tuple[Candidate, PartitionResult, int, list[str]]:
+def _problem_key(problem: CutProblem) -> tuple:
+    """Everything :func:`optimal_partition` reads of a cut problem (unit names only label its
+    messages), hashable: equal keys, equal answers."""
+    def flat(x):
+        if x is None or isinstance(x, (int, float)):
+            return x
+        return tuple(flat(y) for y in x) if isinstance(x, (list, tuple, np.ndarray)) else x
+    return (flat(problem.compute_s), flat(problem.param_bytes), flat(problem.saved_bytes),
+            tuple((v.producer, tuple(v.users), float(v.nbytes), bool(v.grad))
+                  for v in problem.values),
+            problem.num_stages, flat(problem.bandwidth_Bps), float(problem.latency_s),
+            flat(problem.capacity_bytes), float(problem.param_multiplier),
+            flat(problem.inflight), flat(problem.forced_cuts),
+            tuple(sorted((problem.pins or {}).items())), flat(problem.slowdown))
+
+
+def _solve_cached(problem: CutProblem, cache: dict) -> PartitionResult:
+    """``optimal_partition(problem, explain=False)``, once per distinct problem in ``cache``
+    (an infeasible one raises its error again)."""
+    key = _problem_key(problem)
+    if key not in cache:
+        try:
+            cache[key] = optimal_partition(problem, explain=False)
+        except PlanError as e:
+            cache[key] = e
+    got = cache[key]
+    if isinstance(got, PlanError):
+        raise got
+    return got
+
+
+def _candidate_bound(cand: Candidate, scale: float, spec: ParallelSpec, total: float,
+                     total_params: float, biggest: float, fastest: float) -> float:
+    """A lower bound on the simulated step time of any cut of the candidate (before solving
+    it): some rank computes at least the average share of the work and the costliest unit
+    (``biggest``), ``m`` times; with one stage per rank, each rank's all-reduce follows all its
+    work (so the average rank's work plus its all-reduce, bandwidth term only: a rank without
+    parameters runs none); with several stages per rank the all-reduces of stages finished
+    early may overlap compute, so only their sum on one rank counts."""
+    m = cand.microbatches * scale * fastest
+    work = m * max(total / cand.pipeline, biggest)
+    ring = _ring_s(total_params / cand.pipeline, cand.dp, spec, cand.pipeline, cand.dp,
+                   cand.layout, latency=False)
+    if cand.num_stages == cand.pipeline:
+        return max(work, m * total / cand.pipeline + ring)
+    return max(work, ring)
+
+
+def _search(pr: Priced, spec: ParallelSpec, prune: bool = True
+            ) -> tuple[Candidate, PartitionResult, int, list[str]]:
     """The fastest candidate layout that fits, and the explanation of the ranking.
 
     Candidates are visited in the order of a lower bound on their step time (every rank runs
     its share of ``m`` micro-batches, ``m x total / p``, and all-reduces its share of the
     parameters); a candidate whose bound, or whose cut's bound (:func:`_cut_bound`), cannot beat
     the best simulated step so far is not simulated. Where activations do not fit, the
-    candidate is tried again with activation recomputation (``train.activation_recompute``)."""
+    candidate is tried again with activation recomputation (``train.activation_recompute``).
+    The bounds are valid lower bounds and a candidate is pruned only when its bound exceeds
+    the best step (ties are simulated), so ``prune=False`` (simulate every candidate that fits)
+    picks the same layout and cut."""
     prefix = _unit_prefix(pr)
     total = float(prefix[:, -1].sum())
     total_params = float(sum(pr.table.params))
     n_units = len(pr.table.names)
     bounds = []
+    biggest = float(np.diff(prefix.sum(axis=0)).max(initial=0.0))  # the costliest unit
+    fastest = _fastest_slowdown(spec)
     for cand in candidates(spec, max_stages=n_units):
         mbs = spec.data.batch_size // (cand.dp * cand.microbatches)
         if mbs >= 1:
-            lb = (cand.microbatches * total * mbs / pr.batch / cand.pipeline
-                  + _ring_s(total_params / cand.pipeline, cand.dp, spec, cand.pipeline, cand.dp,
-                           cand.layout))
+            lb = _candidate_bound(cand, mbs / pr.batch, spec, total, total_params, biggest,
+                                  fastest)
             bounds.append((lb, cand.label(), cand, mbs))
     bounds.sort(key=lambda x: (x[0], x[1]))
     best: _Ranked | None = None
@@ -583,10 +715,11 @@ def _search(pr: Priced, spec: ParallelSpec) -> tuple[Candidate, PartitionResult,
     failed: list[tuple[float, Candidate, float]] = []  # (bound, candidate, scale)
     pruned = 0
     mode = spec.train.activation_recompute
+    solved: dict = {}  # identical cut problems (e.g. the two placements of one grid) solve once
     for i, (lb, label, cand, mbs) in enumerate(bounds):
         _progress.info("auto search: candidate %d/%d (%s)%s", i + 1, len(bounds), label,
                        f", best so far {best.step_s * 1e3:.3g} ms/step" if best else "")
-        if best is not None and lb >= best.step_s:
+        if prune and best is not None and lb > best.step_s:
             pruned += 1
             continue
         scale = mbs / pr.batch
@@ -595,7 +728,7 @@ def _search(pr: Priced, spec: ParallelSpec) -> tuple[Candidate, PartitionResult,
             c = dataclasses.replace(cand, recompute=rc)
             try:
                 problem = _cut_problem(pr, spec, c, scale)
-                found = (c, problem, optimal_partition(problem, explain=False))
+                found = (c, problem, _solve_cached(problem, solved))
                 break
             except PlanError:
                 continue
@@ -603,8 +736,8 @@ def _search(pr: Priced, spec: ParallelSpec) -> tuple[Candidate, PartitionResult,
             failed.append((lb, cand, scale))
             continue
         cand, problem, result = found
-        if best is not None and _cut_bound(prefix, result, cand, spec, scale,
-                                           problem.slow) >= best.step_s:
+        if prune and best is not None and _cut_bound(prefix, result, cand, spec, scale,
+                                                     problem.slow) > best.step_s:
             pruned += 1
             continue
         if len(bounds) == 1:
@@ -633,7 +766,14 @@ def _nothing_fits(pr: Priced, spec: ParallelSpec, failed: list) -> PlanError:
         try:
             optimal_partition(_cut_problem(pr, spec, c, scale))
         except PlanError as e:
-            lines.append(f"{c.label()}: {e}")
+            text = str(e)
+            if c.recompute and "but the device has" in text:  # its capacity less the inputs
+                held = _recompute_held(_cut_problem(pr, spec, dataclasses.replace(
+                    c, recompute=False), scale).values)
+                note = _held_note(spec.cluster.memory_gb * 1e9, max(stage_inflight(c)[0]),
+                                  held, scale * pr.batch, False)
+                text += f" ({note})"
+            lines.append(f"{c.label()}: {text}")
     need = sum(pr.table.params) * OPTIMIZER_STATE_FACTOR[spec.train.optimizer]
     cap = spec.cluster.memory_gb * 1e9
     stages = int(np.ceil(need / cap))

@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
 import torch
 from torch.utils import _pytree as pytree
 
@@ -181,17 +182,35 @@ def profile_graph(traced: TracedModel, inputs: list[torch.Tensor], device: torch
 
 
 class SendCost:
-    """Sender-side seconds of one point-to-point message: ``overhead_s + nbytes / rate_Bps``."""
+    """Sender-side seconds of one point-to-point message: ``overhead_s + nbytes / rate_Bps``,
+    or, where measured ``points`` (``[(bytes, seconds)]``, ascending bytes) are given, their
+    piecewise-linear interpolation (the time of the smallest size below it; beyond the largest,
+    its time plus the extra bytes at ``rate_Bps``). Gloo's sender cost is far from linear
+    (about constant up to a few hundred KiB, then several times steeper): one straight line
+    fitted to 4 KiB .. 16 MiB misprices the small messages a pipeline of small stages sends."""
 
-    def __init__(self, overhead_s: float, rate_Bps: float):
+    def __init__(self, overhead_s: float, rate_Bps: float,
+                 points: list[tuple[float, float]] | None = None):
         self.overhead_s, self.rate_Bps = float(overhead_s), float(rate_Bps)
+        self.points = sorted((float(b), float(t)) for b, t in points) if points else None
 
     def seconds(self, nbytes: float) -> float:
         """Sender-side seconds of one message of ``nbytes`` bytes (0 bytes: no message)."""
-        return 0.0 if nbytes <= 0 else self.overhead_s + nbytes / self.rate_Bps
+        if nbytes <= 0:
+            return 0.0
+        if not self.points:
+            return self.overhead_s + nbytes / self.rate_Bps
+        xs = [b for b, _ in self.points]
+        ys = [t for _, t in self.points]
+        if nbytes >= xs[-1]:
+            return ys[-1] + (nbytes - xs[-1]) / self.rate_Bps
+        return float(np.interp(nbytes, xs, ys))
 
-    def to_dict(self) -> dict[str, float]:
-        return {"overhead_s": self.overhead_s, "rate_Bps": self.rate_Bps}
+    def to_dict(self) -> dict:
+        d: dict = {"overhead_s": self.overhead_s, "rate_Bps": self.rate_Bps}
+        if self.points:
+            d["points"] = [list(p) for p in self.points]
+        return d
 
 
 def send_cost_path(device: str) -> Path:
@@ -203,6 +222,6 @@ def load_send_cost(device: str) -> SendCost | None:
     """The measured send cost (``fxpipe profile`` writes it), or None."""
     try:
         d = json.loads(send_cost_path(device).read_text())
-        return SendCost(d["overhead_s"], d["rate_Bps"])
+        return SendCost(d["overhead_s"], d["rate_Bps"], d.get("points"))
     except (OSError, ValueError, KeyError, TypeError):
         return None

@@ -58,17 +58,32 @@ def node_of(rank: int, devices_per_node: int) -> int:
 def pair_crosses_nodes(a: int, b: int, pipeline: int, dp: int, devices_per_node: int,
                        layout: str = "pipeline-inner") -> bool:
     """Whether pipeline ranks ``a`` and ``b`` sit on different nodes in any replica (the slowest
-    replica's link bounds the step)."""
+    replica's link bounds the step).
+
+    Only the first ``devices_per_node`` replicas are looked at: replica ``d + devices_per_node``
+    sits exactly ``pipeline`` nodes (pipeline-inner) or one node (data-inner) after replica ``d``
+    for both ranks, so it answers the same (O(devices per node), not O(dp))."""
     return any(node_of(global_rank(a, d, pipeline, dp, layout), devices_per_node)
                != node_of(global_rank(b, d, pipeline, dp, layout), devices_per_node)
-               for d in range(dp))
+               for d in range(min(dp, replica_period(devices_per_node))))
+
+
+def replica_period(devices_per_node: int) -> int:
+    """Replicas ``d`` and ``d + devices_per_node`` of a pipeline rank pair are laid out alike
+    (shifted by whole nodes) under both layouts: which pairs cross nodes repeats with this
+    period over the replicas."""
+    return max(1, int(devices_per_node))
 
 
 def ring_crosses_nodes(pipe_rank: int, pipeline: int, dp: int, devices_per_node: int,
                        layout: str = "pipeline-inner") -> bool:
-    """Whether the data-parallel group of pipeline rank ``pipe_rank`` spans several nodes."""
-    return len({node_of(global_rank(pipe_rank, d, pipeline, dp, layout), devices_per_node)
-                for d in range(dp)}) > 1
+    """Whether the data-parallel group of pipeline rank ``pipe_rank`` spans several nodes.
+
+    A rank's node does not decrease with the replica under either layout, so the group spans
+    several nodes exactly when its first and last replicas sit on different ones."""
+    return (node_of(global_rank(pipe_rank, 0, pipeline, dp, layout), devices_per_node)
+            != node_of(global_rank(pipe_rank, max(0, dp - 1), pipeline, dp, layout),
+                       devices_per_node))
 
 
 def nodes_of_stage_rank(pipe_rank: int, pipeline: int, dp: int, devices_per_node: int,
@@ -88,5 +103,7 @@ def server_link_crosses_nodes(pipe_rank: int, server_rank: int, pipeline: int, d
     """Whether pipeline rank ``pipe_rank`` sits on another node than global rank ``server_rank``
     in any replica (the slowest replica's link bounds the step)."""
     home = node_of(server_rank, devices_per_node)
+    # the rank's node does not decrease with the replica: all replicas are on ``home`` exactly
+    # when the first and the last are
     return any(node_of(global_rank(pipe_rank, d, pipeline, dp, layout), devices_per_node) != home
-               for d in range(dp))
+               for d in {0, max(0, dp - 1)})

@@ -59,6 +59,8 @@ class StagePlan:
             the forward, the input gradients (B) and the weight gradients (W).
         send_time_s: seconds one send of this stage costs the sending rank (gloo on CPU copies
             in the sender's thread), per send action.
+        grad_send_time_s: the same per gradient send (SEND_B: the input gradients the stage
+            sends back, sized by those gradients); None: ``send_time_s``.
         recompute: activation recomputation: the stage keeps only its inputs per micro-batch in
             flight and runs its forward again in the backward (priced in ``bwd_input_time_s``).
     """
@@ -85,6 +87,7 @@ class StagePlan:
     bwd_weight_time_s: float = 0.0
     send_time_s: float = 0.0
     recompute: bool = False
+    grad_send_time_s: float | None = None
 
 
 @dataclass

@@ -17,6 +17,7 @@ Pipeline Parallelism", ICLR 2024 / "Pipeline Parallelism with Controllable Memor
 
 from __future__ import annotations
 
+import heapq
 from typing import Callable
 
 from fxpipe.errors import ScheduleError
@@ -252,34 +253,54 @@ def _list_schedule(
     pendw: list[list[tuple[int, int]]] = [[] for _ in range(p)]
     held = [0] * p
     acts: list[list[Action]] = [[] for _ in range(p)]
+
+    def rank_best(r: int):
+        """The action rank ``r`` would start next: ``(start, r, (prio, key, op, s, i))``, or
+        None. Depends only on rank ``r``'s own state and on ``done`` of its stages' neighbours,
+        so it changes only when one of those does (see the loop)."""
+        cands = []
+        for s in own[r]:
+            i = nextb[s]
+            if i < m and (Op.F, s, i) in done:
+                dep = done[(Op.F, s, i)] if s == n - 1 else done.get((Op.B, s + 1, i))
+                if dep is not None:
+                    cands.append((max(t[r], dep), 0, s, Op.B, s, i))
+            i = nextf[s]
+            if i < m and held[r] < limit:
+                dep = 0.0 if s == 0 else done.get((Op.F, s - 1, i))
+                if dep is not None:
+                    cands.append((max(t[r], dep), 1, -s, Op.F, s, i))
+        if pendw[r]:
+            s, i = pendw[r][0]
+            cands.append((t[r], 2, -s, Op.W, s, i))
+        if not cands:
+            return None
+        c = min(cands)
+        return (c[0], r, c)
+
+    # Each rank's next action is cached; after an action of stage s on rank r only ranks r,
+    # rank(s-1) and rank(s+1) can change theirs (F of s unblocks F of s+1 and, on the last
+    # stage, B of s; B of s unblocks B of s-1), so the order is the same as re-examining every
+    # rank each time (the earliest start, ties to the lower rank), in O(actions) rank updates.
+    # a heap of (start, rank, version): the smallest entry whose version is the rank's current
+    # one is the minimum over ranks of (start, rank) (stale entries are dropped when popped)
+    best_of = [rank_best(r) for r in range(p)]
+    version = [0] * p
+    heap = [(b[0], r, 0) for r, b in enumerate(best_of) if b is not None]
+    heapq.heapify(heap)
     for _ in range(3 * n * m):
         best = None
-        for r in range(p):
-            cands = []
-            for s in own[r]:
-                i = nextb[s]
-                if i < m and (Op.F, s, i) in done:
-                    dep = done[(Op.F, s, i)] if s == n - 1 else done.get((Op.B, s + 1, i))
-                    if dep is not None:
-                        cands.append((max(t[r], dep), 0, s, Op.B, s, i))
-                i = nextf[s]
-                if i < m and held[r] < limit:
-                    dep = 0.0 if s == 0 else done.get((Op.F, s - 1, i))
-                    if dep is not None:
-                        cands.append((max(t[r], dep), 1, -s, Op.F, s, i))
-            if pendw[r]:
-                s, i = pendw[r][0]
-                cands.append((t[r], 2, -s, Op.W, s, i))
-            if cands:
-                c = min(cands)
-                if best is None or (c[0], r) < (best[1][0], best[0]):
-                    best = (r, c)
+        while heap:
+            _, r, ver = heapq.heappop(heap)
+            if ver == version[r] and best_of[r] is not None:
+                best = best_of[r]
+                break
         if best is None:  # cannot happen for limit >= 2 stages per rank; guard anyway
             raise ScheduleError(
                 f"{name}: the greedy order got stuck with p={p}, m={m} (in-flight limit {limit}); "
                 f"use another schedule or raise the limit"
             )
-        r, (start, _, _, op, s, i) = best
+        start, r, (_, _, _, op, s, i) = best
         t[r] = start + {Op.F: f_s, Op.B: b_s, Op.W: w_s}[op]
         done[(op, s, i)] = t[r]
         acts[r].append(Action(op, s, i))
@@ -292,6 +313,16 @@ def _list_schedule(
         else:
             pendw[r].pop(0)
             held[r] -= 1
+        touched = {r}
+        if s > 0:
+            touched.add(stage_to_rank[s - 1])
+        if s < n - 1:
+            touched.add(stage_to_rank[s + 1])
+        for q in touched:
+            best_of[q] = rank_best(q)
+            version[q] += 1
+            if best_of[q] is not None:
+                heapq.heappush(heap, (best_of[q][0], q, version[q]))
     return Schedule(name, p, n, m, list(stage_to_rank), acts, split_backward=True)
 
 

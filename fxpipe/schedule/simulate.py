@@ -35,7 +35,8 @@ import numpy as np
 from dataclasses import dataclass, field
 
 from fxpipe.errors import ScheduleError
-from fxpipe.plans.placement import global_rank, node_of, server_link_crosses_nodes
+from fxpipe.plans.placement import (global_rank, node_of, replica_period,
+                                    server_link_crosses_nodes)
 from fxpipe.plans.plan import Plan, Predicted
 from fxpipe.schedule.actions import Action, Op, Schedule
 from fxpipe.schedule.lowering import linear_edges, schedule_for_plan
@@ -69,6 +70,8 @@ class StageCosts:
             the stage (host-side staging: copying the bytes into gloo's buffers on CPU; about 0
             with NCCL, where the copy is on the device). None: 0 (sends free for the sender).
             Not counted as compute busy time.
+        grad_send_s: the same per SEND_B action (the input gradients a stage sends back to its
+            producers, sized by those gradients, not by its forward outputs). None: ``send_s``.
     """
 
     fwd_s: list[float]
@@ -78,6 +81,7 @@ class StageCosts:
     static_bytes: list[int] | None = None
     step_s: float = 0.0
     send_s: list[float] | None = None
+    grad_send_s: list[float] | None = None
 
     @classmethod
     def uniform(cls, num_stages: int, f: float = 1.0, b: float = 1.0, w: float = 0.0,
@@ -95,7 +99,7 @@ class StageCosts:
         if self.step_s < 0:
             raise ScheduleError(f"StageCosts.step_s is negative ({self.step_s}); give seconds >= 0")
         for name in ("fwd_s", "bwd_input_s", "bwd_weight_s", "activation_bytes", "static_bytes",
-                     "send_s"):
+                     "send_s", "grad_send_s"):
             vals = getattr(self, name)
             if vals is None:
                 continue
@@ -176,12 +180,17 @@ class Links:
         them: a pipeline pair / data-parallel ring / rank-to-server link gets the inter-node
         bandwidth when any replica's pair / the ring / the rank crosses nodes."""
         dpn = devices_per_node or max(1, (pipeline * dp) // max(nodes, 1))
+        # replicas repeat with period dpn (placement.replica_period), and a rank's node does
+        # not decrease with the replica: the first dpn replicas decide the pairs, the first and
+        # last replica the rings
+        reps = sorted(set(range(min(dp, replica_period(dpn)))) | {dp - 1})
         node = np.array([[node_of(global_rank(r, d, pipeline, dp, layout), dpn)
-                          for r in range(pipeline)] for d in range(dp)])  # [replica, rank]
-        cross = (node[:, :, None] != node[:, None, :]).any(axis=0)
+                          for r in range(pipeline)] for d in reps])  # [replica, rank]
+        per = node[:min(dp, replica_period(dpn))]
+        cross = (per[:, :, None] != per[:, None, :]).any(axis=0)
         pairs = {(a, b): inter_node_GBps if cross[a, b] else intra_node_GBps
                  for a in range(pipeline) for b in range(pipeline) if a != b}
-        dpr = {r: inter_node_GBps if len(set(node[:, r].tolist())) > 1 else intra_node_GBps
+        dpr = {r: inter_node_GBps if node[0, r] != node[-1, r] else intra_node_GBps
                for r in range(pipeline)}
         srv = {(r, j): inter_node_GBps if server_link_crosses_nodes(
                    r, pipeline * dp + j, pipeline, dp, dpn, layout) else intra_node_GBps
@@ -271,6 +280,7 @@ def simulate(
     s2r = schedule.stage_to_rank
     split = schedule.split_backward
     send_cost = list(costs.send_s) if costs.send_s is not None else [0.0] * n
+    grad_send_cost = list(costs.grad_send_s) if costs.grad_send_s is not None else send_cost
     push_pull = [0.0] * p  # per rank: parameter-server round trips of its stages
     if server_bytes is not None:
         loads = [sum(row[j] for row in server_bytes) for j in range(len(server_bytes[0]))] \
@@ -317,7 +327,7 @@ def simulate(
                     edge = (a.stage, a.peer) if a.op is Op.SEND_F else (a.peer, a.stage)
                     nbytes = (edge_bytes if a.op is Op.SEND_F else grad_edge_bytes).get(edge, 0)
                     dst = s2r[a.peer]
-                    c = send_cost[a.stage]
+                    c = (send_cost if a.op is Op.SEND_F else grad_send_cost)[a.stage]
                     if c > 0:  # the sender's thread stages the bytes; not compute busy
                         if timeline:
                             events.append(TimelineEvent(r, action_label(a), t[r], t[r] + c))
@@ -380,7 +390,7 @@ def costs_from_plan(plan: Plan) -> StageCosts:
     ``bwd_weight_flops / bwd_flops``. Activation bytes: ``activation_bytes``. Static bytes:
     ``param_bytes x 4`` for AdamW (weights, gradients, two moments), ``x 2`` for SGD
     (``plan.spec['train']['optimizer']``, default AdamW). Sender-side send seconds:
-    ``send_time_s``.
+    ``send_time_s`` (``grad_send_time_s`` for gradient sends).
     """
     f, bi, bw, act, static = [], [], [], [], []
     opt = str((plan.spec or {}).get("train", {}).get("optimizer", "adamw")).lower()
@@ -398,7 +408,10 @@ def costs_from_plan(plan: Plan) -> StageCosts:
         bw.append(b2)
         act.append(int(st.activation_bytes))
         static.append(int(int(st.param_bytes) * factor))
-    return StageCosts(f, bi, bw, act, static, send_s=[st.send_time_s for st in plan.stages])
+    grad = [st.send_time_s if st.grad_send_time_s is None else st.grad_send_time_s
+            for st in plan.stages]
+    return StageCosts(f, bi, bw, act, static, send_s=[st.send_time_s for st in plan.stages],
+                      grad_send_s=grad)
 
 
 def links_from_plan(plan: Plan) -> Links:

@@ -33,6 +33,13 @@ def _send_worker(rank: int, sizes: list[int], repeats: int) -> list[float]:
     import torch.distributed as dist
 
     out = []
+    warm = torch.zeros(1024, dtype=torch.float32)  # the first send sets the connection up
+    for _ in range(3):
+        dist.barrier()
+        if rank == 0:
+            dist.isend(warm, 1).wait()
+        else:
+            dist.recv(warm, 0)
     for n in sizes:
         buf = torch.zeros(max(1, n // 4), dtype=torch.float32)
         samples = []
@@ -50,20 +57,22 @@ def _send_worker(rank: int, sizes: list[int], repeats: int) -> list[float]:
 
 def measure_send_cost(device: str = "cpu", repeats: int = 7) -> SendCost:
     """Measure the sender-side cost of a send between two local ranks (gloo on CPU) for
-    4 KiB .. 16 MiB messages, fit ``overhead + bytes / rate`` by least squares and cache it.
-    On CUDA (NCCL) the sending thread only enqueues work: cost 0."""
+    4 KiB .. 16 MiB messages (after a warm-up send), keep the measured points (the planner
+    interpolates between them: the cost is far from linear in the size) and, for sizes past
+    them, ``overhead + bytes / rate`` fitted by least squares; cache it. On CUDA (NCCL) the
+    sending thread only enqueues work: cost 0."""
     if device != "cpu":
         return SendCost(0.0, float("inf"))
     from fxpipe.runtime.local_ranks import run_ranks
 
-    sizes = [1 << 12, 1 << 16, 1 << 20, 1 << 22, 1 << 24]
+    sizes = [1 << 12, 1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24]
     secs = run_ranks(_send_worker, 2, sizes, repeats, timeout_s=120)[0]
     n = len(sizes)
     mx, my = sum(sizes) / n, sum(secs) / n
     slope = (sum((x - mx) * (y - my) for x, y in zip(sizes, secs))
              / max(1e-30, sum((x - mx) ** 2 for x in sizes)))
     slope = max(slope, 1e-13)
-    cost = SendCost(max(0.0, my - slope * mx), 1.0 / slope)
+    cost = SendCost(max(0.0, my - slope * mx), 1.0 / slope, list(zip(sizes, secs)))
     path = send_cost_path(device)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(cost.to_dict()))

@@ -1,0 +1,190 @@
+"""The auto search's pruning is exact: its lower bounds never exceed the simulated step time
+of a cut, so the pruned search picks what simulating every candidate picks; the placement
+shortcuts (O(devices per node), not O(dp)) agree with looking at every replica; the
+incremental ZB-V list scheduler gives the same order as re-examining every rank."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fxpipe.partitioner.driver as D
+from fxpipe.examples.gpt import CharGPT
+from fxpipe.plans.placement import (global_rank, node_of, pair_crosses_nodes,
+                                    ring_crosses_nodes, server_link_crosses_nodes, stage_to_rank)
+from fxpipe.schedule.generators import _list_schedule
+from fxpipe.schedule.lowering import build_schedule
+from fxpipe.schedule.simulate import Links, StageCosts, simulate
+from fxpipe.specs.loader import load_spec
+
+
+def _spec(nodes, per_node, batch, schedule="auto"):
+    return load_spec({
+        "model": {"factory": "x:y"}, "data": {"batch_size": batch, "seq_len": 64},
+        "parallel": {"pipeline": "auto", "data": "auto", "microbatches": "auto",
+                     "schedule": schedule},
+        "cluster": {"nodes": nodes, "devices_per_node": per_node, "device": "cuda",
+                    "memory_gb": 80, "device_tflops": 1,
+                    "links": {"intra_node_GBps": 100, "inter_node_GBps": 1}},
+        "train": {"optimizer": "adamw"}})
+
+
+@pytest.fixture(scope="module")
+def priced():
+    with torch.device("meta"):
+        model = CharGPT(vocab_size=512, block_size=64, n_layer=8, n_head=2, n_embd=64)
+    x = (torch.zeros(1, 64, dtype=torch.long, device="meta"),)
+    spec = _spec(2, 4, 32)
+    return D.plan_with_graph(model, spec, x, units_only=True)[0]
+
+
+@pytest.mark.parametrize("nodes,per_node,batch,schedule", [
+    (2, 4, 32, "auto"), (1, 8, 32, "auto"), (4, 2, 16, "auto"), (2, 4, 64, "zb-h1")])
+def test_pruned_search_picks_what_exhaustive_search_picks(priced, monkeypatch, nodes, per_node,
+                                                          batch, schedule):
+    spec = _spec(nodes, per_node, batch, schedule)
+    sims, real = [], D._simulate_cut
+
+    def sim(pr, prefix, problem, result, cand, spec_, scale):
+        res = real(pr, prefix, problem, result, cand, spec_, scale)
+        sims.append((D._cut_bound(prefix, result, cand, spec_, scale, problem.slow),
+                     res.step_time_s, cand.label()))
+        return res
+
+    monkeypatch.setattr(D, "_simulate_cut", sim)
+    every = D._search(priced, spec, prune=False)
+    assert sims and all(lb <= t * (1 + 1e-12) for lb, t, _ in sims), \
+        [s for s in sims if s[0] > s[1]]  # every candidate that fits was simulated
+    pruned = D._search(priced, spec)
+    assert (pruned[0], pruned[1].cuts, pruned[2]) == (every[0], every[1].cuts, every[2])
+    assert "pruned by a lower bound" in pruned[3][0]
+
+
+def test_candidate_bound_is_below_every_simulated_cut(priced):
+    import numpy as np
+    spec = _spec(2, 4, 32)
+    prefix = D._unit_prefix(priced)
+    total, params = float(prefix[:, -1].sum()), float(sum(priced.table.params))
+    biggest = float(np.diff(prefix.sum(axis=0)).max())
+    seen = 0
+    for cand in D.candidates(spec, max_stages=len(priced.table.names)):
+        mbs = spec.data.batch_size // (cand.dp * cand.microbatches)
+        scale = mbs / priced.batch
+        problem = D._cut_problem(priced, spec, cand, scale)
+        result = D.optimal_partition(problem, explain=False)
+        t = D._simulate_cut(priced, prefix, problem, result, cand, spec, scale).step_time_s
+        assert D._candidate_bound(cand, scale, spec, total, params, biggest, 1.0) <= t, cand
+        seen += 1
+    assert seen > 50
+
+
+def test_cut_bound_leaves_zb_h1_trailing_weight_gradients_out():
+    """ZB-H1 runs its last W's while earlier ranks drain: its step is shorter than fill +
+    m x (F+B+W) + drain of the last rank (an earlier bound said otherwise and pruned it)."""
+    p, m = 4, 8
+    t = simulate(build_schedule("zb-h1", p, m), StageCosts([1.0] * p, [1.0] * p, [1.0] * p))
+    assert t.step_time_s < (p - 1) + m * 3 + (p - 1)
+
+
+@pytest.mark.parametrize("layout", ["pipeline-inner", "data-inner"])
+def test_placement_shortcuts_agree_with_every_replica(layout):
+    for p in (1, 2, 3, 5, 8, 12):
+        for dp in (1, 2, 3, 7, 16, 40):
+            for dpn in (1, 2, 3, 8):
+                nodes = [[node_of(global_rank(r, d, p, dp, layout), dpn) for d in range(dp)]
+                         for r in range(p)]
+                for a in range(p):
+                    assert ring_crosses_nodes(a, p, dp, dpn, layout) == (len(set(nodes[a])) > 1)
+                    for b in range(p):
+                        assert pair_crosses_nodes(a, b, p, dp, dpn, layout) == any(
+                            x != y for x, y in zip(nodes[a], nodes[b]))
+                    srv = p * dp
+                    assert server_link_crosses_nodes(a, srv, p, dp, dpn, layout) == any(
+                        x != node_of(srv, dpn) for x in nodes[a])
+                links = Links.from_cluster(p, dp, max(1, p * dp // dpn), dpn, 100, 1,
+                                           layout=layout)
+                for a in range(p):
+                    assert links.dp_rank_GBps[a] == (1 if len(set(nodes[a])) > 1 else 100)
+                    for b in range(p):
+                        if a != b:
+                            assert links.pair_GBps[(a, b)] == (1 if any(
+                                x != y for x, y in zip(nodes[a], nodes[b])) else 100)
+
+
+def _list_schedule_reference(p, m, limit, f_s, b_s, w_s):
+    """The ZB-V greedy order, every rank re-examined for each action (the definition)."""
+    from fxpipe.schedule.actions import Action, Op
+    s2r = stage_to_rank("zb-v", p, 2 * p)
+    n = len(s2r)
+    own = [[s for s in range(n) if s2r[s] == r] for r in range(p)]
+    done, t = {}, [0.0] * p
+    nextf, nextb, pendw, held = [0] * n, [0] * n, [[] for _ in range(p)], [0] * p
+    acts = [[] for _ in range(p)]
+    for _ in range(3 * n * m):
+        best = None
+        for r in range(p):
+            cands = []
+            for s in own[r]:
+                i = nextb[s]
+                if i < m and (Op.F, s, i) in done:
+                    dep = done[(Op.F, s, i)] if s == n - 1 else done.get((Op.B, s + 1, i))
+                    if dep is not None:
+                        cands.append((max(t[r], dep), 0, s, Op.B, s, i))
+                i = nextf[s]
+                if i < m and held[r] < limit:
+                    dep = 0.0 if s == 0 else done.get((Op.F, s - 1, i))
+                    if dep is not None:
+                        cands.append((max(t[r], dep), 1, -s, Op.F, s, i))
+            if pendw[r]:
+                s, i = pendw[r][0]
+                cands.append((t[r], 2, -s, Op.W, s, i))
+            if cands:
+                c = min(cands)
+                if best is None or (c[0], r) < (best[1][0], best[0]):
+                    best = (r, c)
+        if best is None:
+            return None
+        r, (start, _, _, op, s, i) = best
+        t[r] = start + {Op.F: f_s, Op.B: b_s, Op.W: w_s}[op]
+        done[(op, s, i)] = t[r]
+        acts[r].append(Action(op, s, i))
+        if op is Op.F:
+            nextf[s] += 1
+            held[r] += 1
+        elif op is Op.B:
+            nextb[s] += 1
+            pendw[r].append((s, i))
+        else:
+            pendw[r].pop(0)
+            held[r] -= 1
+    return acts
+
+
+def test_incremental_list_schedule_gives_the_reference_order():
+    for p in (1, 2, 3, 4, 7):
+        for m in (1, 2, 5, 9):
+            for costs in ((1.0, 1.0, 1.0), (0.5, 1.3, 0.7), (2.0, 1.0, 0.1)):
+                ref = _list_schedule_reference(p, m, 2 * p, *costs)
+                got = _list_schedule("zb-v", p, m, stage_to_rank("zb-v", p, 2 * p), 2 * p,
+                                     *costs)
+                assert got.actions == ref, (p, m, costs)
+
+
+def test_recomputation_that_does_not_fit_names_the_device_memory():
+    """The infeasibility answer gives the device's memory (80 GB), not what is left after the
+    inputs kept for recomputation (once printed as 'the device has 1 B')."""
+    import fxpipe
+    from fxpipe.errors import PlanError
+
+    with torch.device("meta"):
+        model = CharGPT(vocab_size=50257, block_size=2048, n_layer=4, n_head=16, n_embd=4096)
+    spec = {"model": {"factory": "x:y"}, "data": {"batch_size": 1536, "seq_len": 2048},
+            "parallel": {"pipeline": 2, "data": 1, "microbatches": 1, "schedule": "1f1b"},
+            "cluster": {"devices_per_node": 2, "device": "cuda", "memory_gb": 80,
+                        "device_tflops": 400},
+            "train": {"optimizer": "adamw", "precision": "bf16"}}
+    with pytest.raises(PlanError) as e:
+        fxpipe.plan(model, spec, (torch.zeros(1, 2048, dtype=torch.long, device="meta"),))
+    text = str(e.value)
+    assert "the device has 1 B" not in text
+    assert "keeps its input for every micro-batch in flight" in text and "80 GB" in text
