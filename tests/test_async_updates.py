@@ -353,3 +353,22 @@ def test_benchmark_report_tables_from_runs():
     assert "| async S=2 | 5.0 | 2.00 | 8.0 | 15 / 5 | 15 | 2 | 4.000 |" in text, text
     assert "async S=2: 2.00x sync's throughput" in text and "at most 1.0e-07" in text
     assert "| async S=2 | 4.000 | 4.000 | done | done |" in text, text
+
+
+# ----------------------------------------------------------------------------- fxpipe.compile
+def test_public_compile_refuses_async_spec_and_plan(tmp_path):
+    """A user's torchrun script cannot run async through fxpipe.compile (a server rank would get
+    a ServerShare, trainer ranks would train alone): one clear error, before joining any
+    process group, for a spec and for a plan with parameter servers."""
+    import torch.distributed as dist
+
+    import fxpipe
+    from fxpipe.specs.loader import build_model
+    from fxpipe.training.compiled import UsageError
+
+    spec, plan = _make_plan(tmp_path, "user", "1f1b", 1)
+    for source in (plan, tmp_path / "user" / "plan.json", tmp_path / "user.yaml"):
+        with pytest.raises(UsageError, match=r"train.updates: async runs through `fxpipe run`"
+                                             r".*fxpipe.compile trains with sync updates"):
+            fxpipe.compile(build_model(spec), source)
+        assert not dist.is_initialized()

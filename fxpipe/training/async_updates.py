@@ -1,6 +1,8 @@
 """``train.updates: async`` on the training side: a server rank's share, its loop, the replicas'.
 
-:func:`fxpipe.compile` of a plan with parameter servers (``plan.parameter_servers``) gives a
+:func:`fxpipe.compile` refuses such a plan (async runs through ``fxpipe run``); the worker's
+:func:`~fxpipe.training.compiled._compile_async` of a plan with parameter servers
+(``plan.parameter_servers``) gives a
 :class:`~fxpipe.training.compiled.ServerShare` on a server rank (its parameters, no stage) and, on a trainer rank, a
 :class:`~fxpipe.training.compiled.CompiledPipeline` whose executor keeps its replica's gradients
 (no all-reduce) and whose ``client`` is a :class:`~fxpipe.runtime.parameter_server.

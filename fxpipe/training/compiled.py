@@ -624,11 +624,24 @@ def _broadcast_weights(pipe: CompiledPipeline) -> None:
             bcast(tensors, mesh.global_rank(min(key), 0), mesh.replica_group(key))
 
 
+#: what :func:`compile` says to a spec or plan with ``train.updates: async``
+ASYNC_REFUSED = (
+    "fxpipe.compile: train.updates: async runs through `fxpipe run` (parameter servers and "
+    "replicas, each at its own pace: the server ranks keep the weights and apply the updates, "
+    "which a script's own loop and optimizer cannot do); fxpipe.compile trains with sync "
+    "updates: set train.updates: sync (and drop cluster.parameter_servers) for your own "
+    "training script, or run the spec with `fxpipe run`")
+
+
 def compile(model: nn.Module, spec_or_plan: Any, example_inputs: Any = None,
             example_kwargs: dict | None = None, *, loss_fn=None,
             grad_accumulation: int | None = None, timeout_s: float | None = None,
             broadcast_weights: bool = True) -> CompiledPipeline:
     """This rank's share of ``model`` pipelined by a plan, inside a torchrun script.
+
+    Synchronous updates only: a spec or plan with ``train.updates: async`` (parameter servers)
+    is refused with a :class:`UsageError` (it runs through ``fxpipe run``, whose worker compiles
+    it with :func:`_compile_async`).
 
     Args:
         model: the whole ``nn.Module`` with its initial weights, the same model on every rank;
@@ -650,17 +663,33 @@ def compile(model: nn.Module, spec_or_plan: Any, example_inputs: Any = None,
             its first holder (as DDP does), so every copy starts equal whatever the seeds.
 
     Returns:
-        A :class:`CompiledPipeline`. Under ``train.updates: async`` (a plan with
-        ``parameter_servers``) its executor keeps the replica's gradients (no all-reduce) and
-        ``pipe.client`` pulls and pushes them; on a parameter server rank the result is a
-        :class:`ServerShare` instead (see
-        :mod:`fxpipe.training.async_updates`: ``serve`` / ``train_replica``).
+        A :class:`CompiledPipeline`.
 
     Raises:
-        UsageError: not launched under torch.distributed (for more than one rank), ranks given
-            different plans, a model on the meta device. RuntimeFailure: the world size is not
-            the plan's. PlanError / TraceError / SpecError: see :func:`fxpipe.plan`.
+        UsageError: ``train.updates: async``, not launched under torch.distributed (for more
+            than one rank), ranks given different plans, a model on the meta device.
+            RuntimeFailure: the world size is not the plan's. PlanError / TraceError /
+            SpecError: see :func:`fxpipe.plan`.
     """
+    return _compile(model, spec_or_plan, example_inputs, example_kwargs, loss_fn=loss_fn,
+                    grad_accumulation=grad_accumulation, timeout_s=timeout_s,
+                    broadcast_weights=broadcast_weights, allow_async=False)
+
+
+def _compile_async(model: nn.Module, plan: Any, **kw) -> "CompiledPipeline | ServerShare":
+    """What ``fxpipe run``'s worker (:func:`fxpipe.training.worker.train_async`) and the async
+    benchmarks compile: as :func:`compile`, and a plan with ``train.updates: async`` (a plan
+    with ``parameter_servers``) gives, on a trainer rank, a :class:`CompiledPipeline` whose
+    executor keeps the replica's gradients (no all-reduce) and whose ``pipe.client`` pulls and
+    pushes them, and on a parameter server rank a :class:`ServerShare` (see
+    :mod:`fxpipe.training.async_updates`: ``serve`` / ``train_replica``)."""
+    return _compile(model, plan, allow_async=True, **kw)
+
+
+def _compile(model: nn.Module, spec_or_plan: Any, example_inputs: Any = None,
+             example_kwargs: dict | None = None, *, loss_fn=None,
+             grad_accumulation: int | None = None, timeout_s: float | None = None,
+             broadcast_weights: bool = True, allow_async: bool = False):
     from fxpipe.partitioner.loss_targets import target_counter
     from fxpipe.partitioner.split import build_stages, trace_for_plan
     from fxpipe.runtime.compression import Compression
@@ -677,6 +706,9 @@ def compile(model: nn.Module, spec_or_plan: Any, example_inputs: Any = None,
                          "to train); build it with real weights (fxpipe.plan takes a meta "
                          "model, compile needs the real one)")
     plan, spec, to_plan = _as_plan(spec_or_plan)
+    if not allow_async and (spec.train.updates == "async" or (
+            plan is not None and plan.parameter_servers)):
+        raise UsageError(ASYNC_REFUSED)  # before joining: every rank refuses alike
     timeout = float(timeout_s if timeout_s is not None else spec.train.timeout_s)
     world = spec.cluster.world_size if to_plan else plan.world_size
     device = _join(spec, world, timeout)

@@ -338,7 +338,7 @@ def train_async(plan_path: Path, out: Path, *, resume: bool = False, restarts: i
     from fxpipe.schedule.timeline import write_chrome_trace
     from fxpipe.specs.loader import build_model, load_spec
     from fxpipe.training.checkpoint import save_checkpoint
-    from fxpipe.training.compiled import compile
+    from fxpipe.training.compiled import _compile_async
     from fxpipe.training.run_record import environment, write_environment
     from fxpipe.training.async_updates import (REPLICA_FIELDS, REPLICA_LOSSES, buffers_module,
                                                merged_losses, serve, server_log_name,
@@ -352,7 +352,7 @@ def train_async(plan_path: Path, out: Path, *, resume: bool = False, restarts: i
                              "is nothing to resume from; start a new run (or use updates: sync "
                              "to resume)")
     rank = dist.get_rank()
-    share = compile(build_model(spec), plan)
+    share = _compile_async(build_model(spec), plan)  # fxpipe.compile refuses async
     env = environment(share.device)  # collective
     ckpt_root = out / t.checkpoint.dir
     k = t.grad_accumulation
