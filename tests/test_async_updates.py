@@ -372,3 +372,20 @@ def test_public_compile_refuses_async_spec_and_plan(tmp_path):
                                              r".*fxpipe.compile trains with sync updates"):
             fxpipe.compile(build_model(spec), source)
         assert not dist.is_initialized()
+
+
+def test_a_failed_run_keeps_the_rows_before_the_failure(world6):
+    """The run whose trainer rank dies at step 1: the servers' logs, replica_losses.csv and
+    losses.csv hold the steps done before (written row by row, flushed), not nothing."""
+    root, _, _ = world6
+    run = root / "dies"
+    for j in range(SERVERS):  # step 0 of both replicas was applied before the death
+        log = _csv(run / f"parameter_server_{j}.csv")
+        assert {(int(r["round"]), int(r["replica"]), int(r["step"])) for r in log} >= {
+            (0, 0, 0), (0, 1, 0)}, log
+    steps = _csv(run / "replica_losses.csv")
+    assert {(int(r["replica"]), int(r["step"])) for r in steps} >= {(0, 0), (1, 0)}, steps
+    assert all(math.isfinite(float(r["loss"])) for r in steps)
+    losses = _csv(run / "losses.csv")
+    assert losses and int(losses[0]["step"]) == 0 and math.isfinite(float(losses[0]["loss"]))
+    assert not (run / "checkpoint" / "latest").exists()  # it did fail

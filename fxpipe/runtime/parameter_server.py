@@ -233,7 +233,8 @@ class ParameterServer:
         timeout_s: seconds any wait may take.
         lr_at: learning rate for the update after ``k`` global batches' worth of gradients
             (``train.lr_schedule``), or None to keep the optimizer's.
-        log_path: where to write the log as CSV (optional).
+        log_path: where to write the log as CSV (optional), a row per applied gradient as
+            it is applied, flushed (a failed run keeps the rows before the failure).
         group: the process group carrying the traffic (default: the world group, gloo on
             CPU; on CUDA a gloo group of every rank, :func:`wire_group`).
 
@@ -255,6 +256,7 @@ class ParameterServer:
         self.steps, self.s, self.timeout_s, self.lr_at = steps, max_staleness, timeout_s, lr_at
         self.log_path = Path(log_path) if log_path is not None else None
         self.log: list[dict] = []
+        self._log_fh = self._log_writer = None
         self.module = None
         self.layout = shard_layout(plan)[self.index]  # pipeline rank -> names
         self.dp = plan.dp
@@ -289,25 +291,36 @@ class ParameterServer:
                 reply that could not be delivered.
         """
         t0 = time.perf_counter()
-        while not self._done():
-            src, (kind, step, version, flag) = self._next_message()
-            pipe_rank, replica = self._coords(src)
-            if kind == TICKET:
-                self._ticket(src, replica, step)
-            elif kind == PUSH:
-                self._receive_push(src, pipe_rank, replica, step, finite=not flag)
-            elif kind == PULL:
-                self.book.pull(src, replica, step)
-            elif kind == LEAVE:
-                self.book.leave(src, replica)
-                self._final.append(src)
-            self._advance(t0)
-        if self.log_path is not None:
-            with open(self.log_path, "w", newline="") as f:
-                w = csv.DictWriter(f, fieldnames=LOG_FIELDS)
-                w.writeheader()
-                w.writerows(self.log)
+        if self.log_path is not None:  # row by row, flushed: a failed run keeps what was applied
+            self._log_fh = open(self.log_path, "w", newline="")
+            self._log_writer = csv.DictWriter(self._log_fh, fieldnames=LOG_FIELDS)
+            self._log_writer.writeheader()
+            self._log_fh.flush()
+        try:
+            while not self._done():
+                src, (kind, step, version, flag) = self._next_message()
+                pipe_rank, replica = self._coords(src)
+                if kind == TICKET:
+                    self._ticket(src, replica, step)
+                elif kind == PUSH:
+                    self._receive_push(src, pipe_rank, replica, step, finite=not flag)
+                elif kind == PULL:
+                    self.book.pull(src, replica, step)
+                elif kind == LEAVE:
+                    self.book.leave(src, replica)
+                    self._final.append(src)
+                self._advance(t0)
+        finally:
+            if self._log_fh is not None:
+                self._log_fh.close()
+                self._log_fh = self._log_writer = None
         return self.log
+
+    def _log_row(self, row: dict) -> None:
+        self.log.append(row)
+        if self._log_writer is not None:
+            self._log_writer.writerow(row)
+            self._log_fh.flush()
 
     def _done(self) -> bool:
         shard_done = self.book.finished() and not self._final
@@ -400,7 +413,7 @@ class ParameterServer:
         self._applied += len(valid)
         now = time.perf_counter() - t0
         for r, e, stale in rnd:
-            self.log.append({"round": version, "replica": r, "step": e.step,
+            self._log_row({"round": version, "replica": r, "step": e.step,
                              "used_version": e.used, "staleness": stale,
                              "round_size": len(rnd), "dropped": int(e.dropped),
                              "time_s": round(now, 4)})

@@ -16,8 +16,12 @@ Outputs in the run folder, besides what a sync run writes:
   (:data:`~fxpipe.runtime.parameter_server.LOG_FIELDS`: round, replica, step, the version the
   replica used, staleness = version applied to - version used, round size, dropped, time);
 * ``replica_losses.csv``: one row per replica-step (replica, step, the server version its
-  weights had, loss, step time, seconds since the start);
-* ``losses.csv``: as for sync, row ``c`` the mean loss of the replicas' ``c``-th steps (under
+  weights had, loss, step time, seconds since the start); both files are written row by row
+  as the gradients are applied and the steps end, flushed, so a run that fails mid-way keeps
+  what was done (``replica_losses.csv`` is rewritten in order, every node's replicas, at the
+  end);
+* ``losses.csv``: written at the end, or by rank 0 from ``replica_losses.csv`` when its
+  training fails; as for sync, row ``c`` the mean loss of the replicas' ``c``-th steps (under
   ``max_staleness: 0`` every replica runs ``train.steps`` steps on the same weights: the sync
   run's losses; with ``S > 0`` a fast replica runs more steps, a slow one fewer);
 * the final checkpoint (step ``train.steps``): the servers' parameters and optimizer state
@@ -27,7 +31,10 @@ Outputs in the run folder, besides what a sync run writes:
 
 from __future__ import annotations
 
+import csv
+import io
 import math
+import os
 import time
 from pathlib import Path
 from typing import Callable
@@ -78,9 +85,46 @@ def serve(share, optimizer, *, log_path: str | Path | None = None,
     return server.serve()
 
 
+class ReplicaLog:
+    """``replica_losses.csv`` written row by row as the replicas' steps end, flushed, so a run
+    that fails keeps the steps done before the failure. Every replica's writer appends to the
+    same file (each row one ``write`` on a file opened in append mode); whoever creates the
+    file writes the header."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            pass
+        else:
+            os.write(fd, (",".join(REPLICA_FIELDS) + "\r\n").encode())
+            os.close(fd)
+        self._fh = open(self.path, "a", newline="")
+
+    def write(self, row: dict) -> None:
+        buf = io.StringIO()
+        csv.DictWriter(buf, fieldnames=REPLICA_FIELDS).writerow({**row, "loss": repr(row["loss"])})
+        self._fh.write(buf.getvalue())  # one line, one write
+        self._fh.flush()
+
+    def close(self) -> None:
+        self._fh.close()
+
+
+def read_replica_rows(path: str | Path) -> list[dict]:
+    """The rows of a ``replica_losses.csv`` (typed as :func:`train_replica` returns them)."""
+    with open(path, newline="") as f:
+        return [{"replica": int(r["replica"]), "step": int(r["step"]),
+                 "version": int(r["version"]), "loss": float(r["loss"]),
+                 "step_time_s": float(r["step_time_s"]), "wall_s": float(r["wall_s"])}
+                for r in csv.DictReader(f)]
+
+
 def train_replica(pipe, batch_of: Callable[[int], object], *, nan_policy: str = "stop",
                   on_step: Callable[[int, float, float, int], None] | None = None,
-                  after_backward: Callable[[int], None] | None = None) -> list[dict]:
+                  after_backward: Callable[[int], None] | None = None,
+                  log: ReplicaLog | None = None) -> list[dict]:
     """Train this trainer rank's share until the head server hands out no more tickets.
 
     Each step ``c``: ticket, pull the weights (waits while the staleness bound says so),
@@ -95,6 +139,8 @@ def train_replica(pipe, batch_of: Callable[[int], object], *, nan_policy: str = 
         on_step: called as ``on_step(c, loss, step_time_s, version)`` after each step.
         after_backward: called with ``c`` after the backward, before the push (tests and
             benchmarks slow one replica down with it).
+        log: where each step's row is written as the step ends (pipeline rank 0 of each
+            replica passes one; the rows are the same on every rank of a replica).
 
     Returns one dict per step (:data:`REPLICA_FIELDS`).
     """
@@ -130,6 +176,8 @@ def train_replica(pipe, batch_of: Callable[[int], object], *, nan_policy: str = 
         rows.append({"replica": pipe.replica, "step": c, "version": version, "loss": loss,
                      "step_time_s": round(dt, 5),
                      "wall_s": round(time.perf_counter() - t_start, 5)})
+        if log is not None:
+            log.write(rows[-1])
         if on_step is not None:
             on_step(c, loss, dt, version)
         c += 1

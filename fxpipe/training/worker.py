@@ -340,8 +340,9 @@ def train_async(plan_path: Path, out: Path, *, resume: bool = False, restarts: i
     from fxpipe.training.checkpoint import save_checkpoint
     from fxpipe.training.compiled import _compile_async
     from fxpipe.training.run_record import environment, write_environment
-    from fxpipe.training.async_updates import (REPLICA_FIELDS, REPLICA_LOSSES, buffers_module,
-                                               merged_losses, serve, server_log_name,
+    from fxpipe.training.async_updates import (REPLICA_FIELDS, REPLICA_LOSSES, ReplicaLog,
+                                               buffers_module, merged_losses,
+                                               read_replica_rows, serve, server_log_name,
                                                train_replica)
 
     plan = Plan.load(plan_path)
@@ -353,7 +354,10 @@ def train_async(plan_path: Path, out: Path, *, resume: bool = False, restarts: i
                              "to resume)")
     rank = dist.get_rank()
     share = _compile_async(build_model(spec), plan)  # fxpipe.compile refuses async
-    env = environment(share.device)  # collective
+    if rank == 0:  # the logs below are appended row by row: none left from an earlier run
+        for name in (REPLICA_LOSSES, LOSSES):
+            (out / name).unlink(missing_ok=True)
+    env = environment(share.device)  # collective (after the unlink: nobody appends before)
     ckpt_root = out / t.checkpoint.dir
     k = t.grad_accumulation
     unit, items = _throughput_unit(plan, spec.data.batch_size * k)
@@ -393,14 +397,29 @@ def train_async(plan_path: Path, out: Path, *, resume: bool = False, restarts: i
         hook = None
         if after_backward is not None:
             hook = lambda c: after_backward(pipe.replica, c)  # noqa: E731
+        # replica_losses.csv row by row (pipeline rank 0 of each replica), flushed: a failed
+        # run keeps its steps, and rank 0 then writes losses.csv from them
+        rlog = ReplicaLog(out / REPLICA_LOSSES) if pipe.pipe_rank == 0 else None
         try:
             rows = train_replica(pipe, batch_of, nan_policy=t.nan_policy, on_step=on_step,
-                                 after_backward=hook)
-        except TrainingStopped as e:
-            _stop(out, rank, str(e))
-            if pipe.replica != 0 and pipe.pipe_rank == 0:  # main() prints rank 0's only
-                sys.stderr.write(f"fxpipe: rank {rank}: {e}\n")
+                                 after_backward=hook, log=rlog)
+        except BaseException as e:
+            if isinstance(e, TrainingStopped):
+                _stop(out, rank, str(e))
+                if pipe.replica != 0 and pipe.pipe_rank == 0:  # main() prints rank 0's only
+                    sys.stderr.write(f"fxpipe: rank {rank}: {e}\n")
+            if rlog is not None:
+                rlog.close()
+                rlog = None
+            if rank == 0 and (out / REPLICA_LOSSES).exists():
+                log = LossLog(out / LOSSES, unit)
+                for c, loss, dt, rate in merged_losses(read_replica_rows(out / REPLICA_LOSSES),
+                                                       per_replica):
+                    log.write(c, loss, dt, rate)
+                log.close()
             raise
+        if rlog is not None:
+            rlog.close()
         if progress is not None:
             progress.close()
         events = pipe.executor.events
@@ -416,12 +435,14 @@ def train_async(plan_path: Path, out: Path, *, resume: bool = False, restarts: i
     if rank != 0:
         return
     all_rows = [r for rs, _, _ in every for r in rs]
-    with open(out / REPLICA_LOSSES, "w", newline="") as f:
+    tmp = out / f".{REPLICA_LOSSES}.tmp"  # every replica's rows (other nodes' too), in order
+    with open(tmp, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=REPLICA_FIELDS)
         w.writeheader()
         for r in sorted(all_rows, key=lambda r: (r["wall_s"], r["replica"])):
             w.writerow({**r, "loss": repr(r["loss"])})
-    log = LossLog(out / "losses.csv", unit)
+    os.replace(tmp, out / REPLICA_LOSSES)
+    log = LossLog(out / LOSSES, unit)
     for c, loss, dt, rate in merged_losses(all_rows, per_replica):
         log.write(c, loss, dt, rate)
     log.close()
