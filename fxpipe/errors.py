@@ -3,6 +3,8 @@
 The CLI catches :class:`FxpipeError` and prints its message without a traceback (exit code 2).
 """
 
+import re
+
 
 class FxpipeError(Exception):
     """Base class of all user-facing fxpipe errors."""
@@ -47,9 +49,31 @@ class TrainingStopped(RuntimeFailure):
     dataset that fails); ``fxpipe run`` does not retry it."""
 
 
+_SOURCE_LOCATION = re.compile(r"\[[^\]\s]*\.(?:cc|cpp|c|h|hpp):\d+\]\s*")
+_PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe",
+              "Connection was likely closed", "Socket closed")
+
+
+def comm_error_text(e: BaseException) -> str:
+    """What a gloo / NCCL / c10d exception says, in one short line: no C++ source locations
+    (``[/__w/pytorch/.../pair.cc:537]``), no advice paragraphs, no stack frames; a peer that
+    closed its connection is named as such."""
+    text = " ".join(ln.strip() for ln in str(e).splitlines()[:3] if ln.strip()
+                    and not ln.startswith(("Traceback", "Exception raised from", "frame #")))
+    text = _SOURCE_LOCATION.sub("", text).strip()
+    if any(p in text for p in _PEER_GONE):
+        return "the peer closed the connection (it stopped or failed)"
+    end = text.find(". ")
+    if 0 < end < 200:
+        text = text[:end]
+    return (text[:200].rstrip() or type(e).__name__)
+
+
 def first_line(e: BaseException) -> str:
     """``Type: first line of the message`` (DCP and c10d messages carry whole tracebacks and C++
-    frames after it)."""
+    frames after it; their C++ source locations are dropped)."""
     lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
     head = lines[0][:300] if lines and not lines[0].startswith("Traceback") else ""
+    if _SOURCE_LOCATION.search(head) or any(p in head for p in _PEER_GONE):
+        head = comm_error_text(e)
     return f"{type(e).__name__}: {head}" if head else type(e).__name__

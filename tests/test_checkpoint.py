@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -10,7 +12,7 @@ import torch.nn as nn
 import fxpipe
 from fxpipe.errors import FxpipeError
 from fxpipe.partitioner.split import materialize_stages
-from fxpipe.training.checkpoint import load_into_model, save_checkpoint
+from fxpipe.training.checkpoint import load_checkpoint, load_into_model, save_checkpoint
 
 
 class BNNet(nn.Module):
@@ -124,6 +126,16 @@ def _shard(folder):
     return next(p for p in sorted(folder.iterdir()) if p.suffix == ".distcp")
 
 
+def _relink(p):
+    """Replace ``p`` by a symbolic link to a copy of it elsewhere (same bytes)."""
+    import shutil
+
+    copy = p.parent.parent / (p.name + ".elsewhere")
+    (shutil.copytree if p.is_dir() else shutil.copy2)(p, copy)
+    (shutil.rmtree if p.is_dir() else os.unlink)(p)
+    p.symlink_to(copy)
+
+
 @pytest.mark.parametrize("damage, words", [
     (lambda f: _shard(f).write_bytes(_shard(f).read_bytes()[:-7]), "truncated or changed"),
     (lambda f: _shard(f).write_bytes(b"x" + _shard(f).read_bytes()[1:]), "truncated or changed"),
@@ -133,6 +145,8 @@ def _shard(folder):
     (lambda f: (f / "manifest.json").write_text('{"writer": "x"}'), "not an fxpipe checkpoint"),
     (lambda f: (f / "manifest.json").unlink(), "not a checkpoint fxpipe wrote"),
     (lambda f: (f / "extra.pkl").write_bytes(b"\x80\x04."), "does not list"),
+    (lambda f: _relink(_shard(f)), "is a symbolic link"),
+    (lambda f: _relink(f), "is a symbolic link"),
 ])
 def test_damaged_checkpoint_is_refused_before_it_is_read(tmp_path, damage, words):
     model, _, folder = _saved(tmp_path)
@@ -162,6 +176,17 @@ def test_checkpoint_of_another_model_is_refused(tmp_path):
 
     with pytest.raises(FxpipeError, match="lacks .*d.weight"):
         load_into_model(Extra(), tmp_path)
+
+    class Fewer(BNNet):  # a part of the saved model: its common keys must not load silently
+        def __init__(self):
+            super().__init__()
+            del self.bn2
+
+    with pytest.raises(FxpipeError, match="holds 5 parameters or buffers this model does not "
+                                          r"have \(bn2\.bias, bn2\.num_batches_tracked"):
+        load_into_model(Fewer(), tmp_path)
+    with pytest.raises(FxpipeError, match="saved from another model"):
+        load_checkpoint(Fewer(), tmp_path, rng=False)
 
 
 @pytest.mark.parametrize("pointer", ["../../etc", "/etc/passwd", "step_000009", "x" * 5000])

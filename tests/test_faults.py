@@ -236,3 +236,46 @@ def test_multi_node_endpoint_held_by_another_program_ends_in_bounded_time(tmp_pa
         squat.close()
     clean_failure(r, words)
     assert time.monotonic() - t0 < 60  # train.timeout_s + the stated probe margin + planning
+
+
+def test_comm_errors_lose_their_cpp_locations_and_say_the_peer_went_away():
+    """gloo's messages carry C++ source paths and advice paragraphs; the one line a rank prints
+    says what happened without them."""
+    from fxpipe.errors import comm_error_text, first_line
+
+    reset = RuntimeError("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537]"
+                         " Read error [127.0.0.1]:8629: Connection reset by peer. This may "
+                         "indicate a possible application crash on rank 0. GLHF!")
+    assert comm_error_text(reset) == "the peer closed the connection (it stopped or failed)"
+    assert first_line(reset) == "RuntimeError: the peer closed the connection (it stopped or " \
+                                "failed)"
+    slow = RuntimeError("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out "
+                        "waiting 5000ms for recv operation to complete\nException raised from "
+                        "x at y.cpp:1 (most recent call first):\nframe #0: foo")
+    assert comm_error_text(slow) == "Timed out waiting 5000ms for recv operation to complete"
+    assert first_line(ValueError("plain words")) == "ValueError: plain words"
+
+
+def test_skipping_stops_once_the_weights_themselves_are_not_finite(tmp_path):
+    """train.nan_policy: skip drops an update whose loss is not finite, but weights that are
+    already NaN cannot recover: the worker's check sees them on any rank (one all-reduce)."""
+    import torch
+    import torch.distributed as dist
+
+    from fxpipe.training.worker import _weights_finite
+
+    class Pipe:
+        def __init__(self, *tensors):
+            self.tensors = tensors
+
+        def parameters(self):
+            return iter(self.tensors)
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    try:
+        assert _weights_finite(Pipe(torch.ones(3), torch.zeros(2)))
+        assert not _weights_finite(Pipe(torch.ones(3), torch.tensor([1.0, float("nan")])))
+        assert not _weights_finite(Pipe(torch.tensor([float("inf")])))
+    finally:
+        dist.destroy_process_group()

@@ -23,7 +23,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from fxpipe.errors import RuntimeFailure
+from fxpipe.errors import RuntimeFailure, comm_error_text
 from fxpipe.runtime.compression import Compression, as_compression, make_reducer
 
 
@@ -84,7 +84,8 @@ class GradBucket:
     def _failed(self, e: Exception, timeout_s: float) -> RuntimeFailure:
         return RuntimeFailure(
             f"{self.name} gradient all-reduce ({self.nbytes} bytes) failed or timed out after "
-            f"{timeout_s:g} s: {e}. Check the other ranks' logs; raise train.timeout_s if a "
+            f"{timeout_s:g} s: {comm_error_text(e)}. Check the other ranks' logs; raise "
+            "train.timeout_s if a "
             "peer is only slow")
 
     def progress(self, timeout_s: float) -> None:

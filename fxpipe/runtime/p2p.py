@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from fxpipe.errors import RuntimeFailure
+from fxpipe.errors import RuntimeFailure, comm_error_text
 
 
 def tag_for(value_index: int, consumer: int, microbatch: int, backward: bool, num_stages: int,
@@ -39,7 +39,8 @@ class Pending:
 def _failure(what: str, peer: int, context: str, timeout_s: float,
              err: BaseException) -> RuntimeFailure:
     return RuntimeFailure(
-        f"{context}: {what} with rank {peer} failed or timed out (timeout {timeout_s:g} s): {err}. "
+        f"{context}: {what} with rank {peer} failed or timed out (timeout {timeout_s:g} s): "
+        f"{comm_error_text(err)}. "
         f"Check rank {peer}'s log (did it crash or fall behind?); raise train.timeout_s if it is "
         "only slow")
 

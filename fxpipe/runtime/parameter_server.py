@@ -52,7 +52,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from fxpipe.errors import RuntimeFailure
+from fxpipe.errors import RuntimeFailure, comm_error_text
 from fxpipe.plans.placement import global_rank, rank_coords
 
 PUSH, PULL, LEAVE, TICKET = 1, 2, 3, 4
@@ -93,9 +93,8 @@ def _wait(work, timeout_s: float, what: str) -> None:
     try:
         work.wait(datetime.timedelta(seconds=timeout_s))
     except Exception as e:  # gloo / NCCL: RuntimeError, DistBackendError
-        lines = [ln for ln in str(e).splitlines() if ln.strip()]
         raise RuntimeFailure(f"{what} failed or timed out after {timeout_s:g} s "
-                             f"({lines[0][:160] if lines else type(e).__name__}); check that "
+                             f"({comm_error_text(e)}); check that "
                              "rank's log; raise train.timeout_s if it is only slow") from None
 
 

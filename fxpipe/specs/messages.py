@@ -70,14 +70,22 @@ def describe(tp: Any, metadata: Sequence[Any] = ()) -> str:
     words = {int: "integer", float: "number", str: "string", bool: "boolean (true/false)"}
     if tp in words:
         noun = words[tp]
+        art = "an" if noun[0] in "aeiou" else "a"
+        low = high = ""
         for m in metadata:
             if isinstance(m, annotated_types.Gt) and m.gt == 0:
-                return f"a positive {noun}"
-            if isinstance(m, annotated_types.Ge):
-                return f"a {noun} >= {m.ge}"
-            if isinstance(m, annotated_types.Gt):
-                return f"a {noun} > {m.gt}"
-        return ("an " if noun[0] in "aeiou" else "a ") + noun
+                low = f"a positive {noun}"
+            elif isinstance(m, annotated_types.Ge):
+                low = f"{art} {noun} >= {m.ge:g}" if isinstance(m.ge, float) else \
+                    f"{art} {noun} >= {m.ge}"
+            elif isinstance(m, annotated_types.Gt):
+                low = f"{art} {noun} > {m.gt}"
+            elif isinstance(m, annotated_types.Le):
+                high = f"at most {m.le:g}" if isinstance(m.le, float) else f"at most {m.le}"
+            elif isinstance(m, annotated_types.Lt):
+                high = f"below {m.lt}"
+        low = low or f"{art} {noun}"
+        return f"{low}, {high}" if high else low
     if tp is Any:
         return "any value"
     return getattr(tp, "__name__", str(tp))
@@ -150,6 +158,10 @@ def _bad_value(model, path, errors) -> str:
         near = difflib.get_close_matches(value, choices, n=1, cutoff=0.5)
         hint = f"did you mean {near[0]!r}? " if near else ""
         return f"unknown {name} {value!r}; {hint}Fix: use {expected}{example}"
+    if types & {"less_than", "less_than_equal"} and isinstance(value, (int, float)) \
+            and not isinstance(value, bool):
+        return (f"{value!r} is too large, but it must be {expected}. Fix: set {name} to "
+                f"{expected}{example}")
     if types & {"greater_than", "greater_than_equal"} and isinstance(value, (int, float)) \
             and not isinstance(value, bool):
         what = "zero" if value == 0 else "negative" if value < 0 else "too small"

@@ -27,6 +27,9 @@ PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 #: a rate (FLOP/s, bytes/s): finite and not vanishingly small, so seconds stay finite
 Rate = Annotated[float, Field(ge=1e-6, allow_inf_nan=False)]
 
+#: ``train.timeout_s`` at most (a week): torch's stores and waits take at most this.
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+
 #: The pipeline schedules, spelled as in ``parallel.schedule`` (the one list every module uses).
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
 
@@ -292,12 +295,12 @@ class TrainSpec(_Section):
     that step's update. ``max_restarts``: torchrun elastic restarts after a failed worker (a
     killed rank); the workers resume from the latest checkpoint (``checkpoint.every``)."""
 
-    steps: PositiveInt = 200
+    steps: int = Field(default=200, gt=0, le=10**12)
     optimizer: Literal["adamw", "sgd"] = "adamw"
     lr: PositiveFloat = 3e-4
     weight_decay: float = Field(default=0.0, ge=0, allow_inf_nan=False)
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
-    seed: int = 0
+    seed: int = Field(default=0, ge=-(2**63), le=2**63 - 1)
     loss: str = "cross_entropy"
     grad_compression: Literal[GRAD_COMPRESSIONS] = "none"  # type: ignore[valid-type]
     compression: CompressionSpec = Field(default_factory=CompressionSpec)
@@ -306,7 +309,7 @@ class TrainSpec(_Section):
     updates: Literal["sync", "async"] = "sync"
     max_staleness: int | None = None
     log_every: PositiveInt = 10
-    timeout_s: PositiveFloat = 300.0
+    timeout_s: float = Field(default=300.0, gt=0, le=MAX_TIMEOUT_S, allow_inf_nan=False)
     eval_batches: int = Field(default=4, ge=0)
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     lr_schedule: LRScheduleSpec = Field(default_factory=LRScheduleSpec)

@@ -96,6 +96,11 @@ def _yaml_error(label: str, err: yaml.YAMLError) -> SpecError:
                      "causes)")
 
 
+#: characters of one number in a spec (Python refuses to read integers of over 4,300 digits,
+#: and no setting needs more than an int64)
+MAX_NUMBER_CHARS = 40
+
+
 def _check_nodes(label: str, root: Node) -> list[tuple[int, str]]:
     """Problems the safe constructor would hit or silently hide: unknown tags (e.g.
     ``!!python/object/apply``), duplicate keys (PyYAML keeps the last one without a word)."""
@@ -114,6 +119,14 @@ def _check_nodes(label: str, root: Node) -> list[tuple[int, str]]:
                 f"{label}:{line}: {path or 'the document'}: tag {tag!r} is not allowed: fxpipe "
                 "reads specs with YAML safe loading, which never builds Python objects; write a "
                 "plain value (string, number, list or mapping) instead")))
+            continue
+        if isinstance(node, ScalarNode) and node.tag.endswith((":int", ":float")) \
+                and len(node.value) > MAX_NUMBER_CHARS:
+            line = node.start_mark.line + 1
+            problems.append((line, (
+                f"{label}:{line}: {path or 'the document'}: a number of {len(node.value)} "
+                f"characters; a spec's numbers have at most {MAX_NUMBER_CHARS} (write it in "
+                "exponent form, e.g. 1.0e+30, if you mean a huge value)")))
             continue
         if isinstance(node, MappingNode):
             first: dict[str, int] = {}

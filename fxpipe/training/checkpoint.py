@@ -307,6 +307,9 @@ def open_checkpoint(path: str | Path) -> tuple[Path, dict[str, Any]]:
             raise FxpipeError(f"{path} holds no checkpoint{extra}: no 'latest' and not a "
                               "step_NNNNNN folder; give the run's checkpoint folder")
         path = found
+    if path.is_symlink() or (path / MANIFEST).is_symlink():
+        raise FxpipeError(f"{path} is a symbolic link; a checkpoint is loaded only from the "
+                          "folders fxpipe wrote inside the run, never through links")
     try:
         text = (path / MANIFEST).read_text()
         if len(text) > 64 << 20:
@@ -330,6 +333,9 @@ def open_checkpoint(path: str | Path) -> tuple[Path, dict[str, Any]]:
         f = path / name
         if "/" in name or name.startswith(".."):
             raise FxpipeError(f"{path / MANIFEST} lists a file outside the checkpoint: {name!r}")
+        if f.is_symlink():
+            raise FxpipeError(f"checkpoint {path}: {name} is a symbolic link; a checkpoint's "
+                              "files must be the ones fxpipe wrote there, never links")
         if not f.is_file():
             raise FxpipeError(f"checkpoint {path} lacks {name} (a shard is missing); it cannot "
                               "be loaded: resume from an earlier checkpoint")
@@ -343,6 +349,32 @@ def open_checkpoint(path: str | Path) -> tuple[Path, dict[str, Any]]:
         raise FxpipeError(f"checkpoint {path} holds files its manifest does not list: {extra[:3]}"
                           "; refusing to load it")
     return path, manifest
+
+
+def _saved_model_keys(manifest: dict[str, Any]) -> list[str]:
+    """The model's keys (parameters and persistent buffers) a checkpoint holds."""
+    return sorted(k for k in manifest["keys"] if not k.startswith((_OPT, _RNG)))
+
+
+def _check_no_other_model(path: Path, manifest: dict[str, Any], held: set[str],
+                          missing_here: bool = False, collective: bool = True) -> None:
+    """Every model key of the checkpoint belongs to the model (on some rank: collective when a
+    process group exists, one tensor all-reduce, so every rank raises alike); a checkpoint of a
+    bigger model (more layers) is refused instead of loading its common part silently."""
+    saved = _saved_model_keys(manifest)
+    flags = torch.tensor([k in held for k in saved] + [missing_here], dtype=torch.int32)
+    if collective and dist.is_available() and dist.is_initialized():
+        if dist.get_backend() == "nccl":
+            flags = flags.cuda()
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    flags = flags.cpu().tolist()
+    extra = [k for k, h in zip(saved, flags[:-1]) if not h]
+    if extra and not flags[-1]:
+        raise FxpipeError(f"checkpoint {path} holds {len(extra)} parameters or buffers this "
+                          f"model does not have ({', '.join(extra[:4])}"
+                          f"{', ...' if len(extra) > 4 else ''}); it was saved from another "
+                          "model (another model.factory or model.args): resume with the spec "
+                          "it was saved under")
 
 
 def _check_model(path: Path, manifest: dict[str, Any], state: dict[str, torch.Tensor]) -> None:
@@ -380,6 +412,8 @@ def load_checkpoint(stages: nn.Module | dict[int, nn.Module], path: str | Path, 
     """
     folder, manifest = open_checkpoint(path)
     model_state = {k: v.detach().clone() for k, v in stage_state(stages).items()}
+    _check_no_other_model(folder, manifest, set(model_state),
+                          missing_here=any(k not in manifest["keys"] for k in model_state))
     _check_model(folder, manifest, model_state)
     state: dict[str, Any] = dict(model_state)
     module = stages if isinstance(stages, nn.Module) else _merged(stages)
@@ -442,6 +476,7 @@ def load_into_model(model: nn.Module, path: str | Path) -> list[str]:
                           "it with `fxpipe run`")
     state = {name: named[name].detach().clone() for name in by_tensor.values()}
     _check_model(folder, manifest, state)
+    _check_no_other_model(folder, manifest, set(named), collective=False)
     _dcp_load(state, folder)
     with torch.no_grad():
         for name, t in state.items():

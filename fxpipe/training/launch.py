@@ -221,6 +221,15 @@ def _resume_dir(args, spec) -> Path:
     return run_dir
 
 
+def _not_local(e: OSError, bind: str) -> None:
+    """Raise the clear error for binding an address this machine does not have."""
+    import errno
+
+    if e.errno == errno.EADDRNOTAVAIL:
+        raise FxpipeError(f"--bind {bind}: not an address of this machine ({e.strerror}); give "
+                          "one of its interfaces (e.g. eth0) or one of their addresses") from None
+
+
 def _rendezvous(args, nnodes: int, wait: float) -> tuple[str, str]:
     """``(endpoint, bind address)``: loopback and a free port for a single node; for several
     nodes the given endpoint (checked to answer, when another node hosts it) and the address of
@@ -241,6 +250,7 @@ def _rendezvous(args, nnodes: int, wait: float) -> tuple[str, str]:
             try:
                 s.bind((bind, int(port)))
             except OSError as e:
+                _not_local(e, bind)
                 raise FxpipeError(f"--rdzv-endpoint {endpoint}: port {port} is taken "
                                   f"({e.strerror}); pick a free one or leave the option out"
                                   ) from None
@@ -259,9 +269,12 @@ def _rendezvous(args, nnodes: int, wait: float) -> tuple[str, str]:
                 s.bind((bind, int(port)))
                 hosting = True
             except OSError as e:  # hosted by another launcher on this machine, or taken
+                _not_local(e, bind)
                 if node_rank == 0:
                     raise FxpipeError(f"--rdzv-endpoint {endpoint}: port {port} is taken "
-                                      f"({e.strerror}); pick a free one") from None
+                                      f"({e.strerror}): another launcher started with "
+                                      "--node-rank 0 (each node needs its own --node-rank) or "
+                                      "another program holds it; pick a free one") from None
     if not hosting:
         probe_endpoint(endpoint, wait)
     return endpoint, bind

@@ -364,10 +364,24 @@ def probe_endpoint(endpoint: str, timeout_s: float) -> None:
         FxpipeError: nothing listens there, it does not answer in time, or it is not a store.
     """
     host, _, port = endpoint.rpartition(":")
+    deadline = time.monotonic() + timeout_s
+    while True:  # node 0 may start later than this node: retry until the join timeout
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=5):
+                break
+        except OSError as e:
+            if time.monotonic() > deadline:
+                raise FxpipeError(
+                    f"the rendezvous at {endpoint} is not reachable: nothing answered there "
+                    f"within {timeout_s:g} s (train.timeout_s; {e.strerror or e}); start "
+                    f"`fxpipe run` with --node-rank 0 on the node at {host} (it hosts the "
+                    "rendezvous) with this --rdzv-endpoint, or correct the endpoint") from None
+            time.sleep(0.5)
+    left = max(1.0, deadline - time.monotonic())
     env = dict(os.environ, TORCH_CPP_LOG_LEVEL="FATAL", TORCH_SHOW_CPP_STACKTRACES="0")
     try:
-        done = subprocess.run([sys.executable, "-c", _PROBE, host, port, str(timeout_s)],
-                              capture_output=True, text=True, timeout=timeout_s + 10, env=env)
+        done = subprocess.run([sys.executable, "-c", _PROBE, host, port, str(left)],
+                              capture_output=True, text=True, timeout=left + 10, env=env)
     except subprocess.TimeoutExpired:
         raise FxpipeError(f"the rendezvous at {endpoint} accepted the connection but did not "
                           f"answer within {timeout_s:g} s (train.timeout_s): another program "

@@ -106,6 +106,19 @@ class LossLog:
             self._fh.close()
 
 
+def _weights_finite(pipe) -> bool:
+    """True when every rank's parameters are finite (one all-reduce over all ranks)."""
+    import torch
+    import torch.distributed as dist
+
+    bad = any(not bool(torch.isfinite(p).all()) for p in pipe.parameters())
+    flag = torch.tensor([int(bad)])
+    if dist.get_backend() == "nccl":
+        flag = flag.cuda()
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return not int(flag.item())
+
+
 def _stop(out: Path, rank: int, message: str) -> None:
     """Record that training stopped for a reason a restart would meet again (every rank writes
     the same file atomically: whichever rank the launcher stops first, it is there)."""
@@ -242,6 +255,13 @@ def train(plan_path: Path, out: Path, resume: bool = False) -> None:
                            f"Lower train.lr (now {t.lr:g}), set train.grad_clip"
                            + (", use fp32" if t.precision != "fp32" else "")
                            + ", or set train.nan_policy: skip to drop such steps")
+                _stop(out, rank, message)
+                raise TrainingStopped(message)
+            if not _weights_finite(pipe):  # skipping cannot recover weights that are NaN
+                message = (f"step {step}: the loss is {loss} (not finite) and so are the "
+                           "weights (an earlier update made them so): skipping steps cannot "
+                           f"recover; training stopped. Lower train.lr (now {t.lr:g}) or set "
+                           "train.grad_clip, and resume from a checkpoint before it")
                 _stop(out, rank, message)
                 raise TrainingStopped(message)
             skipped.append(step)
