@@ -389,3 +389,51 @@ def test_a_failed_run_keeps_the_rows_before_the_failure(world6):
     losses = _csv(run / "losses.csv")
     assert losses and int(losses[0]["step"]) == 0 and math.isfinite(float(losses[0]["loss"]))
     assert not (run / "checkpoint" / "latest").exists()  # it did fail
+
+
+# ----------------------------------------------------------------------------- plan summary
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_plan_summary_shows_each_servers_links_and_traffic(tmp_path, nodes):
+    """Per server: its rank and node, per pipeline rank the link (intra-/inter-node, GB/s), the
+    bytes of one push and one pull and their time on it, and the server cost the prediction
+    priced (on 2 nodes of 3 devices the servers, ranks 4 and 5, sit on node 1)."""
+    from fxpipe.data.batches import example_microbatch
+    from fxpipe.partitioner.driver import plan_with_graph
+    from fxpipe.plans.placement import node_of
+    from fxpipe.plans.plan import Plan
+    from fxpipe.schedule.simulate import links_from_plan
+    from fxpipe.specs.loader import build_model, load_spec
+    from fxpipe.units import human_bytes, ms
+
+    path = tmp_path / "s.yaml"
+    path.write_text(_spec_text(
+        f"devices_per_node: {(P * DP + SERVERS) // nodes}\nparameter_servers: {SERVERS}\n"
+        "links: {intra_node_GBps: 400, inter_node_GBps: 12.5}\n",
+        "updates: async\nmax_staleness: 1\n").replace("nodes: 1", f"nodes: {nodes}"))
+    spec = load_spec(path)
+    with torch.device("meta"):
+        model = build_model(spec, load_weights=False)
+    plan = plan_with_graph(model, spec, example_microbatch(spec).args)[0]
+    text = plan.summary()
+    ranks = plan.stage_ranks()
+    links = links_from_plan(plan)
+    home = 0 if nodes == 1 else 1
+    for j, srank in enumerate(plan.parameter_servers):
+        assert f"  server {j}: rank {srank}," in text, text
+        assert all(node_of(srank, (P * DP + SERVERS) // nodes) == home for srank in
+                   plan.parameter_servers)
+        for r in range(P):
+            b = sum(row[j] for pos, row in enumerate(plan.server_stage_bytes) if ranks[pos] == r)
+            if b <= 0:
+                continue
+            # 2 nodes: replica 0's ranks are on node 0, the servers on node 1
+            where, gbps = ("intra-node", 400) if nodes == 1 else ("inter-node", 12.5)
+            one = ms(b / (gbps * 1e9) + links.latency_s)
+            assert (f"    pipeline rank {r}: {where} link {gbps:g} GB/s; push {human_bytes(b)} "
+                    f"and pull {human_bytes(b)}, {one} ms each") in text, text
+    loads = [sum(row[j] for row in plan.server_stage_bytes) for j in range(SERVERS)]
+    for r in range(P):
+        priced = sum(links.push_pull_seconds(r, row, loads, plan.dp)
+                     for pos, row in enumerate(plan.server_stage_bytes) if ranks[pos] == r)
+        assert priced > 0 and f"rank {r} {ms(priced)} ms" in text.split("priced in the")[1]
+    assert Plan.from_dict(plan.to_dict()).summary() == text  # the fields survive plan.json

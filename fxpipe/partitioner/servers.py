@@ -103,6 +103,7 @@ def assign_servers(plan: Plan, param_bytes: Mapping[str, int], spec: ParallelSpe
     plan.parameter_servers = ranks
     plan.server_params = where
     plan.server_stage_bytes = per_stage
+    _price_links(plan)
     nodes = sorted({node_of(r, spec.cluster.devices_per_node) for r in ranks})
     shards = "; ".join(
         f"server {j}: {plural(sum(1 for w in where.values() if w == j), 'parameter')} "
@@ -115,3 +116,41 @@ def assign_servers(plan: Plan, param_bytes: Mapping[str, int], spec: ParallelSpe
         f"optimizer state on {plural(servers, 'parameter server')} (rank"
         f"{'s' if servers > 1 else ''} {', '.join(map(str, ranks))}, node"
         f"{'s' if len(nodes) > 1 else ''} {', '.join(map(str, nodes))}); {shards}")
+
+
+def _price_links(plan: Plan) -> None:
+    """``plan.server_links`` and ``plan.server_priced_s`` (see :class:`Plan`), on the links the
+    prediction uses (:func:`~fxpipe.schedule.simulate.links_from_plan`)."""
+    from fxpipe.plans.placement import server_link_crosses_nodes
+    from fxpipe.schedule.simulate import links_from_plan
+
+    links = links_from_plan(plan)
+    dpn = links_dpn(plan)
+    ranks = plan.stage_ranks()
+    table = plan.server_stage_bytes
+    servers = len(plan.parameter_servers)
+    loads = [sum(row[j] for row in table) for j in range(servers)]
+    plan.server_links, plan.server_priced_s = [], []
+    for r in range(plan.pipeline):
+        rows = [row for pos, row in enumerate(table) if ranks[pos] == r]
+        plan.server_priced_s.append(sum(links.push_pull_seconds(r, row, loads, plan.dp)
+                                        for row in rows))
+    for j, srank in enumerate(plan.parameter_servers):
+        for r in range(plan.pipeline):
+            b = sum(row[j] for pos, row in enumerate(table) if ranks[pos] == r)
+            if b <= 0:
+                continue
+            gbps = links.server_GBps.get((r, j), links.p2p_GBps)
+            plan.server_links.append({
+                "server": j, "pipe_rank": r, "GBps": gbps,
+                "inter_node": server_link_crosses_nodes(r, srank, plan.pipeline, plan.dp, dpn,
+                                                        plan.placement),
+                "bytes": int(b), "seconds": b / (gbps * 1e9) + links.latency_s})
+
+
+def links_dpn(plan: Plan) -> int:
+    """Devices per node of the plan's cluster (as :meth:`~fxpipe.schedule.simulate.Links.
+    from_cluster` takes it)."""
+    cl = (plan.spec or {}).get("cluster", {}) or {}
+    return cl.get("devices_per_node") or max(1, (plan.pipeline * plan.dp)
+                                             // max(int(cl.get("nodes", 1)), 1))

@@ -153,6 +153,12 @@ class Plan:
             optimizer state), ``0 .. len(parameter_servers)-1``.
         server_stage_bytes: ``[stage][server]``: bytes of the stage's parameters held by that
             server, which the stage pushes (gradients) and pulls (weights) every step.
+        server_links: one dict per (server, pipeline rank pushing to it): ``server``,
+            ``pipe_rank``, ``GBps`` and ``inter_node`` (the link between them), ``bytes`` (of one
+            push, and of one pull, per step) and ``seconds`` (one of them on that link, with
+            its latency); what ``fxpipe plan`` shows.
+        server_priced_s: per pipeline rank, the push and pull seconds per step the prediction
+            priced (:meth:`~fxpipe.schedule.simulate.Links.push_pull_seconds` over its stages).
     """
 
     model: str
@@ -182,6 +188,8 @@ class Plan:
     parameter_servers: list[int] = field(default_factory=list)
     server_params: dict[str, int] = field(default_factory=dict)
     server_stage_bytes: list[list[int]] = field(default_factory=list)
+    server_links: list[dict[str, Any]] = field(default_factory=list)
+    server_priced_s: list[float] = field(default_factory=list)
 
     # ------------------------------------------------------------------ derived views
     @property

@@ -105,6 +105,8 @@ def summary_table(plan: "Plan") -> str:
     lines.append(f"parallelism:  pipeline {plan.pipeline} x dp {plan.dp}"
                  + (f" + {plural(ps, 'parameter server')}" if ps else "")
                  + f" = world size {plan.world_size}")
+    if ps:
+        lines += _server_lines(plan)
     lines.append(f"micro-batches: {plan.microbatches} per step per replica, "
                  f"{plural(plan.microbatch_size, 'sample')} each")
     lines.append(f"schedule:     {plan.schedule}" + (f" ({v} virtual stages per rank)" if v > 1
@@ -133,6 +135,36 @@ def summary_table(plan: "Plan") -> str:
         lines.append("explain:")
         lines += [f"  {e}" for e in plan.explain]
     return "\n".join(lines)
+
+
+def _server_lines(plan: "Plan") -> list[str]:
+    """``train.updates: async``: per parameter server, its rank, and per pipeline rank pushing
+    to it the link (intra-/inter-node, GB/s), the bytes of one push (gradients) and one pull
+    (weights) per step and their time on that link (``plan.server_links``), then the push and
+    pull seconds per step the prediction priced per rank (``plan.server_priced_s``)."""
+    table = plan.server_stage_bytes or []
+    servers = len(plan.parameter_servers)
+    loads = [sum(row[j] for row in table if j < len(row)) for j in range(servers)]
+    out = ["parameter servers (per step each pipeline rank pushes its gradients and pulls its "
+           "weights, the same bytes each way):"]
+    for j, srank in enumerate(plan.parameter_servers):
+        out.append(f"  server {j}: rank {srank}, {human_bytes(loads[j])} per replica each "
+                   f"way, x {plan.dp} replicas")
+        mine = [ln for ln in plan.server_links if ln.get("server") == j]
+        for ln in mine:
+            where = "inter-node" if ln["inter_node"] else "intra-node"
+            b = human_bytes(ln["bytes"])
+            out.append(f"    pipeline rank {ln['pipe_rank']}: {where} link {ln['GBps']:g} GB/s; "
+                       f"push {b} and pull {b}, {ms(ln['seconds'])} ms each")
+        if not mine and not plan.server_links:
+            out.append("    links not recorded (re-create the plan with `fxpipe plan`)")
+        elif not mine:
+            out.append("    no parameter traffic (holds nothing)")
+    if plan.server_priced_s:
+        out.append("  priced in the predicted step (per stage the longer of the rank's round "
+                   "trip and the server link carrying every replica's traffic, + 2 latencies): "
+                   + ", ".join(f"rank {r} {ms(t)} ms" for r, t in enumerate(plan.server_priced_s)))
+    return out
 
 
 # ---------------------------------------------------------------------------- DOT
