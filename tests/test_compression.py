@@ -31,7 +31,8 @@ import fxpipe
 from fxpipe.errors import RuntimeFailure, SpecError
 from fxpipe.partitioner.driver import plan_with_graph
 from fxpipe.partitioner.split import materialize_stages
-from fxpipe.runtime.compression import Compression, ring_allgather_bytes, ring_allreduce_bytes
+from fxpipe.runtime.compression import (Compression, bucket_bytes_sent, ring_allgather_bytes,
+                                        ring_allreduce_bytes)
 from fxpipe.runtime.data_parallel import GradBucket
 from fxpipe.runtime.executor import PipelineExecutor
 from fxpipe.runtime.local_ranks import run_ranks
@@ -118,6 +119,55 @@ def test_powersgd_rank_larger_than_a_matrix_is_a_spec_error_when_planning(tmp_pa
     msg = str(err.value)
     assert msg.startswith(f"{bad}:{_line_of(bad, 'rank:')}: train.compression.rank: rank=17"), msg
     assert "'wpe.weight', a 16 x 32 matrix" in msg and "at most 16" in msg, msg
+
+
+def test_predicted_step_prices_the_compressed_allreduce(tmp_path):
+    """The plan's predicted step prices the data-parallel all-reduce at what the compression
+    sends (fxpipe.runtime.compression.bucket_bytes_sent): half for fp16 / bf16, rank x (rows +
+    cols) per matrix and vectors exact for PowerSGD, the values + indices all-gather for top-k;
+    on a slow link (0.05 GB/s) the predicted step is shorter accordingly."""
+    from fxpipe.data.batches import example_microbatch
+    from fxpipe.schedule.simulate import allreduce_priced_bytes
+    from fxpipe.specs.loader import build_model
+
+    plans, model = {}, None
+    for method in ("none", "fp16", "bf16", "powersgd", "topk"):
+        path = tmp_path / f"{method}.yaml"
+        path.write_text(textwrap.dedent(f"""\
+            model: {{factory: "shared_models:tiny_gpt"}}
+            data: {{batch_size: {DP * M * MBS}, seq_len: {SEQ}}}
+            parallel: {{pipeline: {P}, data: {DP}, microbatches: {M}, schedule: 1f1b}}
+            cluster: {{nodes: 1, devices_per_node: {P * DP}, links: {{intra_node_GBps: 0.05}}}}
+            train: {{grad_compression: {method}, compression: {{rank: 2, ratio: 0.05}}}}
+            """.replace("compression: {rank: 2, ratio: 0.05}", {
+                "powersgd": "compression: {rank: 2}", "topk": "compression: {ratio: 0.05}"}.get(
+                    method, "compression: {}"))))
+        spec = load_spec(path)
+        model = build_model(spec)
+        plans[method] = plan_with_graph(model, spec, (torch.randint(0, VOCAB, (MBS, SEQ)),))[0]
+    raw = [st.param_bytes for st in plans["none"].stages]
+    assert all([st.param_bytes for st in p.stages] == raw for p in plans.values())
+    assert allreduce_priced_bytes(plans["none"]) == raw
+    assert allreduce_priced_bytes(plans["fp16"]) == [b / 2 for b in raw]
+    assert allreduce_priced_bytes(plans["bf16"]) == [b / 2 for b in raw]
+    # top-k: the all-gather of k fp32 values and k int32 indices of each stage's bucket
+    topk = [ring_allgather_bytes(8 * math.ceil(0.05 * (b // 4)), DP)
+            * DP / (2 * (DP - 1)) for b in raw]
+    assert allreduce_priced_bytes(plans["topk"]) == pytest.approx(topk)
+    # PowerSGD rank 2: each matrix's P (rows x 2) and Q (cols x 2), vectors exact
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=False)}
+    assert plans["powersgd"].param_shapes == {n: list(s) for n, s in shapes.items()}
+    for st, b, priced in zip(plans["powersgd"].stages, raw,
+                             allreduce_priced_bytes(plans["powersgd"])):
+        mine = [shapes[f] for f in st.params]
+        sent = sum(2 * (s[0] + math.prod(s[1:])) if len(s) >= 2 and
+                   math.prod(s) >= 2.0 * 2 * (s[0] + math.prod(s[1:])) else math.prod(s)
+                   for s in mine)
+        assert priced == pytest.approx(b * sent / sum(math.prod(s) for s in mine)), st.params
+        assert priced < b
+    step = {m: p.predicted.step_time_s for m, p in plans.items()}
+    assert step["fp16"] == step["bf16"] < step["none"], step
+    assert step["powersgd"] < step["none"] and step["topk"] < step["fp16"], step
 
 
 def test_compression_settings_and_message_dtypes():
@@ -401,6 +451,14 @@ def test_bucket_reducers(world4):
                                              + ring_allreduce_bytes(4 * (16 + 12), 2))
         k = math.ceil(0.1 * (24 * 16 + 16 + 96))
         assert b["topk"]["bytes"][1] == ring_allgather_bytes(8 * k, 2)
+        # what the simulator prices for such a bucket is what the reducers sent
+        shapes = [(24, 16), (16,), (8, 12)]
+        assert bucket_bytes_sent("none", shapes, 2) == fp32
+        assert bucket_bytes_sent("fp16", shapes, 2) == fp32 // 2
+        assert bucket_bytes_sent(Compression("powersgd", rank=1), shapes, 2) == \
+            b["powersgd"]["bytes"][1]
+        assert bucket_bytes_sent(Compression("topk", ratio=0.1), shapes, 2) == \
+            b["topk"]["bytes"][1]
 
 
 # ----------------------------------------------------------------------------- training

@@ -906,6 +906,11 @@ def plan_with_graph(model: nn.Module, spec: Any, example_inputs: Any = None,
                               for n, p in given.named_parameters(remove_duplicate=False)}, spec)
         if not plan.folded:  # priced again with the servers' real shares
             plan.predicted = predict(plan)
+    if spec.train.grad_compression == "powersgd":  # priced by each matrix's low-rank factors
+        plan.param_shapes = {n: list(p.shape) for n, p in given.named_parameters(
+            remove_duplicate=False) if p.requires_grad}  # tied aliases too (stages name them)
+        if not plan.folded:
+            plan.predicted = predict(plan)
     if spec.cluster.nodes > 1:
         plan.explain.append(_placement_note(plan, spec))
     if cand.recompute:

@@ -159,6 +159,8 @@ class Plan:
             its latency); what ``fxpipe plan`` shows.
         server_priced_s: per pipeline rank, the push and pull seconds per step the prediction
             priced (:meth:`~fxpipe.schedule.simulate.Links.push_pull_seconds` over its stages).
+        param_shapes: trained parameter FQN -> shape, kept under ``train.grad_compression:
+            powersgd`` (the prediction prices each matrix's low-rank factors); else empty.
     """
 
     model: str
@@ -190,6 +192,7 @@ class Plan:
     server_stage_bytes: list[list[int]] = field(default_factory=list)
     server_links: list[dict[str, Any]] = field(default_factory=list)
     server_priced_s: list[float] = field(default_factory=list)
+    param_shapes: dict[str, list[int]] = field(default_factory=dict)
 
     # ------------------------------------------------------------------ derived views
     @property

@@ -59,8 +59,8 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (_orthogon
 from fxpipe.errors import RuntimeFailure
 from fxpipe.specs.schema import GRAD_COMPRESSIONS, CompressionSpec, low_rank_view
 
-__all__ = ["Compression", "as_compression", "make_reducer", "ring_allreduce_bytes",
-           "ring_allgather_bytes"]
+__all__ = ["Compression", "as_compression", "bucket_bytes_sent", "make_reducer",
+           "ring_allreduce_bytes", "ring_allgather_bytes"]
 
 _DEFAULTS = CompressionSpec()
 #: a matrix is compressed when it shrinks at least this much (torch's ``min_compression_rate``)
@@ -125,6 +125,39 @@ def ring_allreduce_bytes(nbytes: int, n: int) -> int:
 def ring_allgather_bytes(nbytes: int, n: int) -> int:
     """Bytes one rank sends in a ring all-gather of ``nbytes`` per rank over ``n`` ranks."""
     return (n - 1) * nbytes
+
+
+def bucket_bytes_sent(compression: "str | Compression", shapes: Sequence[Sequence[int]],
+                      n: int, element_size: int = 4) -> int:
+    """Bytes one rank sends per step for a bucket of gradients of ``shapes`` over ``n`` ranks
+    once compressing (after ``warmup_steps``), as the reducers count their ``bytes_sent``:
+    ``none`` the ring all-reduce of the fp32 bucket, ``fp16`` / ``bf16`` of half of it,
+    ``powersgd`` the all-reduce of the exact tensors with every compressed matrix's ``P``
+    (rows x rank) then that of the ``Q`` (cols x rank), ``topk`` the all-gather of ``k`` values
+    and ``k`` int32 indices. What the simulator prices (:func:`~fxpipe.schedule.simulate.
+    simulate_plan`)."""
+    c = as_compression(compression)
+    numel = sum(math.prod(s) for s in shapes)
+    if c.method in _WIRE16:
+        return ring_allreduce_bytes(numel * 2, n)
+    if c.method == "topk":
+        k = max(1, min(numel, math.ceil(c.ratio * numel))) if numel else 0
+        return ring_allgather_bytes(8 * k, n)
+    if c.method == "powersgd":
+        first = second = 0
+        for shape in shapes:
+            view = low_rank_view(torch.Size(shape))
+            if view is not None and min(view) >= c.rank and \
+                    _should_compress(*view, c.rank, MIN_COMPRESSION_RATE)[0]:
+                first += view[0] * c.rank
+                second += view[1] * c.rank
+            else:
+                first += math.prod(shape)
+        if not second:  # nothing to compress: the exact all-reduce
+            return ring_allreduce_bytes(numel * element_size, n)
+        return (ring_allreduce_bytes(first * element_size, n)
+                + ring_allreduce_bytes(second * element_size, n))
+    return ring_allreduce_bytes(numel * element_size, n)
 
 
 def _wait(work, timeout_s: float) -> None:

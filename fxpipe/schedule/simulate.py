@@ -29,6 +29,7 @@ Units: seconds, bytes, GB/s = 1e9 bytes/s.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -456,10 +457,45 @@ def simulate_plan(
         fwd,
         links or links_from_plan(plan),
         dp=plan.dp,
-        allreduce_bytes=[st.param_bytes for st in plan.stages],
+        allreduce_bytes=allreduce_priced_bytes(plan),
         grad_edge_bytes=grad,
         server_bytes=plan.server_stage_bytes if plan.parameter_servers else None,
     )
+
+
+def allreduce_priced_bytes(plan: Plan) -> list[float]:
+    """Per stage, the bytes :meth:`Links.allreduce_seconds` prices for its data-parallel
+    all-reduce: ``param_bytes`` (fp32) under ``train.grad_compression: none``, else scaled by
+    what the compression sends once compressing (after its warm-up) against the fp32 ring,
+    by :func:`~fxpipe.runtime.compression.bucket_bytes_sent` (the bytes the reducers count):
+    half for ``fp16`` / ``bf16``, ``rank x (rows + cols)`` per matrix parameter and vectors
+    exact for ``powersgd`` (``plan.param_shapes``; without them, as ``none``), the all-gather
+    of values and indices for ``topk`` (a top-k all-gather priced as the all-reduce that
+    sends the same bytes)."""
+    raw = [float(st.param_bytes) for st in plan.stages]
+    t = (plan.spec or {}).get("train", {}) or {}
+    method = t.get("grad_compression", "none") or "none"
+    n = plan.dp
+    if method == "none" or n <= 1 or plan.parameter_servers:
+        return raw
+    from fxpipe.runtime.compression import (Compression, bucket_bytes_sent,
+                                            ring_allreduce_bytes)
+
+    c = t.get("compression", {}) or {}
+    comp = Compression(method, **{k: c[k] for k in ("rank", "ratio", "warmup_steps") if k in c})
+    shapes = plan.param_shapes if method == "powersgd" else {}
+    if method == "powersgd" and not shapes:
+        return raw
+    out = []
+    for st, b in zip(plan.stages, raw):
+        numel = int(b) // 4
+        mine = [shapes[f] for f in st.params if f in shapes] if shapes else []
+        if not mine or numel <= 0:
+            mine = [(numel,)]
+        total = sum(math.prod(s) for s in mine)
+        exact = ring_allreduce_bytes(total * 4, n)
+        out.append(b * bucket_bytes_sent(comp, mine, n) / exact if exact else b)
+    return out
 
 
 def predict(plan: Plan, schedule: str | None = None, microbatches: int | None = None,
