@@ -237,9 +237,21 @@ def report(results: list[Result], args, cores: int) -> str:
         "",
         f"Reading: {speed}. Sync and async S=0 wait for the straggler at every step, so both "
         "run at the slow replica's pace; S=0 is the same training as sync through the server "
-        f"(per-step losses differ by at most {same:.1e}). With S=2 the fast replica keeps going on weights at most 2 updates "
-        "stale and runs most of the steps: the same samples in less time, at the price of "
-        "gradients computed on older weights (the loss per batch can lag sync's a little). "
+        f"(per-step losses differ by at most {same:.1e}), and its extra "
+        f"{lock.wall_s / args.steps - sync.wall_s / args.steps:+.2f} s per global batch is the "
+        "server path's own cost here (a ticket, a pull of the weights and a push of the "
+        "gradients per rank and step, all serialised through one server process, on cores "
+        "the trainers share). " + " ".join(
+            f"With {r.name} the fast replica ran {r.steps_per_replica.get(0, 0)} of "
+            f"{sum(r.steps_per_replica.values())} replica-steps on weights at most "
+            f"{r.name.split('=')[1]} updates stale, "
+            + ("which beat sync's wall time: the straggler's wait saved more than the server "
+               "path costs" if r.wall_s < sync.wall_s else
+               "but the server path's cost outweighed the straggler's wait saved, so sync "
+               "finished first on this machine (a slower straggler, or servers on their own "
+               "cores, tip the balance)")
+            + "." for r in fast if r is not lock)
+        + " The lagging loss per batch is the price of gradients computed on older weights. "
         "Staleness never exceeded the bound (column 'max staleness seen', from the server's "
         "log).",
     ])
