@@ -156,10 +156,7 @@ def _cmd_show(args) -> int:
         path = path / "plan.json"
     if not path.exists():
         raise FxpipeError(f"{path}: no such plan file; create one with `fxpipe plan SPEC --out DIR`")
-    try:
-        plan = Plan.load(path)
-    except (ValueError, TypeError, KeyError) as e:
-        raise FxpipeError(f"{path}: cannot read this plan: {e}") from None
+    plan = Plan.read(path)
     print(plan.summary())
     return 0
 

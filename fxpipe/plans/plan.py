@@ -349,6 +349,16 @@ class Plan:
             raise ValueError(f"{path}: not a plan JSON file (no 'stages' key)")
         return cls.from_dict(data)
 
+    @classmethod
+    def read(cls, path: str | Path) -> "Plan":
+        """:meth:`load` for commands: a file that is not a readable plan is an
+        :class:`~fxpipe.errors.FxpipeError` naming it (``PATH: cannot read this plan: ...``).
+        A missing file raises FileNotFoundError (callers say what to run instead)."""
+        try:
+            return cls.load(path)
+        except (ValueError, TypeError, KeyError) as e:
+            raise PlanError(f"{path}: cannot read this plan: {e}") from None
+
     def dump(self, out_dir: str | Path, graph: Any = None) -> list[Path]:
         """Write ``plan.json``, ``partition.dot`` (+ ``partition-units.svg`` when Graphviz's
         ``dot`` is installed) and ``summary.txt`` into ``out_dir``. ``graph`` is the priced

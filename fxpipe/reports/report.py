@@ -248,10 +248,7 @@ def write_report(run_dir: str | Path, out: str | Path | None = None,
     if not (run / "plan.json").exists():
         raise FxpipeError(f"{run}: no plan.json here; pass the folder of a run "
                           "(`fxpipe run --out DIR` writes one)")
-    try:
-        plan = Plan.load(run / "plan.json")
-    except (ValueError, TypeError, KeyError) as e:
-        raise FxpipeError(f"{run / 'plan.json'}: cannot read this plan: {e}") from None
+    plan = Plan.read(run / "plan.json")
     if pictures:
         write_run_pictures(run, plan)
     spec = plan.spec or {}

@@ -33,10 +33,7 @@ def export_run(run_dir: str | Path, out_path: str | Path) -> tuple[Path, int, in
     plan_path = run_dir / "plan.json"
     if not plan_path.is_file():
         raise FxpipeError(f"{run_dir} holds no plan.json: give the folder of a `fxpipe run`")
-    try:
-        plan = Plan.load(plan_path)
-    except (ValueError, TypeError, KeyError) as e:
-        raise FxpipeError(f"{plan_path}: cannot read this plan: {e}") from None
+    plan = Plan.read(plan_path)
     spec = load_spec(plan.spec)
     folder, manifest = open_checkpoint(run_dir / spec.train.checkpoint.dir)
     model = build_model(spec, load_weights=False)
