@@ -42,7 +42,12 @@ of a flag per step) while the scale backs off.
 Activations of a micro-batch are released after its last backward (``B``, or ``W`` when split).
 The executor counts the micro-batches whose activations are held per stage (peak in flight) and
 the bytes it sends per step (:class:`BytesSent`: stage messages, gradient all-reduces), and
-records one wall-clock event per action for Chrome traces. The schedule format and per-rank action
+records one wall-clock event per action for Chrome traces.
+
+Weight gradients of ``linear`` / ``addmm`` / ``embedding`` nodes accumulate straight into
+``.grad`` over the micro-batches (:mod:`fxpipe.runtime.grad_fusion`; fp32 stages with a full
+backward, ``fuse_grad_accumulation=False`` turns it off): no per-micro-batch ``vocab x width``
+buffer for a large head or embedding. The schedule format and per-rank action
 lists follow torch.distributed.pipelining's ``_Action`` IR; no DDP is used (see data_parallel).
 """
 
@@ -64,6 +69,7 @@ from fxpipe.runtime import p2p
 from fxpipe.runtime.checks import check_actions, check_fits
 from fxpipe.runtime.compression import Compression, as_compression
 from fxpipe.runtime.data_parallel import GradSynchronizer
+from fxpipe.runtime.grad_fusion import fuse_weight_grads
 from fxpipe.runtime.mesh import Mesh
 from fxpipe.runtime.precision import LossScaler, autocast_dtype, found_nonfinite, message_dtype
 from fxpipe.runtime.stage import StageWork
@@ -154,6 +160,11 @@ class PipelineExecutor:
             replica keeps its own gradients, which parameter servers sum and apply
             (:mod:`fxpipe.runtime.parameter_server`), and :meth:`step` returns the replica's
             loss, reduced over its pipeline only (no rank waits for another replica).
+        fuse_grad_accumulation: True (default): the stage GraphModules' ``linear`` /
+            ``addmm`` / ``embedding`` nodes of trained parameters accumulate their weight
+            gradients into ``.grad`` in place: the steps run copies of the stage modules
+            (:mod:`fxpipe.runtime.grad_fusion`; fp32 and a full backward only) that share their
+            parameters; the given modules are not changed.
 
     Attributes:
         events: one :data:`Event` ``(rank, label, start_s, end_s, lane)`` per executed action,
@@ -161,6 +172,7 @@ class PipelineExecutor:
         peak_inflight: stage -> peak micro-batches with activations held, over all steps.
         last_peak_inflight: the same for the last step.
         step_times_s: wall-clock seconds of each :meth:`step`.
+        fused_nodes: stage -> how many nodes accumulate their weight gradients in place.
         step_starts_s: start of each step, same clock as ``events``.
         skipped_steps: indices (0-based, counted by :meth:`step` calls) of the steps whose
             optimizer step was skipped because a gradient was inf/NaN (loss scaling only).
@@ -178,7 +190,7 @@ class PipelineExecutor:
                  optimizer: torch.optim.Optimizer | None, timeout_s: float = 300.0, *,
                  grad_compression: "str | Compression" = "none", precision: str = "fp32",
                  loss_scaler: LossScaler | None = None, needs_target: bool = True,
-                 sync_gradients: bool = True):
+                 sync_gradients: bool = True, fuse_grad_accumulation: bool = True):
         self.plan, self.schedule, self.mesh = plan, schedule, mesh
         self.sync_gradients = sync_gradients
         self.precision = precision
@@ -217,8 +229,15 @@ class PipelineExecutor:
                 self._consumers.setdefault(n, []).append(t)
         self.loss_stage = self._find_loss_stage(plan)
         self._split = bool(schedule.split_backward)
+        # the modules the training steps run: copies whose weight gradients accumulate in place
+        # (runtime.grad_fusion), fp32 and a full backward only; self.modules stay as given
+        run = {s: (fuse_weight_grads(self.modules[s]) if fuse_grad_accumulation
+                   and not self._split and self._amp_dtype is None else (self.modules[s], 0))
+               for s in self.local_stages}
+        #: stage -> nodes whose weight gradients accumulate in place
+        self.fused_nodes = {s: n for s, (_, n) in run.items()}
         check_actions(schedule, mesh.pipe_rank, self.local_stages, self.edges, self._dtypes)
-        self.work = {s: StageWork(self.stage_plans[s], self.modules[s], plan.values,
+        self.work = {s: StageWork(self.stage_plans[s], run[s][0], plan.values,
                                   self._consumers, self._split, self._autocast,
                                   lambda i: self._ctx(self._action),
                                   plan.model_output if s == self.loss_stage else None)
