@@ -141,12 +141,13 @@ def test_bench_pick_tiny(tmp_path, monkeypatch):
                 assert len(c.stage_pred) == sc.stages and c.predicted_s > 0
             pick = sc.of(sc.picks["measured"])
             assert len(pick.stage_pred_analytic) == sc.stages
-        assert r.profile_s > 0 and r.loss_s > 0
+        assert r.profile_s > 0 and r.loss_s > 0 and r.loss_pred_s > 0  # the plan prices it
     assert not (tmp_path / "user-cache").exists()  # profiles went to --cache only
     assert any((tmp_path / "cache" / "measured" / "profiles").glob("*.json"))
     text = _report.read_section("pick", out)
     assert text is not None
     assert "| norm-probe |" in text and "### 4 stages" in text
+    assert "the plan's last-stage times include it" in text
     assert ("PASS" in text or "FAIL" in text) and "measured pick" in text
     assert [n for n, _, _ in bp.verdicts(results)] == ["norm-probe"]
 

@@ -71,12 +71,14 @@ def test_profile_measures_caches_and_the_planner_uses_it(tmp_path):
                        capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "total" in r.stdout and "send cost on the sending rank" in r.stdout
+    assert "loss cross_entropy on the model output" in r.stdout
     cached = list((tmp_path / "profiles").glob("*.json"))
-    assert len(cached) == 2  # the node times and the send cost
+    assert len(cached) == 3  # the node times, the loss and the send cost
     r = subprocess.run([sys.executable, "-m", "fxpipe", "plan", str(spec)], capture_output=True,
                        text=True, env=env, timeout=300, cwd=REPO)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert len(list((tmp_path / "profiles").glob("*.json"))) == 2  # planned from the cache
+    assert len(list((tmp_path / "profiles").glob("*.json"))) == 3  # planned from the cache
+    assert "loss:         cross_entropy on stage 1" in r.stdout
 
 
 def test_measured_costs_of_a_meta_model_need_a_profile(tmp_path, monkeypatch):

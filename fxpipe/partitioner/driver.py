@@ -29,6 +29,8 @@ from fxpipe.partitioner.blocks import KEEP, UnitTable, find_block_run, fold, red
 from fxpipe.partitioner.boundaries import GUARDS_FN, stage_boundaries
 from fxpipe.partitioner.cost import NodeCost, price
 from fxpipe.partitioner.graph import PricedGraph, build_graph
+from fxpipe.partitioner.loss_cost import (analytic_loss_times, loss_node, measured_loss_times,
+                                          output_bytes, with_loss)
 from fxpipe.partitioner.problem import CutProblem, PartitionResult, Value, evaluate
 from fxpipe.partitioner.profile import (SendCost, load_profile, load_send_cost, profile_graph,
                                         profile_key, save_profile)
@@ -47,6 +49,7 @@ from fxpipe.schedule.simulate import Links, SimResult, StageCosts, predict, simu
 from fxpipe.specs.loader import build_model, load_spec, spec_location
 from fxpipe.specs.schema import (OPTIMIZER_STATE_FACTOR, ParallelSpec,
                                  compression_rank_problems, stages_per_rank)
+from fxpipe.training.losses import MODEL_LOSS
 from fxpipe.units import human_bytes, plural
 
 #: the planner's phases (tracing, pricing, profiling, the auto search), at INFO: silent unless a
@@ -106,6 +109,7 @@ class Priced:
         cheap: values cheaper to rebuild in each stage than to send.
         send: the sender-side cost of one message.
         batch: the micro-batch size traced.
+        loss: the loss's seconds (already in ``times``, on the node producing the model output).
     """
 
     traced: TracedModel
@@ -116,6 +120,7 @@ class Priced:
     send: SendCost
     batch: int
     table: UnitTable | None = None
+    loss: NodeTimes = dataclasses.field(default_factory=NodeTimes)
 
     def __post_init__(self) -> None:
         if self.table is None:
@@ -158,17 +163,25 @@ def _send_cost(spec: ParallelSpec) -> SendCost:
 
 
 def _node_times(traced: TracedModel, costs: dict[str, NodeCost], spec: ParallelSpec,
-                profile_model: nn.Module | None, inputs: list) -> dict[str, NodeTimes]:
+                profile_model: nn.Module | None, inputs: list
+                ) -> tuple[dict[str, NodeTimes], NodeTimes]:
     """Seconds per node: the roofline, or with ``cluster.costs: measured`` the cached profile
-    (measured now on ``profile_model``, a model with real weights, when none is cached).
+    (measured now on ``profile_model``, a model with real weights, when none is cached); the
+    loss's forward and backward (:mod:`fxpipe.partitioner.loss_cost`) added to the node that
+    produces the model output. Also returns the loss's times alone.
 
     Raises:
         PlanError: measured costs are asked for, none are cached and the model has no real
             weights to measure.
     """
     cl = spec.cluster
+    node = loss_node(traced, costs)
+    loss_name = spec.train.loss if node is not None else MODEL_LOSS  # else nothing to add it to
     if cl.costs == "analytic":
-        return analytic_times(costs, cl.device_tflops * 1e12, cl.memory_Bps, cl.op_overhead_s)
+        times = analytic_times(costs, cl.device_tflops * 1e12, cl.memory_Bps, cl.op_overhead_s)
+        loss = analytic_loss_times(loss_name, output_bytes(traced), cl.memory_Bps,
+                                   cl.op_overhead_s)
+        return with_loss(times, node, loss), loss
     key = profile_key(traced, cl.device)
     times = load_profile(key)
     if times is None:
@@ -186,7 +199,16 @@ def _node_times(traced: TracedModel, costs: dict[str, NodeCost], spec: ParallelS
     if missing:
         raise PlanError(f"the measured costs do not cover nodes {missing[:5]}; re-run "
                         "`fxpipe profile SPEC`")
-    return times
+    if torch.device(cl.device).type == "cuda" and not torch.cuda.is_available():
+        loss = analytic_loss_times(loss_name, output_bytes(traced), cl.memory_Bps,
+                                   cl.op_overhead_s)  # no device here to time the loss on
+    else:
+        size = next((int(t.shape[0]) for t in inputs if isinstance(t, torch.Tensor) and t.dim()),
+                    1)
+        loss = measured_loss_times(traced, loss_name, cl.device,
+                                   ignore_index=spec.train.ignore_index,
+                                   target=lambda: example_microbatch(spec, size).target)
+    return with_loss(times, node, loss), loss
 
 
 def traced_args(traced: TracedModel, inputs: list) -> tuple[tuple, dict]:
@@ -311,6 +333,8 @@ def _assemble(pr: Priced, result: PartitionResult, cand: Candidate, spec: Parall
             tj = NodeTimes(tj.fwd_s, tj.fwd_s + tj.bwd_input_s, tj.bwd_weight_s)
         sends = [scale * bounds.values[o].nbytes for o in sb.outputs
                  for _ in bounds.values[o].consumers]
+        loss_s = (pr.loss.total_s * scale * slow[j] if pr.loss.total_s > 0
+                  and j == cand.num_stages - 1 else 0.0)
         stages.append(StagePlan(
             index=j, nodes=list(sb.nodes), params=list(sb.params), buffers=list(sb.buffers),
             inputs=list(sb.inputs), outputs=list(sb.outputs),
@@ -322,7 +346,7 @@ def _assemble(pr: Priced, result: PartitionResult, cand: Candidate, spec: Parall
             fwd_time_s=tj.fwd_s, bwd_input_time_s=tj.bwd_input_s,
             bwd_weight_time_s=tj.bwd_weight_s,
             send_time_s=sum(pr.send.seconds(b) for b in sends) / max(1, len(sends)),
-            recompute=cand.recompute,
+            recompute=cand.recompute, loss_time_s=float(loss_s),
         ))
     values = {k: dataclasses.replace(v, nbytes=0 if k in cheap else int(v.nbytes * scale))
               for k, v in bounds.values.items()}
@@ -524,6 +548,7 @@ def _assemble_folded(pr: Priced, result: PartitionResult, cand: Candidate, spec:
             bwd_input_time_s=float(bi_s), bwd_weight_time_s=float(bw_s),
             send_time_s=pr.send.seconds(result.send_bytes[j]),
             recompute=cand.recompute,
+            loss_time_s=float(pr.loss.total_s * slow[j]) if j == cand.num_stages - 1 else 0.0,
         ))
     # shapes of the model's inputs and output (their names hold in the full graph too, but
     # the output's: workers rename it when they resolve the plan)
@@ -851,10 +876,12 @@ def plan_with_graph(model: nn.Module, spec: Any, example_inputs: Any = None,
             traced = trace(m, a, spec.model.tracer, example_kwargs=kw, output=key)
             _progress.info("pricing %d nodes", len(traced.gm.graph.nodes))
             costs = price(traced)
-            times = _node_times(traced, costs, spec, real,
-                                [*a, *(v for v in kw.values() if isinstance(v, torch.Tensor))])
+            times, loss = _node_times(traced, costs, spec, real,
+                                      [*a, *(v for v in kw.values()
+                                             if isinstance(v, torch.Tensor))])
         pg = build_graph(traced, costs)
-        pr = Priced(traced, costs, times, pg, _cheap_values(pg, spec), _send_cost(spec), size)
+        pr = Priced(traced, costs, times, pg, _cheap_values(pg, spec), _send_cost(spec), size,
+                    loss=loss)
         if short:
             pr.table = fold(pg, run, pr.table.times, pr.cheap)
         return pr

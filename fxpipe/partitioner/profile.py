@@ -2,13 +2,18 @@
 
 ``fxpipe profile SPEC`` (and ``cluster.costs: measured``) builds the spec's model with real
 weights on ``cluster.device``, traces it as the planner does, and runs the graph node by node on
-one real micro-batch of the spec's dataset. Each compute node runs on its own (its activation
-inputs detached, so autograd stops at the node): ``warmup`` runs, then the median of
-``repeats`` timed runs of the forward, of the backward to the activation inputs (B) and of the
-backward to the parameters (W), with the device synchronised around every timing. The times
-are cached as JSON under ``$FXPIPE_CACHE_DIR`` (default ``~/.cache/fxpipe``), keyed by the
-graph's code, the input shapes and dtypes, the device and the torch version, so a spec is
-profiled once per machine kind.
+one real micro-batch of the spec's dataset (:func:`profile_graph`). Forwards are timed in
+sequence, as training runs them: ``warmup`` passes over the whole graph, then the median of
+``repeats`` timed passes, activations kept and grad enabled, the clock around each op call
+only (a node timed on its own runs with warm caches and recycled memory: the sum fell 15-35%
+short of the graph's forward). Backwards are timed per node, its activation inputs detached so
+that autograd stops at the node: one backward to the activation inputs and parameters together
+(what the stage runs), split between B (input gradients) and W (weight gradients) in the ratio
+of a backward to each alone. The device is synchronised around every timing. The times are
+cached as JSON under ``$FXPIPE_CACHE_DIR`` (default ``~/.cache/fxpipe``), keyed by the graph's
+code, the input shapes and dtypes, the device, the torch version and :data:`PROFILE_FORMAT`, so
+a spec is profiled once per machine kind. The loss (:mod:`fxpipe.partitioner.loss_cost`) is
+timed by :func:`profile_loss` and cached next to it.
 
 :class:`SendCost` is what a point-to-point send costs the *sending* rank (gloo on CPU copies the
 bytes in the sender's thread; NCCL hands them to the device): ``seconds = overhead + bytes /
@@ -35,6 +40,7 @@ from fxpipe.partitioner.timing import NodeTimes
 from fxpipe.partitioner.trace import COMPUTE_OPS, TracedModel
 
 __all__ = ["cache_dir", "profile_key", "profile_graph", "load_profile", "save_profile",
+           "PROFILE_FORMAT", "profile_loss", "loss_key", "load_loss_profile", "save_loss_profile",
            "SendCost", "load_send_cost", "send_cost_path"]
 
 
@@ -43,16 +49,21 @@ def cache_dir() -> Path:
     return Path(os.environ.get("FXPIPE_CACHE_DIR") or Path.home() / ".cache" / "fxpipe")
 
 
+#: what the cached times mean; part of every cache key, so that times measured another way are
+#: measured again (2: forwards timed in sequence, one joint backward split between B and W)
+PROFILE_FORMAT = "profile-v2"
+
+
 def profile_key(traced: TracedModel, device: str, dtype: str = "float32") -> str:
     """Cache key of a traced graph's measured costs: its code, input shapes and dtypes, the
-    device, the parameter dtype and the torch version."""
+    device, the parameter dtype, the torch version and :data:`PROFILE_FORMAT`."""
     h = hashlib.sha256()
     h.update(traced.gm.code.encode())
     for n in traced.gm.graph.nodes:
         if n.op == "placeholder":
             v = n.meta.get("val")
             h.update(f"{n.name}:{getattr(v, 'shape', None)}:{getattr(v, 'dtype', None)}".encode())
-    h.update(f"{device}|{dtype}|{torch.__version__}".encode())
+    h.update(f"{device}|{dtype}|{torch.__version__}|{PROFILE_FORMAT}".encode())
     return h.hexdigest()[:24]
 
 
@@ -75,10 +86,14 @@ def save_profile(key: str, times: dict[str, NodeTimes], meta: dict[str, Any]) ->
     path = _path(key)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"meta": meta, "nodes": {
+    tmp.write_text(json.dumps({"meta": {**meta, "format": PROFILE_FORMAT}, "nodes": {
         k: [t.fwd_s, t.bwd_input_s, t.bwd_weight_s] for k, t in times.items()}}))
     tmp.replace(path)
     return path
+
+
+#: the clock every timing reads (seconds)
+_clock = time.perf_counter
 
 
 def _sync(device: torch.device) -> None:
@@ -90,13 +105,79 @@ def _median_time(fn: Callable[[], Any], device: torch.device, warmup: int, repea
     for _ in range(warmup):
         fn()
     times = []
-    for _ in range(repeats):
+    for _ in range(max(1, repeats)):
         _sync(device)
-        t0 = time.perf_counter()
+        t0 = _clock()
         fn()
         _sync(device)
-        times.append(time.perf_counter() - t0)
+        times.append(_clock() - t0)
     return statistics.median(times)
+
+
+def _node_error(n: torch.fx.Node, e: Exception) -> PlanError:
+    return PlanError(f"profiling node {n.name!r} ({n.target}) failed on the example batch with "
+                     f"{type(e).__name__}: {' '.join(str(e).split())[:300]}; check that the "
+                     "dataset's batches fit the model (vocabulary, shapes)")
+
+
+def _attr(gm: torch.fx.GraphModule, target: str) -> Any:
+    obj: Any = gm
+    for part in str(target).split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _op(gm: torch.fx.GraphModule, n: torch.fx.Node) -> Callable[..., Any]:
+    """What node ``n`` calls, as ``fn(*args, **kwargs)``."""
+    if n.op == "call_module":
+        return gm.get_submodule(n.target)
+    if n.op == "call_method":
+        return lambda self, *a, **kw: getattr(self, n.target)(*a, **kw)
+    return n.target
+
+
+def _forward_in_sequence(gm: torch.fx.GraphModule, given: dict[str, Any], device: torch.device,
+                         record: dict[str, list[float]] | None) -> dict[str, Any]:
+    """One forward pass over the graph, node by node, as training runs it (grad enabled, every
+    activation kept and connected to the autograd graph); with ``record``, each compute node's
+    seconds (around its op call only) appended to ``record[name]``. Returns the values."""
+    env: dict[str, Any] = {}
+
+    def fetch(a: torch.fx.Node) -> Any:
+        return env[a.name]
+
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            env[n.name] = given.get(n.name)
+            continue
+        if n.op == "get_attr":
+            env[n.name] = _attr(gm, n.target)
+            continue
+        if n.op not in COMPUTE_OPS:
+            continue
+        fn = _op(gm, n)
+        args = pytree.tree_map_only(torch.fx.Node, fetch, n.args)
+        kwargs = pytree.tree_map_only(torch.fx.Node, fetch, n.kwargs)
+        _sync(device)
+        t0 = _clock()
+        try:
+            out = fn(*args, **kwargs)
+            _sync(device)
+        except Exception as e:  # the model cannot run this input (e.g. a token id too large)
+            raise _node_error(n, e) from None
+        dt = _clock() - t0
+        env[n.name] = out
+        if record is not None:
+            record[n.name].append(dt)
+    return env
+
+
+def _split_joint(joint: float, b: float, w: float) -> tuple[float, float]:
+    """The joint backward's seconds split between B and W in the ratio of their separate
+    times (halves when both are 0)."""
+    if b + w <= 0:
+        return joint / 2, joint / 2
+    return joint * b / (b + w), joint * w / (b + w)
 
 
 def profile_graph(traced: TracedModel, inputs: list[torch.Tensor], device: torch.device | str,
@@ -105,80 +186,159 @@ def profile_graph(traced: TracedModel, inputs: list[torch.Tensor], device: torch
     """Measured :class:`NodeTimes` of every compute node of ``traced`` (a graph of a real model
     on ``device``), run on ``inputs`` (its placeholders' values, in order).
 
+    Forwards: ``warmup`` untimed then ``repeats`` timed passes over the whole graph in order,
+    node by node, as training runs it (grad enabled, activations kept); a node's forward is the
+    median of its ``repeats`` times. Timed on its own (the same inputs again, the output freed)
+    a node runs with warm caches and recycled memory, and the sum falls 15-35% short of the
+    graph's forward, most for small element-wise ops; in sequence the sum is close.
+
+    Backwards: per node on its own (its activation inputs detached, so autograd stops at the
+    node): the median of one backward to the activation inputs and the parameters together
+    (what the stage's backward runs), split between B (input gradients) and W (weight
+    gradients) in the ratio of a backward to each alone. B + W is the joint time: two separate
+    calls would each pay the autograd engine's per-call cost, and a fused backward kernel
+    (layer norm's) would run twice.
+
     Args:
-        progress: called as ``progress(done, total)`` after each node.
+        progress: called as ``progress(done, total)`` after each node's backward.
+
+    Raises:
+        PlanError: a node fails on these inputs (the message names it).
     """
     device = torch.device(device)
     gm = traced.gm
-    env: dict[str, Any] = {}
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    for n, v in zip(placeholders, inputs):
-        env[n.name] = v
+    given = {n.name: v for n, v in zip(placeholders, inputs)}
     computes = [n for n in gm.graph.nodes if n.op in COMPUTE_OPS]
+    samples: dict[str, list[float]] = {n.name: [] for n in computes}
+    env: dict[str, Any] = {}
+    with torch.enable_grad():
+        for p in range(max(0, warmup) + max(1, repeats)):
+            env = {}  # free the last pass's activations first
+            env = _forward_in_sequence(gm, given, device, samples if p >= warmup else None)
+    fwd = {k: statistics.median(v) for k, v in samples.items()}
+    for n in gm.graph.nodes:  # the backward runs on detached values of the last pass
+        if n.op in COMPUTE_OPS:
+            env[n.name] = pytree.tree_map_only(torch.Tensor, lambda t: t.detach(), env[n.name])
     out_times: dict[str, NodeTimes] = {}
 
     def fetch(a):
         return env[a.name] if isinstance(a, torch.fx.Node) else a
 
     for k, n in enumerate(computes):
-        for a in n.all_input_nodes:
-            if a.op == "get_attr" and a.name not in env:
-                obj = gm
-                for part in str(a.target).split("."):
-                    obj = getattr(obj, part)
-                env[a.name] = obj
-            elif a.op == "placeholder" and a.name not in env:
-                env[a.name] = None
         args = pytree.tree_map_only(torch.fx.Node, fetch, n.args)
         kwargs = pytree.tree_map_only(torch.fx.Node, fetch, n.kwargs)
         params = [env[a.name] for a in n.all_input_nodes if a.op == "get_attr"
                   and isinstance(env[a.name], torch.nn.Parameter) and env[a.name].requires_grad]
+        if n.op == "call_module":
+            params += [p for p in gm.get_submodule(n.target).parameters() if p.requires_grad]
+        params = list({id(p): p for p in params}.values())
         pids = {id(p) for p in params}
         swap: dict[int, torch.Tensor] = {}
         for v in pytree.tree_leaves((args, kwargs)):
             if (isinstance(v, torch.Tensor) and id(v) not in pids and id(v) not in swap
                     and (v.is_floating_point() or v.is_complex())):
                 swap[id(v)] = v.detach().requires_grad_(True)
-        l_args, l_kwargs = pytree.tree_map_only(torch.Tensor, lambda v: swap.get(id(v), v),
-                                                (args, kwargs))
-        if n.op == "call_module":
-            sub = gm.get_submodule(n.target)
-            call = lambda: sub(*l_args, **l_kwargs)  # noqa: E731
-        elif n.op == "call_method":
-            call = lambda: getattr(l_args[0], n.target)(*l_args[1:], **l_kwargs)  # noqa: E731
-        else:
-            call = lambda: n.target(*l_args, **l_kwargs)  # noqa: E731
+        acts = list(swap.values())
+        fn = _op(gm, n)
         try:
             with torch.enable_grad():
-                fwd = _median_time(call, device, warmup, repeats)
-                out = call()
-        except Exception as e:  # the model cannot run this input (e.g. a token id too large)
-            raise PlanError(f"profiling node {n.name!r} ({n.target}) failed on the example batch "
-                            f"with {type(e).__name__}: {' '.join(str(e).split())[:300]}; check "
-                            "that the dataset's batches fit the model (vocabulary, shapes)"
-                            ) from None
+                try:
+                    l_args, l_kwargs = pytree.tree_map_only(
+                        torch.Tensor, lambda v: swap.get(id(v), v), (args, kwargs))
+                    out = fn(*l_args, **l_kwargs)
+                except RuntimeError:  # an in-place op on a leaf: give it a copy to write
+                    l_args, l_kwargs = pytree.tree_map_only(
+                        torch.Tensor, lambda v: swap[id(v)].clone() if id(v) in swap else v,
+                        (args, kwargs))
+                    out = fn(*l_args, **l_kwargs)
+        except Exception as e:
+            raise _node_error(n, e) from None
         leaves = [o for o in pytree.tree_leaves(out)
                   if isinstance(o, torch.Tensor) and o.requires_grad]
-        acts = list(swap.values())
         bi = bw = 0.0
-        if leaves:
+        if leaves and (acts or params):
             grads = [torch.ones_like(o) for o in leaves]
 
             def grad_of(wrt):
                 return lambda: torch.autograd.grad(leaves, wrt, grads, retain_graph=True,
                                                    allow_unused=True)
             try:
-                if acts:
-                    bi = _median_time(grad_of(acts), device, warmup, repeats)
-                if params:
-                    bw = _median_time(grad_of(params), device, warmup, repeats)
+                joint = _median_time(grad_of(acts + params), device, warmup, repeats)
+                if acts and params:  # the ratio only: fewer repeats, the joint runs warmed up
+                    few = max(1, (repeats + 1) // 2)
+                    bi, bw = _split_joint(joint, _median_time(grad_of(acts), device, 1, few),
+                                          _median_time(grad_of(params), device, 1, few))
+                elif acts:
+                    bi = joint
+                else:
+                    bw = joint
             except RuntimeError:  # an op without a derivative: no backward to time
                 bi = bw = 0.0
-        out_times[n.name] = NodeTimes(fwd, bi, bw)
-        env[n.name] = pytree.tree_map_only(torch.Tensor, lambda t: t.detach(), out)
+        out_times[n.name] = NodeTimes(fwd[n.name], bi, bw)
         if progress is not None:
             progress(k + 1, len(computes))
     return out_times
+
+
+def loss_key(profile: str, loss: str, output: torch.Tensor, target: torch.Tensor) -> str:
+    """Cache key of a loss's measured times: the graph's :func:`profile_key` (device, dtype and
+    torch version included), the loss's name and the output's and target's shapes and dtypes."""
+    h = hashlib.sha256()
+    h.update(f"{PROFILE_FORMAT}|{profile}|{loss}|{tuple(output.shape)}:{output.dtype}|"
+             f"{tuple(target.shape)}:{target.dtype}".encode())
+    return h.hexdigest()[:24]
+
+
+def _loss_path(key: str) -> Path:
+    return cache_dir() / "profiles" / f"loss-{key}.json"
+
+
+def load_loss_profile(key: str) -> NodeTimes | None:
+    """Cached loss times for ``key`` (forward, backward to the output), or None."""
+    try:
+        data = json.loads(_loss_path(key).read_text())
+        return NodeTimes(float(data["fwd_s"]), float(data["bwd_s"]), 0.0)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def save_loss_profile(key: str, times: NodeTimes, meta: dict[str, Any]) -> Path:
+    """Write the loss's cache entry atomically; returns its path."""
+    path = _loss_path(key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"meta": meta, "fwd_s": times.fwd_s, "bwd_s": times.bwd_input_s}))
+    tmp.replace(path)
+    return path
+
+
+def profile_loss(loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                 output: torch.Tensor, target: torch.Tensor, device: torch.device | str, *,
+                 warmup: int = 3, repeats: int = 15) -> NodeTimes:
+    """Measured seconds of ``loss_fn(output, target)`` (what the last stage runs on the model's
+    output): the median forward as ``fwd_s`` and the median backward to ``output`` as
+    ``bwd_input_s`` (a fresh leaf each run, as each micro-batch's output is)."""
+    device = torch.device(device)
+    f: list[float] = []
+    b: list[float] = []
+    grad = output.is_floating_point() or output.is_complex()
+    with torch.enable_grad():
+        for i in range(max(0, warmup) + max(1, repeats)):
+            o = output.detach().requires_grad_(grad)
+            _sync(device)
+            t0 = _clock()
+            loss = loss_fn(o, target)
+            _sync(device)
+            t1 = _clock()
+            if grad and isinstance(loss, torch.Tensor) and loss.requires_grad:
+                torch.autograd.grad(loss, o, allow_unused=True)
+            _sync(device)
+            t2 = _clock()
+            if i >= warmup:
+                f.append(t1 - t0)
+                b.append(t2 - t1)
+    return NodeTimes(statistics.median(f), statistics.median(b), 0.0)
 
 
 class SendCost:

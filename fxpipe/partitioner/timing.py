@@ -13,7 +13,9 @@ Two sources, chosen by ``cluster.costs``:
 * ``measured``: the times :mod:`fxpipe.partitioner.profile` measured on the device (median of
   repeats after warm-up), cached per model, shapes, dtype, device and torch version.
 
-Both give :class:`NodeTimes` per node name; units and stages sum them.
+Both give :class:`NodeTimes` per node name; units and stages sum them. The loss ``train.loss``
+runs on the model's output outside the graph; :mod:`fxpipe.partitioner.loss_cost` prices it (in
+the same two ways) on the node that produces that output.
 """
 
 from __future__ import annotations

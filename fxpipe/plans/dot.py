@@ -95,6 +95,8 @@ def _header(plan: "Plan", what: str) -> list[str]:
 def _stage_caption(plan: "Plan", pos: int, ranks: list[int], bpos: int) -> str:
     st = plan.stages[pos]
     cap = f"stage {st.index} (rank {ranks[pos]}): {ms(st.time_s)} ms"
+    if getattr(st, "loss_time_s", 0.0) > 0:
+        cap += f" (incl. loss {ms(st.loss_time_s)} ms)"
     return cap + ("  [bottleneck]" if pos == bpos else "")
 
 

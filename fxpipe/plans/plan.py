@@ -63,6 +63,9 @@ class StagePlan:
             sends back, sized by those gradients); None: ``send_time_s``.
         recompute: activation recomputation: the stage keeps only its inputs per micro-batch in
             flight and runs its forward again in the backward (priced in ``bwd_input_time_s``).
+        loss_time_s: of the times above, the seconds per micro-batch of the loss
+            (``train.loss``) this stage runs on the model's output, forward + backward (the last
+            stage; 0 elsewhere and for a model that computes its own loss).
     """
 
     index: int
@@ -88,6 +91,7 @@ class StagePlan:
     send_time_s: float = 0.0
     recompute: bool = False
     grad_send_time_s: float | None = None
+    loss_time_s: float = 0.0
 
 
 @dataclass

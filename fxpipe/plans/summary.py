@@ -95,6 +95,7 @@ def summary_table(plan: "Plan") -> str:
         else:
             lines.append(f"lower bound:  {ms(plan.lower_bound_s)} ms (not computed); "
                          "bottleneck / lower bound = n/a")
+    lines += _loss_lines(plan)
     if v > 1 and plan.stages:
         per_rank = [0.0] * max(1, plan.pipeline)
         for pos, st in enumerate(plan.stages):
@@ -135,6 +136,15 @@ def summary_table(plan: "Plan") -> str:
         lines.append("explain:")
         lines += [f"  {e}" for e in plan.explain]
     return "\n".join(lines)
+
+
+def _loss_lines(plan) -> list[str]:
+    """The stage that runs the loss on the model's output, and what its times include for it."""
+    spec = getattr(plan, "spec", None)
+    name = ((spec.get("train") or {}).get("loss") if isinstance(spec, dict) else None) or "loss"
+    return [f"loss:         {name} on stage {st.index}, {ms(st.loss_time_s)} ms per micro-batch "
+            "forward + backward (included in its compute ms)"
+            for st in plan.stages if getattr(st, "loss_time_s", 0.0) > 0]
 
 
 def _server_lines(plan: "Plan") -> list[str]:

@@ -2,8 +2,9 @@
 
 Builds the spec's model with real weights on ``cluster.device``, traces it at the spec's
 micro-batch size, times every node's forward, input-gradient and weight-gradient
-(:func:`fxpipe.partitioner.profile.profile_graph`: warm-up, repeats, median), caches the times
-(keyed by graph, shapes, dtype, device, torch version), measures what a send costs the sending
+(:func:`fxpipe.partitioner.profile.profile_graph`: warm-up, repeats, median) and the loss on the
+model's output (:mod:`fxpipe.partitioner.loss_cost`), caches the times (keyed by graph, shapes,
+dtype, device, torch version), measures what a send costs the sending
 rank over two local ranks (CPU: gloo), and prints the slowest modules and the totals. Later
 plans of the spec with ``cluster.costs: measured`` read the cache.
 """
@@ -20,6 +21,7 @@ import torch
 
 from fxpipe.data.batches import example_microbatch
 from fxpipe.partitioner.driver import as_spec, tracing_model
+from fxpipe.partitioner.loss_cost import measured_loss_times
 from fxpipe.partitioner.profile import (SendCost, profile_graph, profile_key, save_profile,
                                         send_cost_path)
 from fxpipe.partitioner.trace import module_path_of, trace
@@ -104,6 +106,8 @@ def profile_spec(spec, *, repeats: int = 5, warmup: int = 2, send: bool = True) 
     path = save_profile(profile_key(traced, device), times,
                         {"model": traced.model_name, "device": device,
                          "microbatch_size": batch.size})
+    loss = measured_loss_times(traced, spec.train.loss, device,
+                               ignore_index=spec.train.ignore_index, target=lambda: batch.target)
     per_module: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])
     for n in traced.compute_nodes():
         t = times[n.name]
@@ -119,6 +123,9 @@ def profile_spec(spec, *, repeats: int = 5, warmup: int = 2, send: bool = True) 
     for name, r in sorted(per_module.items(), key=lambda kv: -sum(kv[1]))[:15]:
         lines.append(f"{name[:40]:40s} {ms(r[0]):>9s} {ms(r[1]):>9s} {ms(r[2]):>9s}")
     lines.append(f"{'total':40s} {ms(total[0]):>9s} {ms(total[1]):>9s} {ms(total[2]):>9s}")
+    if loss.total_s > 0:
+        lines.append(f"loss {spec.train.loss} on the model output (the last stage runs it): "
+                     f"fwd {ms(loss.fwd_s)} ms, backward {ms(loss.bwd_input_s)} ms")
     lines.append(f"cached in {path}")
     if send:
         cost = measure_send_cost(device)

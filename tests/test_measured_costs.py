@@ -1,0 +1,253 @@
+"""Measured costs (issue 9): forwards profiled in sequence, one joint backward per node split
+between B and W, and the loss (``train.loss``) priced on the stage that produces the model output.
+
+Nothing here depends on how fast this machine is: the checks are about what is run and how the
+times combine (a fake timer where a value matters)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.nn as nn
+
+from fxpipe.errors import PlanError
+from fxpipe.partitioner import driver, loss_cost
+from fxpipe.partitioner import profile as prof
+from fxpipe.partitioner.driver import plan_with_graph
+from fxpipe.partitioner.timing import NodeTimes
+from fxpipe.partitioner.trace import trace
+from fxpipe.plans.plan import Plan
+
+
+class Probe(nn.Module):
+    """Records, per call, whether its input is connected to the autograd graph of the nodes
+    before it (as in training) and whether grad mode is on."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[tuple[bool, bool]] = []
+
+    def forward(self, x):
+        self.seen.append((x.grad_fn is not None, torch.is_grad_enabled()))
+        return x * 2
+
+
+class ProbeNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.probe = Probe()
+        self.relu = nn.ReLU(inplace=True)
+        self.b = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.b(self.relu(self.probe(self.a(x))))
+
+
+def test_forwards_are_timed_in_sequence_with_activations_kept():
+    torch.manual_seed(0)
+    x = torch.randn(4, 8)
+    tr = trace(ProbeNet(), (x,), "fx", leaf_modules=[Probe])
+    probe = tr.gm.get_submodule("probe")
+    probe.seen.clear()
+    times = prof.profile_graph(tr, [x], "cpu", warmup=1, repeats=3)
+    # 1 warm-up + 3 timed passes over the whole graph, each input connected to the graph's
+    # autograd history; then one call on a detached input for its backward
+    assert probe.seen[:4] == [(True, True)] * 4
+    assert len(probe.seen) == 5 and probe.seen[4] == (False, True)
+    assert set(times) == {n.name for n in tr.compute_nodes()}
+    assert all(t.fwd_s > 0 for t in times.values())
+    # call_module leaves (fx keeps nn.Linear whole) get their weight gradient timed too, and
+    # an in-place ReLU on a detached input still has its backward timed
+    assert times["a"].bwd_weight_s > 0 and times["b"].bwd_input_s > 0
+    assert times["relu"].bwd_input_s > 0 and times["relu"].bwd_weight_s == 0
+
+
+def test_the_joint_backward_is_split_in_the_ratio_of_b_and_w(monkeypatch):
+    x = torch.randn(4, 8)
+    tr = trace(nn.Linear(8, 4), (x,))
+    (node,) = [n.name for n in tr.compute_nodes()]
+    values = iter([6.0, 1.0, 2.0])  # the calls: joint backward, B alone, W alone
+    calls = []
+
+    def fake(fn, device, warmup, repeats):
+        fn()
+        calls.append((warmup, repeats))
+        return next(values)
+
+    monkeypatch.setattr(prof, "_median_time", fake)
+    t = prof.profile_graph(tr, [x], "cpu", warmup=2, repeats=5)[node]
+    assert (t.bwd_input_s, t.bwd_weight_s) == (2.0, 4.0)  # B + W = the joint 6
+    assert calls[0] == (2, 5) and len(calls) == 3
+
+
+def test_split_joint():
+    assert prof._split_joint(3.0, 1.0, 2.0) == (1.0, 2.0)
+    assert prof._split_joint(2.0, 0.0, 0.0) == (1.0, 1.0)
+
+
+def test_profile_key_changes_with_the_format(monkeypatch):
+    x = torch.randn(4, 8)
+    tr = trace(nn.Linear(8, 4), (x,))
+    a = prof.profile_key(tr, "cpu")
+    monkeypatch.setattr(prof, "PROFILE_FORMAT", "profile-v1")
+    assert prof.profile_key(tr, "cpu") != a
+
+
+def test_a_node_that_fails_is_named():
+    emb = nn.Embedding(10, 4)
+    tr = trace(emb, (torch.zeros(2, 3, dtype=torch.long),))
+    with pytest.raises(PlanError, match=r"profiling node 'embedding' .* failed on the example "
+                                        r"batch with IndexError"):
+        prof.profile_graph(tr, [torch.full((2, 3), 99)], "cpu", warmup=0, repeats=1)
+
+
+# ------------------------------------------------------------------------------------- the loss
+def test_analytic_loss_times():
+    mb, bps, o = 1e6, 1e9, 1e-5
+    assert loss_cost.analytic_loss_times("cross_entropy", mb, bps, o) == pytest.approx(
+        NodeTimes(2e-3 + 2 * o, 2e-3 + 2 * o, 0.0))
+    assert loss_cost.analytic_loss_times("mse", mb, bps, o) == pytest.approx(
+        NodeTimes(2e-3 + o, 3e-3 + o, 0.0))
+    assert loss_cost.analytic_loss_times("my.pkg:loss", mb, bps, o) == pytest.approx(
+        NodeTimes(1e-3 + o, 1e-3 + o, 0.0))
+    assert loss_cost.analytic_loss_times("model", mb, bps, o) == NodeTimes()
+
+
+def test_profile_loss_times_forward_and_backward():
+    t = prof.profile_loss(torch.nn.functional.cross_entropy, torch.randn(16, 50),
+                          torch.randint(0, 50, (16,)), "cpu", warmup=1, repeats=3)
+    assert t.fwd_s > 0 and t.bwd_input_s > 0 and t.bwd_weight_s == 0
+
+
+def test_measured_loss_is_cached_per_loss(tmp_path, monkeypatch):
+    monkeypatch.setenv("FXPIPE_CACHE_DIR", str(tmp_path))
+    x = torch.randint(0, 50, (2, 8))
+    tr = trace(nn.Sequential(nn.Embedding(50, 8), nn.Linear(8, 50)), (x,))
+    first = loss_cost.measured_loss_times(tr, "cross_entropy", "cpu", warmup=1, repeats=2)
+    assert first.fwd_s > 0 and first.bwd_input_s > 0
+    assert len(list((tmp_path / "profiles").glob("loss-*.json"))) == 1
+
+    def no_more(*a, **k):
+        raise AssertionError("measured again")
+
+    monkeypatch.setattr(loss_cost, "profile_loss", no_more)
+    assert loss_cost.measured_loss_times(tr, "cross_entropy", "cpu") == first
+    with pytest.raises(AssertionError, match="measured again"):  # another loss: its own entry
+        loss_cost.measured_loss_times(tr, "mse", "cpu")
+    assert loss_cost.measured_loss_times(tr, "model", "cpu") == NodeTimes()
+
+
+class Classifier(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(32, 64)
+        self.b = nn.Linear(64, 64)
+        self.head = nn.Linear(64, 1000)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.b(torch.relu(self.a(x)))))
+
+
+def _spec(loss: str, costs: str = "analytic") -> dict:
+    return {"model": {"factory": "x:y"}, "data": {"batch_size": 16},
+            "parallel": {"pipeline": 2, "data": 1, "microbatches": 2, "schedule": "1f1b"},
+            "cluster": {"devices_per_node": 2, "costs": costs},
+            "train": {"loss": loss, "activation_recompute": "off"}}
+
+
+def test_the_loss_is_priced_on_the_last_stage():
+    torch.manual_seed(0)
+    model, x = Classifier(), torch.randn(8, 32)
+    plans = {loss: plan_with_graph(model, _spec(loss), (x,), cuts=[0, 2])[0]
+             for loss in ("cross_entropy", "mse")}
+    ce, mse = plans["cross_entropy"], plans["mse"]
+    assert ce.stages[0].loss_time_s == 0 and ce.stages[1].loss_time_s > 0
+    from fxpipe.specs.loader import load_spec
+
+    cl = load_spec(_spec("cross_entropy")).cluster
+    want = loss_cost.analytic_loss_times("cross_entropy", 8 * 1000 * 4, cl.memory_Bps,
+                                         cl.op_overhead_s)
+    assert ce.stages[1].loss_time_s == pytest.approx(want.total_s)
+    # the same cut: only the last stage's times change with the loss, by the loss's difference
+    assert ce.stages[0].compute_time_s == mse.stages[0].compute_time_s
+    assert (ce.stages[1].compute_time_s - mse.stages[1].compute_time_s) == pytest.approx(
+        ce.stages[1].loss_time_s - mse.stages[1].loss_time_s)
+    want_mse = loss_cost.analytic_loss_times("mse", 8 * 1000 * 4, cl.memory_Bps,
+                                             cl.op_overhead_s)
+    assert ce.stages[1].fwd_time_s - mse.stages[1].fwd_time_s == pytest.approx(
+        want.fwd_s - want_mse.fwd_s)
+    text = ce.summary()
+    assert "loss:         cross_entropy on stage 1" in text
+    from fxpipe.plans.dot import partition_dot
+
+    assert "incl. loss" in partition_dot(ce)
+    # the plan file keeps it; a plan written before it existed still loads
+    assert Plan.from_dict(ce.to_dict()).stages[1].loss_time_s == ce.stages[1].loss_time_s
+    old = ce.to_dict()
+    for st in old["stages"]:
+        del st["loss_time_s"]
+    assert Plan.from_dict(old).stages[1].loss_time_s == 0.0
+
+
+def test_the_loss_moves_the_planned_cut_toward_the_input(monkeypatch):
+    """Six equal layers on two stages cut 3 | 3; a loss costing about two layers' time on the
+    last stage moves a layer to the first (4 | 2)."""
+    torch.manual_seed(0)
+    model, x = nn.Sequential(*(nn.Linear(64, 64) for _ in range(6))), torch.randn(8, 64)
+    monkeypatch.setattr(driver, "analytic_loss_times", lambda *a: NodeTimes())
+    even = plan_with_graph(model, _spec("mse"), (x,))[0]
+    assert [len(s.nodes) for s in even.stages] == [3, 3]
+    layer = even.stages[1].compute_time_s / 3
+    monkeypatch.setattr(driver, "analytic_loss_times", lambda *a: NodeTimes(layer, layer, 0.0))
+    moved = plan_with_graph(model, _spec("mse"), (x,))[0]
+    assert [len(s.nodes) for s in moved.stages] == [4, 2]
+    assert moved.stages[1].loss_time_s == pytest.approx(2 * layer)
+    assert moved.stages[1].compute_time_s == pytest.approx(4 * layer)
+
+
+def test_measured_plan_prices_the_loss_and_caches_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("FXPIPE_CACHE_DIR", str(tmp_path))
+    torch.manual_seed(0)
+    model, x = Classifier(), torch.randn(8, 32)
+    a = plan_with_graph(model, _spec("cross_entropy", "measured"), (x,), cuts=[0, 2])[0]
+    assert a.stages[1].loss_time_s > 0 and a.stages[0].loss_time_s == 0
+    assert a.stages[1].compute_time_s > a.stages[1].loss_time_s
+    files = sorted(p.name for p in (tmp_path / "profiles").glob("*.json"))
+    assert len(files) == 2 and sum(f.startswith("loss-") for f in files) == 1
+
+    def no_more(*a, **k):
+        raise AssertionError("measured again")
+
+    monkeypatch.setattr(driver, "profile_graph", no_more)
+    monkeypatch.setattr(loss_cost, "profile_loss", no_more)
+    b = plan_with_graph(model, _spec("cross_entropy", "measured"), (x,), cuts=[0, 2])[0]
+    assert [s.loss_time_s for s in b.stages] == [s.loss_time_s for s in a.stages]
+
+
+def test_fake_clock_median_of_sequence_passes(monkeypatch):
+    """Each node's forward is the median of its times over the timed passes only."""
+    x = torch.randn(4, 8)
+    tr = trace(nn.Sequential(nn.Linear(8, 8), nn.ReLU()), (x,))
+    names = [n.name for n in tr.compute_nodes()]
+    # the forward passes read the clock twice per node: pass p (0 = warm-up) takes p + 1 s for
+    # every node
+    ticks = itertools.count()
+    state = {"t": 0.0}
+    n_nodes = len(names)
+
+    def clock():
+        k = next(ticks)
+        if k < 2 * n_nodes * 4:  # 1 warm-up + 3 timed passes
+            p = k // (2 * n_nodes)
+            if k % 2 == 1:
+                state["t"] += p + 1
+        else:
+            state["t"] += 1e-3
+        return state["t"]
+
+    monkeypatch.setattr(prof, "_clock", clock)
+    times = prof.profile_graph(tr, [x], "cpu", warmup=1, repeats=3)
+    assert [times[n].fwd_s for n in names] == [3.0] * n_nodes  # median of 2, 3, 4
