@@ -78,9 +78,54 @@ def test_the_joint_backward_is_split_in_the_ratio_of_b_and_w(monkeypatch):
         return next(values)
 
     monkeypatch.setattr(prof, "_median_time", fake)
+    monkeypatch.setattr(prof, "engine_overhead_s", lambda device: 0.0)
+    monkeypatch.setattr(prof, "_whole_backward_s", lambda gm, env, device: None)
     t = prof.profile_graph(tr, [x], "cpu", warmup=2, repeats=5)[node]
     assert (t.bwd_input_s, t.bwd_weight_s) == (2.0, 4.0)  # B + W = the joint 6
     assert calls[0] == (2, 5) and len(calls) == 3
+
+
+def _fake_backward_times(monkeypatch, joint_b_w, engine_s, whole):
+    values = iter(joint_b_w)
+    monkeypatch.setattr(prof, "_median_time", lambda fn, device, warmup, repeats: next(values))
+    monkeypatch.setattr(prof, "engine_overhead_s", lambda device: engine_s)
+    monkeypatch.setattr(prof, "_whole_backward_s", lambda gm, env, device: whole)
+
+
+def test_the_engines_per_call_cost_is_taken_off_each_node(monkeypatch):
+    x = torch.randn(4, 8)
+    tr = trace(nn.Linear(8, 4), (x,))
+    (node,) = [n.name for n in tr.compute_nodes()]
+    _fake_backward_times(monkeypatch, [7.0, 1.0, 2.0], 1.0, None)
+    t = prof.profile_graph(tr, [x], "cpu", warmup=1, repeats=1)[node]
+    assert t.bwd_input_s + t.bwd_weight_s == pytest.approx(6.0)
+    # a node faster than the engine's cost keeps a small share of its time, never 0 or less
+    _fake_backward_times(monkeypatch, [0.5, 1.0, 2.0], 1.0, None)
+    t = prof.profile_graph(tr, [x], "cpu", warmup=1, repeats=1)[node]
+    assert t.bwd_input_s + t.bwd_weight_s == pytest.approx(prof.MIN_BACKWARD_SHARE * 0.5)
+
+
+def test_node_backwards_are_scaled_to_the_whole_graphs_backward(monkeypatch):
+    x = torch.randn(4, 8)
+    tr = trace(nn.Linear(8, 4), (x,))
+    (node,) = [n.name for n in tr.compute_nodes()]
+    _fake_backward_times(monkeypatch, [6.0, 1.0, 2.0], 0.0, 12.0)
+    t = prof.profile_graph(tr, [x], "cpu", warmup=1, repeats=3)[node]
+    assert (t.bwd_input_s, t.bwd_weight_s) == pytest.approx((4.0, 8.0))  # 1:2 of the whole 12
+
+
+def test_whole_backward_is_timed_without_touching_grad():
+    torch.manual_seed(0)
+    x = torch.randn(4, 8)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
+    tr = trace(model, (x,))
+    with torch.enable_grad():
+        env = prof._forward_in_sequence(tr.gm, {n.name: x for n in tr.gm.graph.nodes
+                                                if n.op == "placeholder"}, torch.device("cpu"),
+                                        None)
+    t = prof._whole_backward_s(tr.gm, env, torch.device("cpu"))
+    assert t is not None and t > 0
+    assert all(p.grad is None for p in model.parameters())
 
 
 def test_split_joint():
@@ -249,5 +294,6 @@ def test_fake_clock_median_of_sequence_passes(monkeypatch):
         return state["t"]
 
     monkeypatch.setattr(prof, "_clock", clock)
+    monkeypatch.setattr(prof, "_whole_backward_s", lambda gm, env, device: None)
     times = prof.profile_graph(tr, [x], "cpu", warmup=1, repeats=3)
     assert [times[n].fwd_s for n in names] == [3.0] * n_nodes  # median of 2, 3, 4

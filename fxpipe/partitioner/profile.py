@@ -51,7 +51,7 @@ def cache_dir() -> Path:
 
 #: what the cached times mean; part of every cache key, so that times measured another way are
 #: measured again (2: forwards timed in sequence, one joint backward split between B and W)
-PROFILE_FORMAT = "profile-v2"
+PROFILE_FORMAT = "profile-v3"
 
 
 def profile_key(traced: TracedModel, device: str, dtype: str = "float32") -> str:
@@ -172,6 +172,23 @@ def _forward_in_sequence(gm: torch.fx.GraphModule, given: dict[str, Any], device
     return env
 
 
+def engine_overhead_s(device: torch.device, warmup: int = 20, repeats: int = 101) -> float:
+    """Seconds one ``torch.autograd.grad`` call costs beyond its nodes' work: the median of a
+    call through one multiply of a single number. A node's backward timed on its own pays it
+    once; a stage's backward pays it once for all its nodes."""
+    x = torch.ones(1, device=device, requires_grad=True)
+    with torch.enable_grad():
+        y = x * 2.0
+    g = torch.ones_like(y)
+    return _median_time(lambda: torch.autograd.grad([y], [x], [g], retain_graph=True),
+                        device, warmup, repeats)
+
+
+#: a node's backward keeps at least this share of its own-call time after the engine's
+#: per-call cost is taken off (timing noise can make the cost exceed a tiny node's time)
+MIN_BACKWARD_SHARE = 0.05
+
+
 def _split_joint(joint: float, b: float, w: float) -> tuple[float, float]:
     """The joint backward's seconds split between B and W in the ratio of their separate
     times (halves when both are 0)."""
@@ -197,7 +214,13 @@ def profile_graph(traced: TracedModel, inputs: list[torch.Tensor], device: torch
     (what the stage's backward runs), split between B (input gradients) and W (weight
     gradients) in the ratio of a backward to each alone. B + W is the joint time: two separate
     calls would each pay the autograd engine's per-call cost, and a fused backward kernel
-    (layer norm's) would run twice.
+    (layer norm's) would run twice. The engine's per-call cost (:func:`engine_overhead_s`,
+    about 20 us on a CPU) is taken off each node's joint time: a stage's backward is one call
+    for all its nodes. Last, the nodes' backward times are scaled so that they sum to the
+    median of the whole graph's backward, timed after each timed forward pass (one call, as a
+    stage runs it): node by node, a graph's backward summed 8% under to 30% over its own on
+    this machine's probes, the node times give the split between nodes, the whole graph the
+    total.
 
     Args:
         progress: called as ``progress(done, total)`` after each node's backward.
@@ -212,15 +235,21 @@ def profile_graph(traced: TracedModel, inputs: list[torch.Tensor], device: torch
     computes = [n for n in gm.graph.nodes if n.op in COMPUTE_OPS]
     samples: dict[str, list[float]] = {n.name: [] for n in computes}
     env: dict[str, Any] = {}
+    whole_bwd: list[float] = []
     with torch.enable_grad():
         for p in range(max(0, warmup) + max(1, repeats)):
             env = {}  # free the last pass's activations first
             env = _forward_in_sequence(gm, given, device, samples if p >= warmup else None)
+            if p >= warmup and p < warmup + max(1, repeats) - 1:  # keep the last pass's graph
+                t = _whole_backward_s(gm, env, device)
+                if t is not None:
+                    whole_bwd.append(t)
     fwd = {k: statistics.median(v) for k, v in samples.items()}
     for n in gm.graph.nodes:  # the backward runs on detached values of the last pass
         if n.op in COMPUTE_OPS:
             env[n.name] = pytree.tree_map_only(torch.Tensor, lambda t: t.detach(), env[n.name])
     out_times: dict[str, NodeTimes] = {}
+    engine_s = engine_overhead_s(device)
 
     def fetch(a):
         return env[a.name] if isinstance(a, torch.fx.Node) else a
@@ -265,6 +294,7 @@ def profile_graph(traced: TracedModel, inputs: list[torch.Tensor], device: torch
                                                    allow_unused=True)
             try:
                 joint = _median_time(grad_of(acts + params), device, warmup, repeats)
+                joint = max(joint - engine_s, MIN_BACKWARD_SHARE * joint)
                 if acts and params:  # the ratio only: fewer repeats, the joint runs warmed up
                     few = max(1, (repeats + 1) // 2)
                     bi, bw = _split_joint(joint, _median_time(grad_of(acts), device, 1, few),
@@ -278,7 +308,38 @@ def profile_graph(traced: TracedModel, inputs: list[torch.Tensor], device: torch
         out_times[n.name] = NodeTimes(fwd[n.name], bi, bw)
         if progress is not None:
             progress(k + 1, len(computes))
+    total = sum(t.bwd_input_s + t.bwd_weight_s for t in out_times.values())
+    if whole_bwd and total > 0:  # the nodes' share of the graph's own backward
+        f = statistics.median(whole_bwd) / total
+        out_times = {k: NodeTimes(t.fwd_s, t.bwd_input_s * f, t.bwd_weight_s * f)
+                     for k, t in out_times.items()}
     return out_times
+
+
+def _whole_backward_s(gm: torch.fx.GraphModule, env: dict[str, Any],
+                      device: torch.device) -> float | None:
+    """Seconds of one backward through a pass's whole autograd graph (``env``, from
+    :func:`_forward_in_sequence`), from all-ones gradients of its float outputs to every
+    parameter and float input; nothing is accumulated into ``.grad``. None when the outputs
+    have no gradient."""
+    out_node = next(n for n in gm.graph.nodes if n.op == "output")
+    outs = [v for v in pytree.tree_leaves(pytree.tree_map_only(
+        torch.fx.Node, lambda a: env.get(a.name), out_node.args))
+        if isinstance(v, torch.Tensor) and v.requires_grad]
+    wrt = [p for p in gm.parameters() if p.requires_grad]
+    wrt += [v for n in gm.graph.nodes if n.op == "placeholder"
+            for v in [env.get(n.name)] if isinstance(v, torch.Tensor) and v.requires_grad]
+    if not outs or not wrt:
+        return None
+    grads = [torch.ones_like(o) for o in outs]
+    _sync(device)
+    t0 = _clock()
+    try:
+        torch.autograd.grad(outs, wrt, grads, allow_unused=True)
+    except RuntimeError:  # an op without a derivative
+        return None
+    _sync(device)
+    return _clock() - t0
 
 
 def loss_key(profile: str, loss: str, output: torch.Tensor, target: torch.Tensor) -> str:
