@@ -5,6 +5,7 @@ block-boundary cut) and ``bench_plan_scale`` (planner time vs world size and dep
 from __future__ import annotations
 
 import math
+import statistics
 import sys
 from pathlib import Path
 
@@ -85,6 +86,23 @@ def test_stage_starts_round_trip_given_cuts(tmp_path):
                 assert plan.folded  # the probe's norms are planned as blocks
 
 
+def test_cross_gap_chooses_the_fastest_on_other_rounds():
+    """Two equally fast cuts whose noise flatters each on alternate rounds: choosing and timing
+    the fastest on the same rounds makes the pick look slower; the cross-fitted gap does not."""
+    def sample(rounds):
+        return bp.Sample(list(rounds), statistics.median(rounds), 0.0, list(rounds), [])
+
+    pick = bp.CutRun([0, 1], "p", True, ["measured"], screen=sample([1.0]),
+                     final=sample([1.0, 1.1, 1.0, 1.1, 1.0, 1.1]))
+    other = bp.CutRun([0, 2], "o", True, [], screen=sample([1.0]),
+                      final=sample([1.1, 0.9, 1.1, 0.9, 1.1, 0.9]))
+    sc = bp.StageCount(2, [pick, other], 2, False, {"measured": [0, 1]})
+    assert sc.gap("measured") > 0.0  # median 1.05 vs 1.0: the winner's curse
+    # even rounds choose the pick (1.0 < 1.1), odd rounds time it against itself: 0; odd
+    # rounds choose `other` (0.9), even rounds time the pick 1.0 vs other's 1.1: -9%
+    assert math.isclose(sc.cross_gap("measured"), (0.0 + (1.0 / 1.1 - 1)) / 2)
+
+
 def test_gaps_use_the_head_to_head_run_and_spearman():
     def sample(med, rounds):
         return bp.Sample([med] * 4, med, 0.0, rounds, [])
@@ -98,6 +116,7 @@ def test_gaps_use_the_head_to_head_run_and_spearman():
     assert sc.screen_fastest() is a and sc.fastest() is b and sc.finalists() == [a, b]
     assert math.isclose(sc.gap("measured"), 0.1)
     assert math.isclose(sc.paired_gap("measured"), 0.1)
+    assert math.isclose(sc.cross_gap("measured"), 0.1)  # fewer than 4 rounds: the plain gap
     lo, hi = sc.gap_interval("measured")  # constant steps: no spread
     assert math.isclose(lo, 0.1) and math.isclose(hi, 0.1)
     assert math.isclose(bp._spearman([1, 2, 3, 4], [10, 20, 30, 40]), 1.0)
