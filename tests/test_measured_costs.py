@@ -79,20 +79,28 @@ def test_the_joint_backward_is_split_in_the_ratio_of_b_and_w(monkeypatch):
 
     monkeypatch.setattr(prof, "_median_time", fake)
     monkeypatch.setattr(prof, "engine_overhead_s", lambda device: 0.0)
-    monkeypatch.setattr(prof, "_whole_backward_s", lambda gm, env, device: None)
+    monkeypatch.setattr(prof, "_backward_in_sequence", lambda gm, env, device, record: None)
     t = prof.profile_graph(tr, [x], "cpu", warmup=2, repeats=5)[node]
     assert (t.bwd_input_s, t.bwd_weight_s) == (2.0, 4.0)  # B + W = the joint 6
     assert calls[0] == (2, 5) and len(calls) == 3
 
 
-def _fake_backward_times(monkeypatch, joint_b_w, engine_s, whole):
+def _fake_backward_times(monkeypatch, joint_b_w, engine_s, in_seq):
+    """``_median_time`` returns ``joint_b_w`` in turn, the engine costs ``engine_s``, and every
+    in-sequence backward records ``in_seq`` for every node (None: records nothing)."""
     values = iter(joint_b_w)
     monkeypatch.setattr(prof, "_median_time", lambda fn, device, warmup, repeats: next(values))
     monkeypatch.setattr(prof, "engine_overhead_s", lambda device: engine_s)
-    monkeypatch.setattr(prof, "_whole_backward_s", lambda gm, env, device: whole)
+
+    def seq(gm, env, device, record):
+        if record is not None and in_seq is not None:
+            for name in record:
+                record[name].append(in_seq)
+        return None
+    monkeypatch.setattr(prof, "_backward_in_sequence", seq)
 
 
-def test_the_engines_per_call_cost_is_taken_off_each_node(monkeypatch):
+def test_a_node_the_whole_backward_misses_pays_its_own_call_less_the_engine(monkeypatch):
     x = torch.randn(4, 8)
     tr = trace(nn.Linear(8, 4), (x,))
     (node,) = [n.name for n in tr.compute_nodes()]
@@ -105,26 +113,30 @@ def test_the_engines_per_call_cost_is_taken_off_each_node(monkeypatch):
     assert t.bwd_input_s + t.bwd_weight_s == pytest.approx(prof.MIN_BACKWARD_SHARE * 0.5)
 
 
-def test_node_backwards_are_scaled_to_the_whole_graphs_backward(monkeypatch):
+def test_the_in_sequence_backward_is_split_in_the_ratio_of_b_and_w(monkeypatch):
     x = torch.randn(4, 8)
     tr = trace(nn.Linear(8, 4), (x,))
     (node,) = [n.name for n in tr.compute_nodes()]
-    _fake_backward_times(monkeypatch, [6.0, 1.0, 2.0], 0.0, 12.0)
+    _fake_backward_times(monkeypatch, [1.0, 2.0], 0.0, 12.0)  # only B and W alone are timed
     t = prof.profile_graph(tr, [x], "cpu", warmup=1, repeats=3)[node]
-    assert (t.bwd_input_s, t.bwd_weight_s) == pytest.approx((4.0, 8.0))  # 1:2 of the whole 12
+    assert (t.bwd_input_s, t.bwd_weight_s) == pytest.approx((4.0, 8.0))  # 1:2 of 12
 
 
-def test_whole_backward_is_timed_without_touching_grad():
+def test_the_in_sequence_backward_attributes_time_to_every_node_without_touching_grad():
     torch.manual_seed(0)
-    x = torch.randn(4, 8)
-    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
+    x = torch.randn(64, 32)
+    model = nn.Sequential(nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
     tr = trace(model, (x,))
+    names = [n.name for n in tr.compute_nodes()]
+    record = {n: [] for n in names}
     with torch.enable_grad():
         env = prof._forward_in_sequence(tr.gm, {n.name: x for n in tr.gm.graph.nodes
                                                 if n.op == "placeholder"}, torch.device("cpu"),
                                         None)
-    t = prof._whole_backward_s(tr.gm, env, torch.device("cpu"))
-    assert t is not None and t > 0
+    whole = prof._backward_in_sequence(tr.gm, env, torch.device("cpu"), record)
+    assert whole is not None and whole > 0
+    assert all(len(record[n]) == 1 and record[n][0] > 0 for n in names), record
+    assert sum(v[0] for v in record.values()) <= whole
     assert all(p.grad is None for p in model.parameters())
 
 
@@ -294,6 +306,6 @@ def test_fake_clock_median_of_sequence_passes(monkeypatch):
         return state["t"]
 
     monkeypatch.setattr(prof, "_clock", clock)
-    monkeypatch.setattr(prof, "_whole_backward_s", lambda gm, env, device: None)
+    monkeypatch.setattr(prof, "_backward_in_sequence", lambda gm, env, device, record: None)
     times = prof.profile_graph(tr, [x], "cpu", warmup=1, repeats=3)
     assert [times[n].fwd_s for n in names] == [3.0] * n_nodes  # median of 2, 3, 4

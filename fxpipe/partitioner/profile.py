@@ -51,7 +51,7 @@ def cache_dir() -> Path:
 
 #: what the cached times mean; part of every cache key, so that times measured another way are
 #: measured again (2: forwards timed in sequence, one joint backward split between B and W)
-PROFILE_FORMAT = "profile-v3"
+PROFILE_FORMAT = "profile-v4"
 
 
 def profile_key(traced: TracedModel, device: str, dtype: str = "float32") -> str:
@@ -214,13 +214,13 @@ def profile_graph(traced: TracedModel, inputs: list[torch.Tensor], device: torch
     (what the stage's backward runs), split between B (input gradients) and W (weight
     gradients) in the ratio of a backward to each alone. B + W is the joint time: two separate
     calls would each pay the autograd engine's per-call cost, and a fused backward kernel
-    (layer norm's) would run twice. The engine's per-call cost (:func:`engine_overhead_s`,
-    about 20 us on a CPU) is taken off each node's joint time: a stage's backward is one call
-    for all its nodes. Last, the nodes' backward times are scaled so that they sum to the
-    median of the whole graph's backward, timed after each timed forward pass (one call, as a
-    stage runs it): node by node, a graph's backward summed 8% under to 30% over its own on
-    this machine's probes, the node times give the split between nodes, the whole graph the
-    total.
+    (layer norm's) would run twice. The joint time itself is measured in sequence too: after
+    each timed forward pass, one backward through the whole graph (one engine call, as a stage
+    runs it) with a hook on every node's output, and a node's backward is the time from its
+    hook to the next (median over the passes). Node by node on their own, a graph's backward
+    summed 8% under to 30% over its own on this machine's probes, not uniformly (a late conv
+    under, an early one over). A node the whole backward does not reach (no hook fired) keeps
+    its own-call time less the engine's per-call cost (:func:`engine_overhead_s`).
 
     Args:
         progress: called as ``progress(done, total)`` after each node's backward.
@@ -235,16 +235,15 @@ def profile_graph(traced: TracedModel, inputs: list[torch.Tensor], device: torch
     computes = [n for n in gm.graph.nodes if n.op in COMPUTE_OPS]
     samples: dict[str, list[float]] = {n.name: [] for n in computes}
     env: dict[str, Any] = {}
-    whole_bwd: list[float] = []
+    in_seq: dict[str, list[float]] = {n.name: [] for n in computes}
     with torch.enable_grad():
         for p in range(max(0, warmup) + max(1, repeats)):
             env = {}  # free the last pass's activations first
-            env = _forward_in_sequence(gm, given, device, samples if p >= warmup else None)
-            if p >= warmup and p < warmup + max(1, repeats) - 1:  # keep the last pass's graph
-                t = _whole_backward_s(gm, env, device)
-                if t is not None:
-                    whole_bwd.append(t)
+            timed = p >= warmup
+            env = _forward_in_sequence(gm, given, device, samples if timed else None)
+            _backward_in_sequence(gm, env, device, in_seq if timed else None)
     fwd = {k: statistics.median(v) for k, v in samples.items()}
+    bwd_seq = {k: statistics.median(v) for k, v in in_seq.items() if v}
     for n in gm.graph.nodes:  # the backward runs on detached values of the last pass
         if n.op in COMPUTE_OPS:
             env[n.name] = pytree.tree_map_only(torch.Tensor, lambda t: t.detach(), env[n.name])
@@ -293,8 +292,11 @@ def profile_graph(traced: TracedModel, inputs: list[torch.Tensor], device: torch
                 return lambda: torch.autograd.grad(leaves, wrt, grads, retain_graph=True,
                                                    allow_unused=True)
             try:
-                joint = _median_time(grad_of(acts + params), device, warmup, repeats)
-                joint = max(joint - engine_s, MIN_BACKWARD_SHARE * joint)
+                if n.name in bwd_seq:  # in the whole graph's backward: the ratio only
+                    joint = bwd_seq[n.name]
+                else:
+                    joint = _median_time(grad_of(acts + params), device, warmup, repeats)
+                    joint = max(joint - engine_s, MIN_BACKWARD_SHARE * joint)
                 if acts and params:  # the ratio only: fewer repeats, the joint runs warmed up
                     few = max(1, (repeats + 1) // 2)
                     bi, bw = _split_joint(joint, _median_time(grad_of(acts), device, 1, few),
@@ -308,20 +310,18 @@ def profile_graph(traced: TracedModel, inputs: list[torch.Tensor], device: torch
         out_times[n.name] = NodeTimes(fwd[n.name], bi, bw)
         if progress is not None:
             progress(k + 1, len(computes))
-    total = sum(t.bwd_input_s + t.bwd_weight_s for t in out_times.values())
-    if whole_bwd and total > 0:  # the nodes' share of the graph's own backward
-        f = statistics.median(whole_bwd) / total
-        out_times = {k: NodeTimes(t.fwd_s, t.bwd_input_s * f, t.bwd_weight_s * f)
-                     for k, t in out_times.items()}
     return out_times
 
 
-def _whole_backward_s(gm: torch.fx.GraphModule, env: dict[str, Any],
-                      device: torch.device) -> float | None:
-    """Seconds of one backward through a pass's whole autograd graph (``env``, from
+def _backward_in_sequence(gm: torch.fx.GraphModule, env: dict[str, Any], device: torch.device,
+                          record: dict[str, list[float]] | None) -> float | None:
+    """One backward through a pass's whole autograd graph (``env``, from
     :func:`_forward_in_sequence`), from all-ones gradients of its float outputs to every
-    parameter and float input; nothing is accumulated into ``.grad``. None when the outputs
-    have no gradient."""
+    parameter and float input, as a stage's backward runs (one engine call); nothing is
+    accumulated into ``.grad``. With ``record``, each compute node's share is appended to
+    ``record[name]``: a hook on the node's output fires just before the engine runs the
+    node's backward, and the time until the next such hook is that backward's. Returns the
+    whole backward's seconds, or None when the outputs have no gradient."""
     out_node = next(n for n in gm.graph.nodes if n.op == "output")
     outs = [v for v in pytree.tree_leaves(pytree.tree_map_only(
         torch.fx.Node, lambda a: env.get(a.name), out_node.args))
@@ -332,14 +332,34 @@ def _whole_backward_s(gm: torch.fx.GraphModule, env: dict[str, Any],
     if not outs or not wrt:
         return None
     grads = [torch.ones_like(o) for o in outs]
+    events: list[tuple[float, str]] = []
+    handles = []
+    if record is not None:
+        for n in gm.graph.nodes:
+            if n.op not in COMPUTE_OPS:
+                continue
+            for v in pytree.tree_leaves(env.get(n.name)):
+                if isinstance(v, torch.Tensor) and v.grad_fn is not None:
+                    handles.append(v.register_hook(
+                        lambda g, name=n.name: events.append((_clock(), name))))
     _sync(device)
     t0 = _clock()
     try:
         torch.autograd.grad(outs, wrt, grads, allow_unused=True)
+        _sync(device)
     except RuntimeError:  # an op without a derivative
         return None
-    _sync(device)
-    return _clock() - t0
+    finally:
+        for h in handles:
+            h.remove()
+    end = _clock()
+    if record is not None:
+        got: dict[str, float] = {}
+        for (t, name), (t_next, _) in zip(events, events[1:] + [(end, "")]):
+            got[name] = got.get(name, 0.0) + (t_next - t)
+        for name, dt in got.items():
+            record[name].append(dt)
+    return end - t0
 
 
 def loss_key(profile: str, loss: str, output: torch.Tensor, target: torch.Tensor) -> str:
