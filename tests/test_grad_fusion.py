@@ -121,6 +121,17 @@ def test_what_is_not_fused():
         def forward(self, i):
             return self.e(i)
 
+    # a parameter with a gradient hook keeps autograd's path, so the hook still runs
+    model3 = Mixed()
+    seen = []
+    model3.head.weight.register_hook(lambda g: seen.append("hook"))
+    model3.fc.weight.register_post_accumulate_grad_hook(lambda p: seen.append("post"))
+    gm3 = _stage(model3, ids)
+    fused3, count3 = fuse_weight_grads(gm3)
+    assert count3 == 2  # emb and the addmm only
+    fused3(ids).sum().backward()
+    assert sorted(seen) == ["hook", "post"]
+
     gm2 = _stage(FreqEmb(), torch.randint(0, 10, (3,)))
     assert fuse_weight_grads(gm2) == (gm2, 0)
     plain = nn.Linear(3, 3)

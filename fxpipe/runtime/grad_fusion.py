@@ -14,7 +14,8 @@ autograd's up to the order of the floating-point additions.
 
 It applies only where the result is the same as autograd's: fp32 stages without autocast (the
 gradient's dtype is the parameter's), a full backward (a split B/W backward computes the weight
-gradient separately), parameters that require gradients, ``embedding`` without
+gradient separately), parameters that require gradients and have no gradient hooks (a hook
+runs on autograd's path; a hook registered after the executor is built is not seen), ``embedding`` without
 ``scale_grad_by_freq`` or sparse gradients, ``addmm`` with ``beta = alpha = 1``. Where
 ``.grad`` cannot take the result in place (another dtype, layout or a sparse ``.grad``) the
 gradient is handed back to autograd instead.
@@ -145,7 +146,12 @@ def _trained_param(gm: fx.GraphModule, node) -> bool:
             obj = getattr(obj, part)
     except AttributeError:
         return False
-    return isinstance(obj, nn.Parameter) and obj.requires_grad and obj.dtype.is_floating_point
+    if not (isinstance(obj, nn.Parameter) and obj.requires_grad and obj.dtype.is_floating_point):
+        return False
+    # a gradient hook (register_hook, register_post_accumulate_grad_hook) runs on autograd's
+    # path only: such a parameter keeps it
+    return not (getattr(obj, "_backward_hooks", None)
+                or getattr(obj, "_post_accumulate_grad_hooks", None))
 
 
 def _rewrite(gm: fx.GraphModule, n: fx.Node):
