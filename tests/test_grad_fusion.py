@@ -132,6 +132,21 @@ def test_what_is_not_fused():
     fused3(ids).sum().backward()
     assert sorted(seen) == ["hook", "post"]
 
+    # a hook registered after the rewrite: the gradient goes through autograd, the hook sees it
+    model4 = Mixed()
+    gm4 = _stage(model4, ids)
+    fused4, _ = fuse_weight_grads(gm4)
+    got = []
+    model4.head.weight.register_hook(lambda g: got.append(g.clone()) or g * 0.5)
+    ref4 = copy.deepcopy(model4)
+    ref_seen = []
+    ref4.head.weight.register_hook(lambda g: ref_seen.append(1) or g * 0.5)
+    for _ in range(2):
+        fused4(ids).sum().backward()
+        ref4(ids).sum().backward()
+    assert len(got) == 2 and all(g is not None for g in got) and len(ref_seen) == 2
+    assert torch.allclose(model4.head.weight.grad, ref4.head.weight.grad, rtol=1e-6, atol=1e-6)
+
     gm2 = _stage(FreqEmb(), torch.randint(0, 10, (3,)))
     assert fuse_weight_grads(gm2) == (gm2, 0)
     plain = nn.Linear(3, 3)

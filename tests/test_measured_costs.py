@@ -192,7 +192,7 @@ def test_measured_loss_is_cached_per_loss(tmp_path, monkeypatch):
 
     monkeypatch.setattr(loss_cost, "profile_loss", no_more)
     assert loss_cost.measured_loss_times(tr, "cross_entropy", "cpu") == first
-    with pytest.raises(AssertionError, match="measured again"):  # another loss: its own entry
+    with pytest.raises(PlanError, match="measured again"):  # another loss: its own entry
         loss_cost.measured_loss_times(tr, "mse", "cpu")
     assert loss_cost.measured_loss_times(tr, "model", "cpu") == NodeTimes()
 
@@ -309,3 +309,40 @@ def test_fake_clock_median_of_sequence_passes(monkeypatch):
     monkeypatch.setattr(prof, "_backward_in_sequence", lambda gm, env, device, record: None)
     times = prof.profile_graph(tr, [x], "cpu", warmup=1, repeats=3)
     assert [times[n].fwd_s for n in names] == [3.0] * n_nodes  # median of 2, 3, 4
+
+
+def test_a_model_with_batchnorm_is_profiled():
+    """BatchNorm's running statistics are buffers: they get no gradient and are not made
+    leaves that require one (native_batch_norm is not differentiable in them)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
+                          nn.Flatten(), nn.Linear(4 * 8 * 8, 5))
+    x = torch.randn(2, 3, 8, 8)
+    tr = trace(model, (x,))
+    times = prof.profile_graph(tr, [x], "cpu", warmup=1, repeats=1)
+    bn = [n.name for n in tr.compute_nodes() if "batch_norm" in str(n.target)]
+    assert bn and all(times[n].bwd_input_s > 0 and times[n].bwd_weight_s > 0 for n in bn)
+
+
+def bad_loss(output, target):
+    raise ValueError("this loss takes no logits")
+
+
+def test_a_loss_that_does_not_fit_is_one_clean_error_when_measured(tmp_path, monkeypatch):
+    monkeypatch.setenv("FXPIPE_CACHE_DIR", str(tmp_path))
+    x = torch.randn(4, 8)
+    tr = trace(nn.Linear(8, 10), (x,))
+    with pytest.raises(PlanError, match=r"train.loss .*bad_loss.* cannot take the model output "
+                                        r"\(4, 10\) float32.*ValueError: this loss takes no"):
+        loss_cost.measured_loss_times(tr, f"{__name__}:bad_loss", "cpu", repeats=1, warmup=0)
+
+
+def test_a_changed_custom_loss_is_measured_again():
+    def a(o, t):
+        return (o - t).pow(2).mean()
+
+    def b(o, t):
+        return (o - t).abs().mean()
+
+    assert loss_cost._code_fingerprint(a) != loss_cost._code_fingerprint(b)
+    assert loss_cost._code_fingerprint(a) == loss_cost._code_fingerprint(a)

@@ -259,3 +259,20 @@ def test_transformers_model_trains_through_fxpipe_run(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     assert "validation loss" in r.stdout and (out / "eval.json").exists()
     assert "recomputed in each stage" in (out / "summary.txt").read_text()
+
+
+def test_gpt2s_own_loss_runs_under_bf16_autocast():
+    """GPT-2's loss casts its logits to float; torch.export records that as a dtype check of the
+    float32 trace, which a stage computing in bf16 would fail. fxpipe's trace drops the checks."""
+    from fxpipe.partitioner.trace import trace, trace_kwargs
+
+    model = zoo.build("gpt2")
+    _, kw, _ = zoo.batch("gpt2", 0)
+    kw = {k: v[:2] for k, v in kw.items()}
+    tr = trace(model, (), example_kwargs=kw, output="loss")
+    assert not [n for n in tr.gm.graph.nodes
+                if n.target is torch.ops.aten._assert_tensor_metadata.default]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = tr.gm(**trace_kwargs(model, kw))  # the keywords as traced (use_cache off)
+    loss = out[0] if isinstance(out, (tuple, list)) else out
+    assert torch.isfinite(loss.float()).all()

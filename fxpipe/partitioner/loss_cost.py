@@ -25,11 +25,13 @@ backward (the gradient of the output, on the input-gradient path) as ``bwd_input
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from typing import Callable
 
 import torch
 
+from fxpipe.errors import PlanError
 from fxpipe.partitioner.profile import (load_loss_profile, loss_key, profile_key, profile_loss,
                                         save_loss_profile)
 from fxpipe.partitioner.timing import NodeTimes, roofline
@@ -118,16 +120,39 @@ def measured_loss_times(traced: TracedModel, loss: str, device: str, *, ignore_i
         return NodeTimes()
     dev = torch.device(device)
     out, y = _inputs(loss, meta, dev, target)
-    key = loss_key(profile_key(traced, device), loss, out, y)
+    fn = resolve_loss(loss, ignore_index)
+    key = loss_key(profile_key(traced, device), f"{loss}#{_code_fingerprint(fn)}", out, y)
     times = load_loss_profile(key)
     if times is None:
         _log.info("profiling the loss %s (cluster.costs: measured)", loss)
-        times = profile_loss(resolve_loss(loss, ignore_index), out, y, dev, warmup=warmup,
-                             repeats=repeats)
+        try:
+            times = profile_loss(fn, out, y, dev, warmup=warmup, repeats=repeats)
+        except Exception as e:  # noqa: BLE001 - the user's loss, any failure
+            raise PlanError(
+                f"train.loss {loss!r} cannot take the model output {tuple(out.shape)} "
+                f"{str(out.dtype).replace('torch.', '')} and the target {tuple(y.shape)} "
+                f"{str(y.dtype).replace('torch.', '')}: {type(e).__name__}: "
+                f"{str(e).splitlines()[0] if str(e) else ''}; pick a loss that fits the model "
+                "(built in: cross_entropy, mse), fix the dataset's targets or set model.output "
+                "to the output the loss reads") from None
         save_loss_profile(key, times, {"model": traced.model_name, "device": device,
                                        "loss": loss, "output": list(out.shape),
                                        "target": list(y.shape)})
     return times
+
+
+def _code_fingerprint(fn) -> str:
+    """A short hash of a loss function's code (a changed custom loss is measured again)."""
+    f = getattr(fn, "func", fn)  # functools.partial
+    code = getattr(f, "__code__", None)
+    h = hashlib.sha256()
+    if code is not None:
+        h.update(code.co_code)
+        h.update(repr(code.co_consts).encode())
+        h.update(repr(getattr(fn, "keywords", None)).encode())
+    else:
+        h.update(repr(f).encode())
+    return h.hexdigest()[:12]
 
 
 def with_loss(times: dict[str, NodeTimes], node: str | None, loss: NodeTimes

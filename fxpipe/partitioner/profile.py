@@ -262,6 +262,8 @@ def profile_graph(traced: TracedModel, inputs: list[torch.Tensor], device: torch
             params += [p for p in gm.get_submodule(n.target).parameters() if p.requires_grad]
         params = list({id(p): p for p in params}.values())
         pids = {id(p) for p in params}
+        # parameters and buffers (BatchNorm's running statistics: no gradient) stay as they are
+        pids |= {id(env[a.name]) for a in n.all_input_nodes if a.op == "get_attr"}
         swap: dict[int, torch.Tensor] = {}
         for v in pytree.tree_leaves((args, kwargs)):
             if (isinstance(v, torch.Tensor) and id(v) not in pids and id(v) not in swap

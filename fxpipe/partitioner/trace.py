@@ -50,7 +50,8 @@ class TracedModel:
 
     Attributes:
         gm: the FX GraphModule. For ``tracer="export"`` this is ``ep.module()`` with export's
-            ``_guards_fn`` node removed. ``pipe_split`` marker nodes are removed in both cases.
+            ``_guards_fn`` node and its ``_assert_tensor_metadata`` checks removed. ``pipe_split``
+            marker nodes are removed in both cases.
             Every node has ``meta['val']`` (FakeTensor, tuple/list of them, a Python scalar, or
             None) describing its output for the example inputs (one micro-batch).
         input_names: placeholder node names in call order (export: flattened args then kwargs).
@@ -353,6 +354,12 @@ def _trace_export(model: nn.Module, example_inputs: tuple,
         raise trace_error(e, model, "export", "torch.export.export(strict=False)") from e
     gm = ep.module()
     for n in list(gm.graph.nodes):
+        # export's dtype/device checks of traced values (e.g. of GPT-2's logits before its loss
+        # casts them to float): only checks, and wrong under autocast, where a stage computes
+        # in 16 bits what the fp32 trace saw as float32
+        if n.op == "call_function" and n.target is torch.ops.aten._assert_tensor_metadata.default:
+            gm.graph.erase_node(n)
+            continue
         if n.op == "call_module" and str(n.target).startswith("_guards_fn"):
             if n.users:  # pragma: no cover - export never uses its result
                 continue

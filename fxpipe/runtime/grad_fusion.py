@@ -15,7 +15,8 @@ autograd's up to the order of the floating-point additions.
 It applies only where the result is the same as autograd's: fp32 stages without autocast (the
 gradient's dtype is the parameter's), a full backward (a split B/W backward computes the weight
 gradient separately), parameters that require gradients and have no gradient hooks (a hook
-runs on autograd's path; a hook registered after the executor is built is not seen), ``embedding`` without
+runs on autograd's path: a parameter with one, also one registered after the rewrite, has its
+gradient handed to autograd), ``embedding`` without
 ``scale_grad_by_freq`` or sparse gradients, ``addmm`` with ``beta = alpha = 1``. Where
 ``.grad`` cannot take the result in place (another dtype, layout or a sparse ``.grad``) the
 gradient is handed back to autograd instead.
@@ -38,6 +39,8 @@ def _accumulate(p: torch.Tensor, make, add) -> torch.Tensor | None:
     """Put a weight gradient into ``p.grad``: ``make()`` (a new tensor) when there is none, else
     ``add(p.grad)`` in place. Returns None, or the gradient for autograd where ``p.grad``
     cannot take it in place."""
+    if getattr(p, "_backward_hooks", None):  # a hook registered since: autograd's path runs it
+        return make()
     g = p.grad
     if g is None:
         p.grad = make()

@@ -288,6 +288,9 @@ class TrainSpec(_Section):
     (over all stages and replicas) to this value before each optimizer step (0, the default:
     no clipping). ``grad_accumulation``: global batches whose gradients are accumulated per
     optimizer step (``steps`` counts optimizer steps; each step's loss weighs ``1/k``).
+    ``fuse_grad_accumulation``: the weight gradients of fp32 stages' ``linear`` / ``addmm`` /
+    ``embedding`` nodes go into ``.grad`` in place over the micro-batches (default true;
+    :mod:`fxpipe.runtime.grad_fusion`); false keeps autograd's fresh buffer per micro-batch.
     ``activation_recompute``: keep only each stage's inputs per micro-batch in flight and
     recompute the stage's forward in its backward (``on``), never (``off``), or where the
     activations would not fit otherwise (``auto``, default); exact either way.
@@ -315,6 +318,7 @@ class TrainSpec(_Section):
     lr_schedule: LRScheduleSpec = Field(default_factory=LRScheduleSpec)
     grad_clip: float = Field(default=0.0, ge=0, allow_inf_nan=False)
     grad_accumulation: PositiveInt = 1
+    fuse_grad_accumulation: bool = True
     nan_policy: Literal["stop", "skip"] = "stop"
     max_restarts: int = Field(default=0, ge=0, le=100)
 

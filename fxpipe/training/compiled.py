@@ -743,7 +743,8 @@ def _compile(model: nn.Module, spec_or_plan: Any, example_inputs: Any = None,
                                 None, timeout_s=timeout,
                                 grad_compression=Compression.from_train(t),
                                 precision=t.precision, needs_target=not model_loss,
-                                sync_gradients=not servers)
+                                sync_gradients=not servers,
+                                fuse_grad_accumulation=t.fuse_grad_accumulation)
     k = grad_accumulation if grad_accumulation is not None else t.grad_accumulation
     if not isinstance(k, int) or k < 1:
         raise UsageError(f"fxpipe.compile: grad_accumulation must be a positive integer, got {k!r}")
