@@ -279,3 +279,17 @@ def test_skipping_stops_once_the_weights_themselves_are_not_finite(tmp_path):
         assert not _weights_finite(Pipe(torch.tensor([float("inf")])))
     finally:
         dist.destroy_process_group()
+
+
+def test_a_failed_collective_names_the_other_ranks_not_a_placeholder():
+    """The loss all-reduce at a step's end talks to every other rank: its failure names them
+    (it said "rank -1" when a node died there)."""
+    from fxpipe.runtime.p2p import _failure
+
+    err = RuntimeError("Connection closed by peer")
+    many = str(_failure("loss all-reduce", [1, 2, 3], "rank 0 end of step", 10, err))
+    assert "with ranks 1, 2, 3 failed" in many and "the logs of ranks 1, 2, 3" in many
+    assert "-1" not in many
+    one = str(_failure("loss all-reduce", [1], "rank 0 end of step", 10, err))
+    assert "with rank 1 failed" in one and "rank 1's log" in one
+    assert "with rank 4 failed" in str(_failure("send", 4, "ctx", 10, err))

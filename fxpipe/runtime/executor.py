@@ -750,7 +750,10 @@ class PipelineExecutor:
         group = None if self.sync_gradients else self.mesh.pipe_group  # async: this replica
         if (self.mesh.world_size > 1) if self.sync_gradients else group is not None:
             work = dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group, async_op=True)
-            p2p.wait(p2p.Pending(work, buf, -1, "loss all-reduce"),
+            ranks = (range(self.mesh.world_size) if group is None
+                     else [self.mesh.global_rank(j) for j in range(self.mesh.pipeline)])
+            others = [r for r in ranks if r != self.rank]
+            p2p.wait(p2p.Pending(work, buf, others, "loss all-reduce"),
                      f"rank {self.rank} end of step", self.timeout_s)
         return float(buf.item()) / (self.mesh.dp if self.sync_gradients else 1)
 

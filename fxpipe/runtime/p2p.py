@@ -32,17 +32,21 @@ class Pending:
 
     work: object
     tensor: torch.Tensor
-    peer: int
+    peer: int | list[int]  # a collective: the other ranks taking part
     what: str
 
 
-def _failure(what: str, peer: int, context: str, timeout_s: float,
+def _failure(what: str, peer: int | list[int], context: str, timeout_s: float,
              err: BaseException) -> RuntimeFailure:
+    peers = [peer] if isinstance(peer, int) else list(peer)
+    who = (f"rank {peers[0]}" if len(peers) == 1
+           else "ranks " + ", ".join(map(str, peers)) if peers else "the other ranks")
+    logs = f"{who}'s log" if len(peers) == 1 else f"the logs of {who}"
     return RuntimeFailure(
-        f"{context}: {what} with rank {peer} failed or timed out (timeout {timeout_s:g} s): "
+        f"{context}: {what} with {who} failed or timed out (timeout {timeout_s:g} s): "
         f"{comm_error_text(err)}. "
-        f"Check rank {peer}'s log (did it crash or fall behind?); raise train.timeout_s if it is "
-        "only slow")
+        f"Check {logs} (did {'it' if len(peers) == 1 else 'one'} crash or fall behind?); raise "
+        "train.timeout_s if it is only slow")
 
 
 def isend(tensor: torch.Tensor, dst: int, tag: int, what: str, context: str,
