@@ -36,6 +36,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from fxpipe.errors import PlanError
+from fxpipe.partitioner.boundaries import resolve_attr
 from fxpipe.partitioner.timing import NodeTimes
 from fxpipe.partitioner.trace import COMPUTE_OPS, TracedModel
 
@@ -120,13 +121,6 @@ def _node_error(n: torch.fx.Node, e: Exception) -> PlanError:
                      "dataset's batches fit the model (vocabulary, shapes)")
 
 
-def _attr(gm: torch.fx.GraphModule, target: str) -> Any:
-    obj: Any = gm
-    for part in str(target).split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
 def _op(gm: torch.fx.GraphModule, n: torch.fx.Node) -> Callable[..., Any]:
     """What node ``n`` calls, as ``fn(*args, **kwargs)``."""
     if n.op == "call_module":
@@ -151,7 +145,7 @@ def _forward_in_sequence(gm: torch.fx.GraphModule, given: dict[str, Any], device
             env[n.name] = given.get(n.name)
             continue
         if n.op == "get_attr":
-            env[n.name] = _attr(gm, n.target)
+            env[n.name] = resolve_attr(gm, str(n.target))
             continue
         if n.op not in COMPUTE_OPS:
             continue
@@ -248,7 +242,7 @@ def profile_graph(traced: TracedModel, inputs: list[torch.Tensor], device: torch
         if n.op in COMPUTE_OPS:
             env[n.name] = pytree.tree_map_only(torch.Tensor, lambda t: t.detach(), env[n.name])
     out_times: dict[str, NodeTimes] = {}
-    engine_s = engine_overhead_s(device)
+    engine_s: float | None = None  # measured when a node needs it (the whole backward missed it)
 
     def fetch(a):
         return env[a.name] if isinstance(a, torch.fx.Node) else a
@@ -298,6 +292,8 @@ def profile_graph(traced: TracedModel, inputs: list[torch.Tensor], device: torch
                     joint = bwd_seq[n.name]
                 else:
                     joint = _median_time(grad_of(acts + params), device, warmup, repeats)
+                    if engine_s is None:
+                        engine_s = engine_overhead_s(device)
                     joint = max(joint - engine_s, MIN_BACKWARD_SHARE * joint)
                 if acts and params:  # the ratio only: fewer repeats, the joint runs warmed up
                     few = max(1, (repeats + 1) // 2)

@@ -294,6 +294,11 @@ class PipelineExecutor:
         self._fwd_only: tuple[list[Action], list[int], list[str]] | None = None
         self._eval_work: dict[tuple[int, ...], dict[int, StageWork]] = {}
         self._clock0 = time.time() - time.perf_counter()
+        # the other ranks of the step's loss all-reduce (named when it fails): every rank, or
+        # this replica's pipeline without gradient sync
+        ranks = (range(mesh.world_size) if sync_gradients
+                 else [mesh.global_rank(j) for j in range(mesh.pipeline)])
+        self._loss_peers = [r for r in ranks if r != self.rank]
 
     def _find_loss_stage(self, plan: Plan) -> int:
         holders = [sp.index for sp in plan.stages if plan.model_output in sp.outputs]
@@ -750,10 +755,7 @@ class PipelineExecutor:
         group = None if self.sync_gradients else self.mesh.pipe_group  # async: this replica
         if (self.mesh.world_size > 1) if self.sync_gradients else group is not None:
             work = dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group, async_op=True)
-            ranks = (range(self.mesh.world_size) if group is None
-                     else [self.mesh.global_rank(j) for j in range(self.mesh.pipeline)])
-            others = [r for r in ranks if r != self.rank]
-            p2p.wait(p2p.Pending(work, buf, others, "loss all-reduce"),
+            p2p.wait(p2p.Pending(work, buf, self._loss_peers, "loss all-reduce"),
                      f"rank {self.rank} end of step", self.timeout_s)
         return float(buf.item()) / (self.mesh.dp if self.sync_gradients else 1)
 

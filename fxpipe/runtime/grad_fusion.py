@@ -143,13 +143,11 @@ def _trained_param(gm: fx.GraphModule, node) -> bool:
     """``node`` is a ``get_attr`` of a parameter that requires gradients."""
     if not isinstance(node, fx.Node) or node.op != "get_attr":
         return False
-    obj = gm
     try:
-        for part in str(node.target).split("."):
-            obj = getattr(obj, part)
-    except AttributeError:
+        obj = gm.get_parameter(str(node.target))
+    except AttributeError:  # a buffer or a constant
         return False
-    if not (isinstance(obj, nn.Parameter) and obj.requires_grad and obj.dtype.is_floating_point):
+    if not (obj.requires_grad and obj.dtype.is_floating_point):
         return False
     # a gradient hook (register_hook, register_post_accumulate_grad_hook) runs on autograd's
     # path only: such a parameter keeps it
