@@ -293,3 +293,14 @@ def test_a_failed_collective_names_the_other_ranks_not_a_placeholder():
     one = str(_failure("loss all-reduce", [1], "rank 0 end of step", 10, err))
     assert "with rank 1 failed" in one and "rank 1's log" in one
     assert "with rank 4 failed" in str(_failure("send", 4, "ctx", 10, err))
+
+
+def test_a_failed_gradient_all_reduce_names_its_peers():
+    """A shared parameter's all-reduce between two pipeline ranks that fails (a node died at the
+    step's end) names the other rank, as a failed send does."""
+    from fxpipe.runtime.data_parallel import GradBucket
+
+    bucket = GradBucket("shared parameters ['head.weight']", [], None, 1.0)
+    bucket.peers = [1]
+    text = str(bucket._failed(RuntimeError("Connection closed by peer"), 10))
+    assert "with rank 1 failed" in text and "rank 1's log" in text

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from fxpipe.errors import RuntimeFailure, comm_error_text
 from fxpipe.runtime.compression import Compression, as_compression, make_reducer
+from fxpipe.runtime.p2p import describe_peers
 
 
 class GradBucket:
@@ -60,6 +61,9 @@ class GradBucket:
         self.launched = False
         self.bytes_sent = 0
         self.nbytes = sum(p.numel() * p.element_size() for p in self.params)
+        #: the other global ranks of the all-reduce (named when it fails)
+        self.peers = ([r for r in dist.get_process_group_ranks(group) if r != dist.get_rank()]
+                      if group is not None else [])
 
     def launch(self) -> None:
         """Flatten the gradients and start the asynchronous all-reduce (SUM) of the bucket."""
@@ -82,11 +86,11 @@ class GradBucket:
         self._busy = True
 
     def _failed(self, e: Exception, timeout_s: float) -> RuntimeFailure:
+        who, logs = describe_peers(self.peers)
         return RuntimeFailure(
-            f"{self.name} gradient all-reduce ({self.nbytes} bytes) failed or timed out after "
-            f"{timeout_s:g} s: {comm_error_text(e)}. Check the other ranks' logs; raise "
-            "train.timeout_s if a "
-            "peer is only slow")
+            f"{self.name} gradient all-reduce ({self.nbytes} bytes) with {who} failed or timed "
+            f"out after {timeout_s:g} s: {comm_error_text(e)}. Check {logs}; raise "
+            "train.timeout_s if a peer is only slow")
 
     def progress(self, timeout_s: float) -> None:
         """Start a multi-round compression's next round (PowerSGD's second all-reduce); call

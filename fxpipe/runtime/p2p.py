@@ -36,16 +36,23 @@ class Pending:
     what: str
 
 
-def _failure(what: str, peer: int | list[int], context: str, timeout_s: float,
-             err: BaseException) -> RuntimeFailure:
+def describe_peers(peer: int | list[int]) -> tuple[str, str]:
+    """``(who, whose logs)`` for a message about ``peer`` (one rank or the other ranks of a
+    collective), e.g. ``("ranks 1, 2", "the logs of ranks 1, 2")``."""
     peers = [peer] if isinstance(peer, int) else list(peer)
     who = (f"rank {peers[0]}" if len(peers) == 1
            else "ranks " + ", ".join(map(str, peers)) if peers else "the other ranks")
-    logs = f"{who}'s log" if len(peers) == 1 else f"the logs of {who}"
+    return who, (f"{who}'s log" if len(peers) == 1 else f"the logs of {who}")
+
+
+def _failure(what: str, peer: int | list[int], context: str, timeout_s: float,
+             err: BaseException) -> RuntimeFailure:
+    who, logs = describe_peers(peer)
+    one = isinstance(peer, int) or len(peer) == 1
     return RuntimeFailure(
         f"{context}: {what} with {who} failed or timed out (timeout {timeout_s:g} s): "
         f"{comm_error_text(err)}. "
-        f"Check {logs} (did {'it' if len(peers) == 1 else 'one'} crash or fall behind?); raise "
+        f"Check {logs} (did {'it' if one else 'one'} crash or fall behind?); raise "
         "train.timeout_s if it is only slow")
 
 
