@@ -14,7 +14,9 @@ picks for the same layout under three cost models:
   without any profile in the cache (so the default send cost too);
 * **measured**: ``cluster.costs: measured``: the planner profiles every node of the model on
   this machine (one thread, as a worker rank runs) and the send cost over two gloo ranks
-  (:func:`fxpipe.training.profiling.measure_send_cost`), into a cache directory of this run.
+  (:func:`fxpipe.training.profiling.measure_send_cost`), into a cache directory of this run;
+  then (``cluster.measure_stages``, the default) it times the planned cut's stages whole and
+  moves the cut where they disagree with the per-node sums (:mod:`fxpipe.partitioner.refine`).
 
 Cuts are planned with :func:`fxpipe.partitioner.driver.plan_with_graph` (``cuts=[0, i]`` for a
 given cut, no ``cuts`` for the pick), so every measured plan goes through the same code as a user's
@@ -308,10 +310,17 @@ def wait_quiet(max_busy: float, max_wait_s: float, log=print) -> float | None:
 
 # --------------------------------------------------------------------------------------- worker
 def pick_worker(rank: int, name: str, tiny: bool, plans: list[dict], warmup: int, rounds: int,
-                steps: int) -> list[RankRun]:
+                steps: int, pin: bool = False) -> list[RankRun]:
     """On every rank: build this rank's stages of every plan, then ``rounds`` rounds over the
     plans (order reversed every other round), each visit ``warmup`` untimed + ``steps`` timed
-    steps. Returns one :class:`RankRun` per plan (its timed steps of all rounds)."""
+    steps. Returns one :class:`RankRun` per plan (its timed steps of all rounds). ``pin``:
+    this rank (and the gloo threads it starts) runs on core ``rank`` only, as a rank owns its
+    device."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if pin and cores:  # every thread of the process: gloo's started before this ran
+        for tid in os.listdir("/proc/self/task"):
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(int(tid), {cores[rank % len(cores)]})
     from fxpipe.partitioner.split import build_stages, trace_for_plan
     from fxpipe.plans.plan import Plan
     from fxpipe.runtime.executor import PipelineExecutor
@@ -507,6 +516,11 @@ class ModelResult:
     loss_name: str = ""
     loss_pred_s: float = 0.0
     m: int = 0  # micro-batches per step
+    #: per stage count, the measured pick's own plan's per-stage (F, B+W, send): its stages
+    #: as timed whole by ``cluster.measure_stages`` (the per-node sums in ``stage_pred``)
+    pick_stage_pred: dict[int, list[tuple[float, float, float]]] = field(default_factory=dict)
+    #: per stage count, the measured plan's ``cluster.measure_stages`` line
+    refine_notes: dict[int, str] = field(default_factory=dict)
 
 
 def _stage_times(plan) -> list[tuple[float, float, float]]:
@@ -571,7 +585,7 @@ def _measure(pm: PickModel, tiny: bool, k: int, plans: list, rounds: int, args, 
     busy = wait_quiet(args.max_busy, args.max_wait, log) if args.max_wait > 0 else None
     t0 = time.perf_counter()
     res = run_ranks(pick_worker, k, pm.name, tiny, [p.to_dict() for p in plans], args.warmup,
-                    rounds, args.steps, timeout_s=args.timeout, dist_timeout_s=120.0)
+                    rounds, args.steps, args.pin, timeout_s=args.timeout, dist_timeout_s=120.0)
     wall = time.perf_counter() - t0
     samples = [Sample.of([res[r][i] for r in range(k)], rounds, args.steps, k)
                for i in range(len(plans))]
@@ -601,6 +615,8 @@ def bench_model(pm: PickModel, tiny: bool, args, cache: Path, log=print) -> Mode
     boundaries = block_boundaries(layers)
     log(f"[{pm.name}] {len(units)} units, {len(boundaries)} block boundaries")
     picks: dict[int, dict[str, list[int]]] = {k: {} for k in stage_counts}
+    pick_stage: dict[int, list[tuple[float, float, float]]] = {}
+    refine_notes: dict[int, str] = {}
     for mode in MODES:
         for k in stage_counts:
             first_measured = mode == "measured" and k == stage_counts[0]
@@ -617,6 +633,10 @@ def bench_model(pm: PickModel, tiny: bool, args, cache: Path, log=print) -> Mode
             plan_s[f"{mode} p={k}"] = dt
             if mode == "measured" and k == 2:
                 loss_pred_s = plan.stages[-1].loss_time_s
+            if mode == "measured":
+                pick_stage[k] = _stage_times(plan)
+                refine_notes[k] = next((line for line in plan.explain
+                                        if line.startswith("cluster.measure_stages")), "")
             picks[k][mode] = stage_starts(plan, pr)
             log(f"[{pm.name}] {mode} pick p={k}: {picks[k][mode]} "
                 f"({cut_label(picks[k][mode], layers)}), {dt:.1f} s")
@@ -658,12 +678,13 @@ def bench_model(pm: PickModel, tiny: bool, args, cache: Path, log=print) -> Mode
         # head to head: the fastest screened boundary cuts and every pick
         ranked = sorted((c for c in runs if c.boundary), key=lambda c: c.screen.step_s)
         final = [c for c in runs if c in ranked[:args.finalists] or c.picked_by]
-        if args.final_rounds > 0 and len(final) > 1:
+        final_rounds = args.final_rounds if k == 2 else args.final_rounds_4
+        if final_rounds > 0 and len(final) > 1:
             idx = [runs.index(c) for c in final]
-            log(f"[{pm.name}] p={k}: head to head, {len(final)} cuts ({args.final_rounds} "
+            log(f"[{pm.name}] p={k}: head to head, {len(final)} cuts ({final_rounds} "
                 f"rounds x {args.steps} steps)")
             samples, wall, busy1 = _measure(pm, tiny, k, [plans[i] for i in idx],
-                                            args.final_rounds, args, log)
+                                            final_rounds, args, log)
             for i, s in zip(idx, samples):
                 runs[i].final = s
             sc.wall_s += wall
@@ -676,7 +697,7 @@ def bench_model(pm: PickModel, tiny: bool, args, cache: Path, log=print) -> Mode
                         f"({sc.gap(mode):+.1%})" for mode in MODES) + f"; {sc.wall_s:.0f} s")
     return ModelResult(pm.name, pm.description, len(units), layers, boundaries, counts, plan_s,
                        profile_s, loss_time_s(pm, model, ex[0]), profile_busy, pm.loss,
-                       loss_pred_s, pm.m)
+                       loss_pred_s, pm.m, pick_stage, refine_notes)
 
 
 def loss_time_s(pm: PickModel, model: nn.Module, x: torch.Tensor, repeats: int = 15) -> float:
@@ -771,12 +792,16 @@ def stage_table(r: ModelResult, k: int = 2) -> str:
         pf, pb, ps = c.stage_pred[s]
         mf, mb, msend = c.best.stage_meas[s]
         af, ab, _ = c.stage_pred_analytic[s] if c.stage_pred_analytic else (0.0, 0.0, 0.0)
+        tf, tb, _ = (r.pick_stage_pred[k][s] if k in r.pick_stage_pred
+                     else (float("nan"),) * 3)
         rows.append([str(s), _ms(pf), _ms(mf), _ms(pb), _ms(mb), _ms(pf + pb), _ms(mf + mb),
                      f"{(pf + pb) / (mf + mb) - 1:+.0%}" if mf + mb else "n/a",
+                     _ms(tf + tb), f"{(tf + tb) / (mf + mb) - 1:+.0%}" if mf + mb else "n/a",
                      _ms(af + ab), f"{ps * 1e3:.2f}", f"{msend * 1e3:.2f}"])
     return markdown_table(["stage", "F pred ms", "F meas ms", "B pred ms", "B meas ms",
-                           "F+B pred ms", "F+B meas ms", "pred/meas - 1", "F+B analytic ms",
-                           "send pred ms", "send meas ms"], rows)
+                           "F+B pred ms", "F+B meas ms", "pred/meas - 1",
+                           "F+B plan ms (stages timed whole)", "plan/meas - 1",
+                           "F+B analytic ms", "send pred ms", "send meas ms"], rows)
 
 
 def _busy(v: float | None) -> str:
@@ -791,7 +816,8 @@ def report(results: list[ModelResult], args, note: str, wall: float, cache_note:
         "Written by `python benchmarks/bench_pick.py` (issue 9). For each model, every 2-stage "
         "cut at a layer boundary and a sample of 4-stage cuts (the equal-layers cut and "
         f"{args.sample4 - 1} random boundary cuts) are trained with fxpipe's runtime "
-        "(`PipelineExecutor`, gloo, one thread per rank, pipeline 2 or 4, data 1, "
+        "(`PipelineExecutor`, gloo, one thread per rank"
+        f"{', each rank pinned to its own core' if args.pin else ''}, pipeline 2 or 4, data 1, "
         f"{'/'.join(sorted({str(r.m) for r in results}))} micro-batches, 1F1B, SGD), together "
         "with the cuts "
         "the planner picks for the same layout under three cost models: **FLOP** (`costs: "
@@ -799,14 +825,17 @@ def report(results: list[ModelResult], args, note: str, wall: float, cache_note:
         "the pre-issue-9 model), **analytic** (`costs: analytic` with the defaults: roofline "
         "of FLOPs and bytes plus a per-op cost, no profile in the cache) and **measured** "
         "(`costs: measured`: the planner profiles every node on this machine with one thread, "
-        "and the send cost over two gloo ranks). Each cut is planned by `plan_with_graph(..., "
-        "cuts=[...])`, so it runs the same code path as a planned one.",
+        "and the send cost over two gloo ranks; then, `cluster.measure_stages` (the default), "
+        "it times the planned cut's stages whole in one process and moves the cut where they "
+        "disagree with the per-node sums). Each cut is planned by `plan_with_graph(..., "
+        "cuts=[...])`, so it runs the same code path as a planned one (the per-node sums: a "
+        "given cut is not refined).",
         "",
         "Measuring, in two phases, each in one process group: a **screen** of every cut "
         f"({args.rounds} rounds of alternating order A B .. B A .., each visit {args.warmup} "
         f"warm-up + {args.steps} timed steps), then a **head-to-head** run of the "
         f"{args.finalists} fastest screened boundary cuts and every pick ({args.final_rounds} "
-        "rounds, same pattern): the fewer cuts alternate faster, so load that changes over "
+        f"rounds with 2 stages, {args.final_rounds_4} with 4, same pattern): the fewer cuts alternate faster, so load that changes over "
         "minutes touches them alike. A step time is the median of the global step window "
         "(first rank's start to last rank's end) over the timed steps; IQR is their "
         "interquartile range over the median (the noise); gaps are to the fastest "
@@ -860,7 +889,10 @@ def report(results: list[ModelResult], args, note: str, wall: float, cache_note:
                   f"the measured pick `{pick.label}`, ms per micro-batch (F: forward, B: "
                   "backward, each the executor's mean action time in the "
                   f"{'head-to-head' if pick.final else 'screen'} run; send: one send on the "
-                  "sending rank):", "", stage_table(r, 2), "",
+                  "sending rank; F+B plan: the measured-cost plan's own stage times, which "
+                  "`cluster.measure_stages` took from its stages timed whole in one process):",
+                  "", stage_table(r, 2), "",
+                  f"The measured-cost plan's refinement: {r.refine_notes.get(2) or 'none'}", "",
                   f"The last stage also runs the loss (`{r.loss_name}`) on the model's output: "
                   f"{r.loss_s * 1e3:.2f} ms per micro-batch forward + backward, measured here "
                   "in one process; the plan's last-stage times include it (the planner prices "
@@ -894,8 +926,10 @@ def main(argv: list[str] | None = None) -> list[ModelResult]:
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps per visit (default 1)")
     ap.add_argument("--finalists", type=int, default=3,
                     help="fastest screened boundary cuts measured head to head with the picks")
-    ap.add_argument("--final-rounds", type=int, default=16,
-                    help="rounds of the head-to-head run (default 16; 0: none)")
+    ap.add_argument("--final-rounds", type=int, default=32,
+                    help="rounds of the 2-stage head-to-head run (default 32; 0: none)")
+    ap.add_argument("--final-rounds-4", type=int, default=12,
+                    help="rounds of the 4-stage head-to-head run (default 12; 0: none)")
     ap.add_argument("--sample4", type=int, default=6, help="4-stage cuts sampled (default 6)")
     ap.add_argument("--no-4", action="store_true", help="skip the 4-stage runs")
     ap.add_argument("--timeout", type=float, default=900.0, help="per process group, seconds")
@@ -906,6 +940,8 @@ def main(argv: list[str] | None = None) -> list[ModelResult]:
                          "this fraction (default 0.3)")
     ap.add_argument("--max-wait", type=float, default=240.0,
                     help="longest wait for a quiet machine, seconds (0: do not wait)")
+    ap.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
+                    help="pin rank r to core r (default on; --no-pin lets the OS move them)")
     ap.add_argument("--no-write", action="store_true", help="print only")
     ap.add_argument("--out", default=str(BENCHMARKS_MD), help="report file (default BENCHMARKS.md)")
     args = ap.parse_args(argv)

@@ -131,7 +131,8 @@ def test_bench_pick_tiny(tmp_path, monkeypatch):
     monkeypatch.setenv("FXPIPE_CACHE_DIR", str(tmp_path / "user-cache"))  # must stay unused
     out = tmp_path / "BENCHMARKS.md"
     results = bp.main(["--tiny", "--models", "norm-probe", "--rounds", "2",
-                       "--final-rounds", "2", "--finalists", "2", "--steps", "1",
+                       "--final-rounds", "2", "--final-rounds-4", "2", "--finalists", "2",
+                       "--steps", "1",
                        "--sample4", "2", "--max-wait", "0",
                        "--cache", str(tmp_path / "cache"), "--out", str(out)])
     assert [r.name for r in results] == ["norm-probe"]  # planned as blocks (folded)
@@ -161,12 +162,16 @@ def test_bench_pick_tiny(tmp_path, monkeypatch):
             pick = sc.of(sc.picks["measured"])
             assert len(pick.stage_pred_analytic) == sc.stages
         assert r.profile_s > 0 and r.loss_s > 0 and r.loss_pred_s > 0  # the plan prices it
+        # the measured plans' stages were timed whole (cluster.measure_stages)
+        assert all(r.refine_notes[k].startswith("cluster.measure_stages") for k in (2, 4))
+        assert [len(r.pick_stage_pred[k]) for k in (2, 4)] == [2, 4]
     assert not (tmp_path / "user-cache").exists()  # profiles went to --cache only
     assert any((tmp_path / "cache" / "measured" / "profiles").glob("*.json"))
     text = _report.read_section("pick", out)
     assert text is not None
     assert "| norm-probe |" in text and "### 4 stages" in text
     assert "the plan's last-stage times include it" in text
+    assert "The measured-cost plan's refinement: cluster.measure_stages" in text
     assert ("PASS" in text or "FAIL" in text) and "measured pick" in text
     assert [n for n, _, _ in bp.verdicts(results)] == ["norm-probe"]
 

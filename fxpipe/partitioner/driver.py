@@ -25,7 +25,8 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from fxpipe.data.batches import example_microbatch
 from fxpipe.errors import PlanError, SpecError, TraceError
-from fxpipe.partitioner.blocks import KEEP, UnitTable, find_block_run, fold, reduced
+from fxpipe.partitioner.blocks import (KEEP, UnitTable, find_block_run, fold, reduced,
+                                       resolve_folded)
 from fxpipe.partitioner.boundaries import GUARDS_FN, stage_boundaries
 from fxpipe.partitioner.cost import NodeCost, price
 from fxpipe.partitioner.graph import PricedGraph, build_graph
@@ -35,9 +36,11 @@ from fxpipe.partitioner.problem import CutProblem, PartitionResult, Value, evalu
 from fxpipe.partitioner.profile import (SendCost, load_profile, load_send_cost, profile_graph,
                                         profile_key, save_profile)
 from fxpipe.partitioner.recompute import apply_recompute, cheap_values, is_clone
+from fxpipe.partitioner.refine import MAX_CUTS, Refinement, refine_cuts
 from fxpipe.partitioner.servers import assign_servers, even_server_bytes
 from fxpipe.partitioner.search import Candidate, candidates, stage_inflight
 from fxpipe.partitioner.solvers import optimal_partition
+from fxpipe.partitioner.stage_timing import load_refined, refine_key, save_refined, time_stages
 from fxpipe.partitioner.timing import NodeTimes, analytic_times, sum_times
 from fxpipe.partitioner.trace import TracedModel, fake_on_device, trace
 from fxpipe.plans.plan import Plan, StagePlan
@@ -110,6 +113,7 @@ class Priced:
         send: the sender-side cost of one message.
         batch: the micro-batch size traced.
         loss: the loss's seconds (already in ``times``, on the node producing the model output).
+        loss_at: the node whose times include the loss's (None when nothing was added).
     """
 
     traced: TracedModel
@@ -121,6 +125,7 @@ class Priced:
     batch: int
     table: UnitTable | None = None
     loss: NodeTimes = dataclasses.field(default_factory=NodeTimes)
+    loss_at: str | None = None
 
     def __post_init__(self) -> None:
         if self.table is None:
@@ -828,6 +833,152 @@ def _check_compression_rank(model: nn.Module, spec: ParallelSpec) -> None:
         raise SpecError("\n".join(lines))
 
 
+#: ``cluster.measure_stages`` is skipped when timing the stages would take longer than this
+#: (estimated from the profile: one whole forward and backward per round and cut)
+REFINE_BUDGET_S = 60.0
+
+
+def _loss_unit(pr: Priced) -> int | None:
+    """The unit of ``pr.table`` whose times include the loss's, or None."""
+    if pr.loss_at is None or pr.loss.total_s <= 0:
+        return None
+    g, order = pr.pg.graph, pr.pg.order
+    pos = next((p for p, u in enumerate(order) if pr.loss_at in g.nodes[u]["members"]), None)
+    fo = pr.table.folding
+    if pos is None or fo is None:
+        return pos
+    if pos in fo.prologue:
+        return list(fo.prologue).index(pos)
+    if pos in fo.epilogue:
+        return len(fo.prologue) + fo.run.count + list(fo.epilogue).index(pos)
+    return None
+
+
+def _loss_row(pr: Priced) -> np.ndarray:
+    return np.array([pr.loss.fwd_s, pr.loss.bwd_input_s, pr.loss.bwd_weight_s])
+
+
+def _raw_unit_times(pr: Priced) -> np.ndarray:
+    """``(n, 3)`` unit times of ``pr.table`` without the loss (what a stage's own run takes)."""
+    t = np.asarray(pr.table.times, dtype=np.float64).reshape(-1, 3).copy()
+    lu = _loss_unit(pr)
+    if lu is not None:
+        t[lu] = np.maximum(t[lu] - _loss_row(pr), 0.0)
+    return t
+
+
+def _with_unit_times(pr: Priced, times: np.ndarray) -> Priced:
+    """``pr`` with its units' times (without the loss, as :func:`_raw_unit_times`) replaced by
+    ``times``; the loss is added back, and node by node (what :func:`_assemble` sums) each
+    unit's members are scaled to its new times."""
+    t = np.asarray(times, dtype=np.float64).reshape(-1, 3).copy()
+    lu = _loss_unit(pr)
+    if lu is not None:
+        t[lu] += _loss_row(pr)
+    rows = [tuple(float(x) for x in r) for r in t]
+    table = dataclasses.replace(pr.table, times=rows)
+    if table.folding is not None:  # folded plans are assembled from the table's units
+        return dataclasses.replace(pr, table=table)
+    node_times = dict(pr.times)
+    g = pr.pg.graph
+    for pos, u in enumerate(pr.pg.order):
+        members = list(g.nodes[u]["members"])
+        old = sum_times(pr.times, members)
+        olds = (old.fwd_s, old.bwd_input_s, old.bwd_weight_s)
+        for i, m in enumerate(members):
+            tm = pr.times.get(m, NodeTimes())
+            vals = (tm.fwd_s, tm.bwd_input_s, tm.bwd_weight_s)
+            node_times[m] = NodeTimes(*(v * new / o if o > 0 else (new if i == 0 else 0.0)
+                                        for v, new, o in zip(vals, rows[pos], olds)))
+    return dataclasses.replace(pr, times=node_times, table=table)
+
+
+def _node_stages(pr: Priced, cuts: list[int], cand: Candidate, spec: ParallelSpec, mbs: int,
+                 full: TracedModel) -> dict[str, int]:
+    """Node -> stage of the full trace ``full`` for the stage starts ``cuts``."""
+    res = evaluate(_cut_problem(pr, spec, cand, 1.0), cuts, method="given")
+    if pr.table.folding is not None:
+        return resolve_folded(_assemble_folded(pr, res, cand, spec, mbs, []).folded, full)
+    g = pr.pg.graph
+    return {m: s for pos, s in enumerate(res.stage_of())
+            for m in g.nodes[pr.pg.order[pos]]["members"]}
+
+
+def _refine_by_stages(pr: Priced, spec: ParallelSpec, cand: Candidate, result: PartitionResult,
+                      mbs: int, model: nn.Module | None, args: tuple, kwargs: dict
+                      ) -> tuple[Priced, PartitionResult, str]:
+    """``cluster.measure_stages``: the planned cut checked against its stages timed whole, and
+    moved where they disagree (:mod:`fxpipe.partitioner.refine`); cached by the profile key,
+    the layout and the planned cut. ``model``: the model with real weights on the device (None:
+    only a cached refinement can be used). Returns the Priced with the chosen cut's stage times,
+    the partition, and a line for the plan's explanation."""
+    cl = spec.cluster
+    first = [int(c) for c in result.cuts]
+    layout = f"{cand.label()}|mbs={mbs}|recompute={cand.recompute}|{spec.model.tracer}"
+    key = refine_key(profile_key(pr.traced, cl.device), layout, first)
+    raw = _raw_unit_times(pr)
+
+    def problem_of(times: np.ndarray) -> tuple[Priced, CutProblem]:
+        p2 = _with_unit_times(pr, times)
+        return p2, _cut_problem(p2, spec, cand, 1.0)
+
+    def solve(times: np.ndarray) -> list[int]:
+        return list(optimal_partition(problem_of(times)[1]).cuts)
+
+    def step_s(times: np.ndarray, cuts) -> float:
+        p2, prob = problem_of(times)
+        res = evaluate(prob, list(cuts), method="given")
+        return _simulate_cut(p2, _unit_prefix(p2), prob, res, cand, spec, 1.0).step_time_s
+
+    ref = None
+    cached = load_refined(key)
+    if cached is not None and np.shape(cached.get("times")) == raw.shape:
+        ref = Refinement(cached["cuts"], np.asarray(cached["times"], dtype=np.float64),
+                         cached["visited"], [[tuple(x) for x in m] for m in cached["measured"]],
+                         cached["steps"])
+    if ref is None:
+        skip = "cluster.measure_stages: the cut's stages were not timed whole"
+        if model is None:
+            return pr, result, f"{skip} (no model with real weights on {cl.device} here)"
+        est = float(raw.sum()) * 9 * 2 * MAX_CUTS
+        if est > REFINE_BUDGET_S:
+            return pr, result, (f"{skip}: that would take about {est:.0f} s (over "
+                                f"{REFINE_BUDGET_S:.0f} s); the per-node sums stand")
+        _progress.info("timing the planned stages whole (cluster.measure_stages)")
+        full = trace(model, args, spec.model.tracer, example_kwargs=kwargs,
+                     output=spec.loss_output)
+        inputs = [*args, *(v for v in kwargs.values() if isinstance(v, torch.Tensor))]
+
+        def measure(cut_list: list[list[int]]) -> list[list[tuple[float, float]]]:
+            assigns = [_node_stages(pr, c, cand, spec, mbs, full) for c in cut_list]
+            return time_stages(full.gm, assigns, cand.num_stages, inputs, cl.device)
+
+        try:
+            ref = refine_cuts(raw, first, solve, step_s, measure)
+        except (PlanError, RuntimeError) as e:  # a stage that cannot run on its own here
+            return pr, result, f"{skip} ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
+        save_refined(key, {"cuts": ref.cuts, "times": ref.times.tolist(), "visited": ref.visited,
+                           "measured": ref.measured, "steps": ref.step_s})
+    pr2 = _with_unit_times(pr, ref.times)
+    res2 = evaluate(_cut_problem(pr2, spec, cand, 1.0), list(ref.cuts), method="given")
+    i = ref.visited.index(list(ref.cuts))
+    ends = list(first[1:]) + [len(raw)]
+    summed = [float(raw[a:b].sum()) for a, b in zip(first, ends)]
+    timed = [f + b for f, b in ref.measured[0]]
+    ms = ", ".join
+    note = (f"cluster.measure_stages: {plural(len(ref.visited), 'cut')} timed stage by stage; "
+            f"the planned cut's stages (forward + backward per micro-batch, without the loss) "
+            f"summed node by node {ms(f'{x * 1e3:.3g}' for x in summed)} ms, timed whole "
+            f"{ms(f'{x * 1e3:.3g}' for x in timed)} ms; ")
+    if ref.moved:
+        note += (f"the cut moved from units {first} to {list(ref.cuts)} (simulated step "
+                 f"{ref.step_s[0] * 1e3:.4g} -> {ref.step_s[i] * 1e3:.4g} ms with the timed "
+                 "stages)")
+    else:
+        note += "the planned cut stays"
+    return pr2, res2, note
+
+
 def plan_with_graph(model: nn.Module, spec: Any, example_inputs: Any = None,
                     example_kwargs: dict | None = None, *, cuts: list[int] | None = None,
                     units_only: bool = False) -> tuple[Plan, "nx.DiGraph"]:
@@ -881,7 +1032,7 @@ def plan_with_graph(model: nn.Module, spec: Any, example_inputs: Any = None,
                                              if isinstance(v, torch.Tensor))])
         pg = build_graph(traced, costs)
         pr = Priced(traced, costs, times, pg, _cheap_values(pg, spec), _send_cost(spec), size,
-                    loss=loss)
+                    loss=loss, loss_at=loss_node(traced, costs) if loss.total_s > 0 else None)
         if short:
             pr.table = fold(pg, run, pr.table.times, pr.cheap)
         return pr
@@ -914,6 +1065,14 @@ def plan_with_graph(model: nn.Module, spec: Any, example_inputs: Any = None,
     if mbs != pr.batch:  # re-trace at the real micro-batch size so the plan's shapes are exact
         pr = priced(mbs)
         result = optimal_partition(_cut_problem(pr, spec, cand, 1.0))
+    if (cuts is None and spec.cluster.costs == "measured" and spec.cluster.measure_stages
+            and cand.num_stages > 1):
+        m, args_, kwargs_, on = tracing(False)
+        real = None if on == "meta" or _is_fake(m) else m
+        pr, result, note = _refine_by_stages(
+            pr, spec, cand, result, mbs, real, tuple(_resize(x, mbs) for x in args_),
+            {k: _resize(v, mbs) for k, v in kwargs_.items()})
+        explain.append(note)
     traced, pg = pr.traced, pr.pg
     model, traced_on = tracing(pr.table.folding is not None)[0], tracing(
         pr.table.folding is not None)[3]

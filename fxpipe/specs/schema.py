@@ -180,7 +180,9 @@ class ClusterSpec(_Section):
     fixed cost of launching one op (default 4 on CPU, 6 on CUDA). ``node_tflops``: a speed
     per node when nodes differ (overrides ``device_tflops`` node by node). ``costs``:
     ``analytic`` (FLOPs and bytes, default) or ``measured`` (``fxpipe profile`` times every
-    planning unit on the device; cached). ``parameter_servers``: with ``train.updates: async``,
+    planning unit on the device; cached). ``measure_stages`` (with ``costs: measured``,
+    default true): also time the planned cut's stages whole and move the cut where they
+    disagree with the per-node sums (:mod:`fxpipe.partitioner.refine`; cached). ``parameter_servers``: with ``train.updates: async``,
     how many devices hold the parameters and optimizer state instead of training: the last
     ranks (the last node's last devices), so ``pipeline x data + parameter_servers`` equals
     ``nodes x devices_per_node``; the parameters are sharded over them."""
@@ -194,6 +196,7 @@ class ClusterSpec(_Section):
     op_overhead_us: float | None = Field(default=None, ge=0, allow_inf_nan=False)
     node_tflops: list[Rate] | None = None
     costs: Literal["analytic", "measured"] = "analytic"
+    measure_stages: bool = True
     links: LinksSpec = Field(default_factory=LinksSpec)
     parameter_servers: int = Field(default=0, ge=0)
 

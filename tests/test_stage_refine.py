@@ -1,0 +1,205 @@
+"""``cluster.measure_stages`` (issue 9): a measured-cost cut checked against its stages timed
+whole, and moved where the per-node sums were wrong.
+
+The refinement's arithmetic and the planner's use of it run on fake stage timings (exact sums
+of known true costs); the one real timing test only compares a stage with 8x the work of
+another, which no load on this machine reverses."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+
+from fxpipe.partitioner import driver
+from fxpipe.partitioner import profile as prof
+from fxpipe.partitioner.driver import plan_with_graph
+from fxpipe.partitioner.refine import calibrated, refine_cuts
+from fxpipe.partitioner.stage_timing import time_stages
+from fxpipe.partitioner.timing import NodeTimes
+from fxpipe.partitioner.trace import trace
+
+
+def test_calibrated_makes_each_stage_sum_to_its_timing():
+    raw = np.array([[1.0, 1.0, 1.0], [2.0, 2.0, 0.0], [1.0, 0.5, 0.5], [0.0, 0.0, 0.0]])
+    out = calibrated(raw, [0, 2, 3], [(6.0, 3.0), (0.5, 4.0), (0.2, 0.4)])
+    assert out[:2, 0].sum() == pytest.approx(6.0) and out[:2, 1:].sum() == pytest.approx(3.0)
+    assert out[0, 0] / out[1, 0] == pytest.approx(0.5)  # the shares within a stage stay
+    assert out[2].tolist() == pytest.approx([0.5, 2.0, 2.0])  # B and W scaled alike
+    assert out[3].tolist() == pytest.approx([0.2, 0.4, 0.0])  # nothing priced: spread
+    assert raw[0].tolist() == [1.0, 1.0, 1.0]  # the input is not changed
+
+
+def _bottleneck_solver(k: int):
+    def stages(times, cuts):
+        ends = list(cuts[1:]) + [len(times)]
+        return [float(times[a:b].sum()) for a, b in zip(cuts, ends)]
+
+    def solve(times):
+        n = len(times)
+        best = min(([0, c] for c in range(1, n)), key=lambda c: (max(stages(times, c)), c))
+        return best
+
+    def step(times, cuts):
+        return max(stages(times, cuts)) * 8 + sum(stages(times, cuts))
+    return stages, solve, step
+
+
+def test_refine_moves_an_overpriced_stage_and_keeps_the_fastest():
+    true = np.tile([1.0, 1.0, 1.0], (6, 1))
+    raw = true.copy()
+    raw[3:] *= 3  # the last three units priced 3x too heavy
+    stages, solve, step = _bottleneck_solver(2)
+    calls = []
+
+    def measure(cuts_list):
+        calls.append([list(c) for c in cuts_list])
+        return [[(float(true[a:b, 0].sum()), float(true[a:b, 1:].sum()))
+                 for a, b in zip(c, list(c[1:]) + [6])] for c in cuts_list]
+
+    first = solve(raw)
+    assert first == [0, 4]
+    ref = refine_cuts(raw, first, solve, step, measure)
+    assert ref.cuts == [0, 3] and ref.moved
+    assert ref.visited[0] == [0, 4] and [0, 3] in ref.visited
+    # every cut visited is timed alone, then all of them side by side once
+    assert calls[-1] == ref.visited and all(len(c) == 1 for c in calls[:-1])
+    assert stages(ref.times, ref.cuts) == pytest.approx([9.0, 9.0])
+    assert ref.step_s[ref.visited.index([0, 3])] == min(ref.step_s)
+
+
+def test_refine_keeps_a_right_cut_after_one_timing():
+    true = np.tile([1.0, 2.0, 0.0], (5, 1))
+    _, solve, step = _bottleneck_solver(2)
+    calls = []
+
+    def measure(cuts_list):
+        calls.append(cuts_list)
+        return [[(float(true[a:b, 0].sum()), float(true[a:b, 1:].sum()))
+                 for a, b in zip(c, list(c[1:]) + [5])] for c in cuts_list]
+
+    ref = refine_cuts(true * 1.3, solve(true), solve, step, measure)
+    assert ref.cuts == solve(true) and not ref.moved and len(calls) == 1
+    assert ref.times.sum() == pytest.approx(true.sum())  # 1.3x everywhere: scaled back
+
+
+def test_refine_stops_at_max_cuts_when_the_cut_keeps_moving():
+    raw = np.tile([1.0, 0.0, 0.0], (8, 1))
+    seq = iter([[0, 2], [0, 3], [0, 5], [0, 6], [0, 7]])
+    ref = refine_cuts(raw, [0, 4], lambda t: next(seq), lambda t, c: float(c[1]),
+                      lambda cl: [[(1.0, 1.0), (1.0, 1.0)] for _ in cl], max_cuts=3)
+    assert ref.visited == [[0, 4], [0, 2], [0, 3]] and ref.cuts == [0, 2]
+
+
+def test_time_stages_times_each_stage_as_the_ranks_run_it():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 1024), nn.ReLU(),
+                          nn.Linear(1024, 1024), nn.Linear(1024, 32))
+    x = torch.randn(128, 32)
+    tr = trace(model, (x,))
+    names = [n.name for n in tr.compute_nodes()]
+    light = {n: (0 if i < 1 else 1) for i, n in enumerate(names)}
+    heavy = {n: (0 if i < 4 else 1) for i, n in enumerate(names)}
+    before = [p.clone() for p in model.parameters()]
+    (a, b) = time_stages(tr.gm, [light, heavy], 2, [x], "cpu", min_rounds=5, min_time_s=0.0)
+    assert len(a) == len(b) == 2 and all(f > 0 and bw > 0 for f, bw in a + b)
+    # light: stage 0 is one 32x32 layer, stage 1 the rest (1000x its FLOPs); heavy: stage 1
+    # is the last layer alone (1/30 of stage 0's)
+    assert sum(a[0]) * 4 < sum(a[1]) and sum(b[1]) * 4 < sum(b[0])
+    assert all(p.grad is None for p in model.parameters())  # nothing accumulated
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+
+
+class Six(nn.Module):
+    """Six equal layers (fewer than a foldable run of blocks)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(64, 64) for _ in range(6))
+
+    def forward(self, x):
+        for i, lay in enumerate(self.layers):
+            x = lay(x) if i % 2 == 0 else torch.tanh(lay(x))
+        return x
+
+
+def _spec(measure_stages: bool = True) -> dict:
+    return {"model": {"factory": "x:y"}, "data": {"batch_size": 16},
+            "parallel": {"pipeline": 2, "data": 1, "microbatches": 8, "schedule": "1f1b"},
+            "cluster": {"devices_per_node": 2, "costs": "measured",
+                        "measure_stages": measure_stages},
+            "train": {"loss": "mse", "activation_recompute": "off"}}
+
+
+def _layers_of(plan, names_by_layer):
+    """How many layers' linear node each stage holds (tanh is priced at 0 here)."""
+    return [sum(any(n in st.nodes and n.startswith("linear") for n in group)
+                for group in names_by_layer) for st in plan.stages]
+
+
+def test_the_planner_moves_a_cut_the_stage_timings_contradict(tmp_path, monkeypatch):
+    """The profile prices the last three layers 3x; the stages timed whole (faked here as the
+    true sums) move the cut to the true optimum, 3 | 3 layers; a second plan reads the cache."""
+    monkeypatch.setenv("FXPIPE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(driver, "measured_loss_times", lambda *a, **k: NodeTimes())
+    torch.manual_seed(0)
+    model, x = Six(), torch.randn(2, 64)  # one micro-batch: 16 / 8
+    pr, _ = plan_with_graph(model, _spec(), (x,), units_only=True)
+    nodes = [n.name for n in pr.traced.compute_nodes()]
+    layer = {}  # node -> layer index, by the module path the node came from
+    for n in pr.traced.compute_nodes():
+        stack = n.meta.get("nn_module_stack") or {}
+        paths = [v[0] for v in stack.values() if "layers." in v[0]]
+        layer[n.name] = int(paths[-1].split("layers.")[1].split(".")[0]) if paths else 0
+    groups = [[n for n in nodes if layer[n] == i] for i in range(6)]
+    unit = 2e-3
+    true = {n: NodeTimes(unit, unit, unit) if n.startswith("linear") else NodeTimes()
+            for n in nodes}
+    biased = {n: NodeTimes(*(3 * v for v in (t.fwd_s, t.bwd_input_s, t.bwd_weight_s)))
+              if layer[n] >= 3 else t for n, t in true.items()}
+    key = prof.profile_key(pr.traced, "cpu")
+    prof.save_profile(key, biased, {})
+    calls = []
+
+    def fake_time_stages(gm, assignments, k, inputs, device, **kw):
+        calls.append(len(assignments))
+        out = []
+        for a in assignments:
+            per = [[0.0, 0.0] for _ in range(k)]
+            for n, s in a.items():
+                t = true.get(n, NodeTimes())
+                per[s][0] += t.fwd_s
+                per[s][1] += t.bwd_input_s + t.bwd_weight_s
+            out.append([tuple(p) for p in per])
+        return out
+
+    monkeypatch.setattr(driver, "time_stages", fake_time_stages)
+    unrefined = plan_with_graph(model, _spec(False), (x,))[0]
+    assert _layers_of(unrefined, groups) == [4, 2] and not calls
+    plan = plan_with_graph(model, _spec(), (x,))[0]
+    assert _layers_of(plan, groups) == [3, 3]
+    note = next(line for line in plan.explain if line.startswith("cluster.measure_stages"))
+    assert "the cut moved" in note and calls and calls[-1] >= 2
+    # the plan's stage times are the timed ones (plus nothing: the loss is priced at 0 here)
+    for st in plan.stages:
+        assert st.compute_time_s == pytest.approx(9 * unit, rel=1e-6)
+    n_calls = len(calls)
+    again = plan_with_graph(model, _spec(), (x,))[0]
+    assert len(calls) == n_calls  # cached: nothing timed again
+    assert [s.nodes for s in again.stages] == [s.nodes for s in plan.stages]
+    assert [f.name for f in (tmp_path / "profiles").glob("refined-*.json")]
+
+
+def test_measure_stages_needs_real_weights_or_a_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("FXPIPE_CACHE_DIR", str(tmp_path))
+    torch.manual_seed(0)
+    model, x = Six(), torch.randn(2, 64)  # one micro-batch: 16 / 8
+    plan_with_graph(model, _spec(), (x,))  # profiles and refines with the real weights
+    with torch.device("meta"):
+        meta = Six()
+    monkeypatch.setattr(driver, "time_stages", lambda *a, **k: pytest.fail("timed again"))
+    plan = plan_with_graph(meta, _spec(), (torch.randn(2, 64, device="meta"),))[0]
+    assert any(line.startswith("cluster.measure_stages") and "skip" not in line
+               for line in plan.explain)  # the cached refinement serves the meta model
+
