@@ -102,7 +102,24 @@ def test_time_stages_times_each_stage_as_the_ranks_run_it():
     light = {n: (0 if i < 1 else 1) for i, n in enumerate(names)}
     heavy = {n: (0 if i < 4 else 1) for i, n in enumerate(names)}
     before = [p.clone() for p in model.parameters()]
-    (a, b) = time_stages(tr.gm, [light, heavy], 2, [x], "cpu", min_rounds=5, min_time_s=0.0)
+    gm_params = list(tr.gm.parameters())
+    gm_params[0].grad = torch.full_like(gm_params[0], 7.0)  # a .grad there before
+    seen = []
+
+    def rewrite(mod):  # what the planner passes: the runtime's in-place accumulation
+        from fxpipe.runtime.grad_fusion import fuse_weight_grads
+
+        out, n = fuse_weight_grads(mod)
+        seen.append(n)
+        return out, n
+
+    (a, b) = time_stages(tr.gm, [light, heavy], 2, [x], "cpu", min_rounds=5, min_time_s=0.0,
+                         rewrite=rewrite)
+    assert len(seen) == 4 and sum(seen) > 0  # every stage of both cuts, its linears rewritten
+    # the weight gradients accumulated during the rounds; .grad is put back as it was
+    assert torch.equal(gm_params[0].grad, torch.full_like(gm_params[0], 7.0))
+    assert all(p.grad is None for p in gm_params[1:])
+    gm_params[0].grad = None
     assert len(a) == len(b) == 2 and all(f > 0 and bw > 0 for f, bw in a + b)
     # light: stage 0 is one 32x32 layer, stage 1 the rest (1000x its FLOPs); heavy: stage 1
     # is the last layer alone (1/30 of stage 0's)

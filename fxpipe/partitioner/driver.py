@@ -45,9 +45,10 @@ from fxpipe.partitioner.timing import NodeTimes, analytic_times, sum_times
 from fxpipe.partitioner.trace import TracedModel, fake_on_device, trace
 from fxpipe.plans.plan import Plan, StagePlan
 from fxpipe.plans.values import needs_grad
+from fxpipe.runtime.grad_fusion import fuse_weight_grads
 from fxpipe.plans.placement import (nodes_of_stage_rank, pair_crosses_nodes, ring_crosses_nodes,
                                     stage_to_rank)
-from fxpipe.schedule.lowering import build_schedule
+from fxpipe.schedule.lowering import build_schedule, compute_schedule
 from fxpipe.schedule.simulate import Links, SimResult, StageCosts, predict, simulate
 from fxpipe.specs.loader import build_model, load_spec, spec_location
 from fxpipe.specs.schema import (OPTIMIZER_STATE_FACTOR, ParallelSpec,
@@ -914,7 +915,14 @@ def _refine_by_stages(pr: Priced, spec: ParallelSpec, cand: Candidate, result: P
     the partition, and a line for the plan's explanation."""
     cl = spec.cluster
     first = [int(c) for c in result.cuts]
-    layout = f"{cand.label()}|mbs={mbs}|recompute={cand.recompute}|{spec.model.tracer}"
+    # the weight gradients accumulate in place where the executor will do it (fp32 stages with
+    # a full backward: not the zero-bubble schedules, which split it)
+    split = compute_schedule(cand.schedule, cand.pipeline, cand.microbatches,
+                             cand.virtual_stages).split_backward
+    fuse = (spec.train.fuse_grad_accumulation and spec.train.precision == "fp32"
+            and not split)
+    layout = (f"{cand.label()}|mbs={mbs}|recompute={cand.recompute}|{spec.model.tracer}|"
+              f"fuse={fuse}")
     key = refine_key(profile_key(pr.traced, cl.device), layout, first)
     raw = _raw_unit_times(pr)
 
@@ -951,7 +959,8 @@ def _refine_by_stages(pr: Priced, spec: ParallelSpec, cand: Candidate, result: P
 
         def measure(cut_list: list[list[int]]) -> list[list[tuple[float, float]]]:
             assigns = [_node_stages(pr, c, cand, spec, mbs, full) for c in cut_list]
-            return time_stages(full.gm, assigns, cand.num_stages, inputs, cl.device)
+            return time_stages(full.gm, assigns, cand.num_stages, inputs, cl.device,
+                               rewrite=fuse_weight_grads if fuse else None)
 
         try:
             ref = refine_cuts(raw, first, solve, step_s, measure)

@@ -8,7 +8,12 @@ shared machine during the profile's passes moves the times of all the nodes time
 ``GraphModule`` (:func:`~fxpipe.partitioner.split.build_stage_module`), forward with grad
 enabled on the previous stage's outputs (detached, as received), then one backward per stage to
 its parameters and inputs from all-ones output gradients, last stage first (the loss is not
-included; :mod:`fxpipe.partitioner.loss_cost` prices it). Rounds visit every stage of every cut
+included; :mod:`fxpipe.partitioner.loss_cost` prices it). The weight gradients accumulate into
+``.grad`` as over a step's micro-batches (adding a late convolution's gradient into ``.grad``
+costs a stage with many parameters a millisecond the per-node profile, which accumulates
+nothing, never saw), through the runtime's in-place accumulation where it will run
+(``rewrite``: :func:`fxpipe.runtime.grad_fusion.fuse_weight_grads`); the parameters' ``.grad``
+are put back as they were afterwards. Rounds visit every stage of every cut
 in turn, so load that comes and goes touches the cuts alike, and go on until at least
 ``min_rounds`` are timed and ``min_time_s`` has passed (a burst shorter than half of that moves
 no median); a stage's time is its median over the rounds.
@@ -24,10 +29,11 @@ import hashlib
 import json
 import os
 import statistics
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
+import torch.nn as nn
 
 from fxpipe.partitioner import profile as _profile
 from fxpipe.partitioner.boundaries import GUARDS_FN, stage_boundaries
@@ -48,9 +54,12 @@ def _leaf(v: Any) -> Any:
 class _Cut:
     """The stage modules of one cut of ``gm``, ready to run."""
 
-    def __init__(self, gm: fx.GraphModule, node_stage: dict[str, int], num_stages: int):
+    def __init__(self, gm: fx.GraphModule, node_stage: dict[str, int], num_stages: int,
+                 rewrite: Callable[[nn.Module], tuple[nn.Module, int]] | None):
         self.bounds = stage_boundaries(gm, node_stage, num_stages)
         self.mods = [build_stage_module(gm, self.bounds, j) for j in range(num_stages)]
+        if rewrite is not None:
+            self.mods = [rewrite(m)[0] for m in self.mods]
         self.params = [[p for p in m.parameters() if p.requires_grad] for m in self.mods]
 
     def forward(self, given: dict[str, Any], j: int, vals: dict[str, Any], device) -> tuple:
@@ -74,14 +83,15 @@ class _Cut:
         grads = [torch.ones_like(o) for o in outs]
         _profile._sync(device)
         t0 = _profile._clock()
-        torch.autograd.grad(outs, wrt, grads, allow_unused=True)
+        torch.autograd.backward(outs, grads, inputs=wrt)  # accumulates into .grad
         _profile._sync(device)
         return _profile._clock() - t0
 
 
 def time_stages(gm: fx.GraphModule, assignments: list[dict[str, int]], num_stages: int,
                 inputs: list[Any], device: torch.device | str, *, warmup: int = 2,
-                min_rounds: int = 7, max_rounds: int = 31, min_time_s: float = 0.5
+                min_rounds: int = 7, max_rounds: int = 31, min_time_s: float = 0.5,
+                rewrite: Callable[[nn.Module], tuple[nn.Module, int]] | None = None
                 ) -> list[list[tuple[float, float]]]:
     """Seconds of every stage's forward and backward for each cut in ``assignments``
     (compute-node name -> stage, as :func:`~fxpipe.partitioner.boundaries.stage_boundaries`
@@ -94,8 +104,22 @@ def time_stages(gm: fx.GraphModule, assignments: list[dict[str, int]], num_stage
     device = torch.device(device)
     placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
     given = dict(zip(placeholders, inputs))
-    cuts = [_Cut(gm, {n: s for n, s in a.items() if n != GUARDS_FN}, num_stages)
+    cuts = [_Cut(gm, {n: s for n, s in a.items() if n != GUARDS_FN}, num_stages, rewrite)
             for a in assignments]
+    saved = [(p, p.grad) for p in gm.parameters()]
+    for p, _ in saved:  # accumulate into fresh tensors: the caller's .grad stay untouched
+        p.grad = None
+    try:
+        return _rounds(cuts, given, num_stages, device, warmup, min_rounds, max_rounds,
+                       min_time_s)
+    finally:
+        for p, g in saved:
+            p.grad = g
+
+
+def _rounds(cuts: list[_Cut], given: dict[str, Any], num_stages: int, device: torch.device,
+            warmup: int, min_rounds: int, max_rounds: int, min_time_s: float
+            ) -> list[list[tuple[float, float]]]:
     fwd = [[[] for _ in range(num_stages)] for _ in cuts]
     bwd = [[[] for _ in range(num_stages)] for _ in cuts]
     t_start = None
@@ -125,10 +149,16 @@ def time_stages(gm: fx.GraphModule, assignments: list[dict[str, int]], num_stage
             for c in range(len(cuts))]
 
 
+#: how stages are timed; part of every refinement's cache key
+STAGE_TIMING_FORMAT = "stages-v2"  # 2: weight gradients accumulate into .grad
+
+
 def refine_key(profile: str, layout: str, first_cuts: list[int]) -> str:
     """Cache key of one refinement: the model's profile key, the layout (schedule, stages,
-    micro-batches, micro-batch size, recomputation) and the cut it started from."""
-    h = hashlib.sha256(json.dumps([profile, layout, list(first_cuts)]).encode())
+    micro-batches, micro-batch size, recomputation, gradient accumulation) and the cut it
+    started from."""
+    h = hashlib.sha256(json.dumps([profile, layout, list(first_cuts),
+                                   STAGE_TIMING_FORMAT]).encode())
     return h.hexdigest()[:24]
 
 
