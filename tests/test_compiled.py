@@ -486,3 +486,40 @@ def test_plan_of_repeated_blocks_compiles_and_trains():
     x = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(1))
     ref = F.cross_entropy(_folded_model()(x).flatten(0, 1), x.flatten()).item()
     assert got[0] == got[1] == pytest.approx(ref, abs=1e-5)
+
+
+def _top_sequential() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*(nn.Linear(16, 16) for _ in range(8)), nn.Linear(16, 4))
+
+
+def _top_sequential_worker(rank: int, plan_dict: dict) -> tuple[float, dict]:
+    from fxpipe.plans.plan import Plan
+
+    model = _top_sequential()
+    pipe = fxpipe.compile(model, Plan.from_dict(plan_dict))
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
+    loss = pipe.step(x, torch.zeros(4, 4))
+    return loss, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.distributed
+def test_a_model_that_is_itself_a_run_of_blocks_plans_as_blocks_and_trains():
+    """``nn.Sequential(8 identical layers, head)``: the run is the model itself (no parent
+    module to shorten it in); it plans as blocks and trains as one process does."""
+    spec = {"model": {"factory": "x:y"}, "data": {"batch_size": 4},
+            "parallel": {"pipeline": 2, "data": 1, "microbatches": 2, "schedule": "1f1b"},
+            "cluster": {"devices_per_node": 2},
+            "train": {"loss": "mse", "timeout_s": 60}}
+    plan = fxpipe.plan(_top_sequential(), spec, (torch.zeros(2, 16),))
+    assert plan.folded and set(plan.folded["blocks"]) == {0, 1}
+    got = run_ranks(_top_sequential_worker, 2, plan.to_dict(), timeout_s=120)
+    model = _top_sequential()
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
+    ref = F.mse_loss(model(x), torch.zeros(4, 4))
+    ref.backward()
+    assert got[0][0] == got[1][0] == pytest.approx(ref.item(), abs=1e-6)
+    grads = {**got[0][1], **got[1][1]}
+    assert set(grads) == {n for n, _ in model.named_parameters()}
+    for n, p in model.named_parameters():
+        assert torch.allclose(grads[n], p.grad, atol=1e-6), n

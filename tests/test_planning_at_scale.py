@@ -79,8 +79,8 @@ def test_profile_measures_caches_and_the_planner_uses_it(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     files = [f.name for f in (tmp_path / "profiles").glob("*.json")]
     # planned from the cache, and the planned stages timed whole (cluster.measure_stages)
-    assert len([f for f in files if not f.startswith("refined-")]) == 3
-    assert len([f for f in files if f.startswith("refined-")]) == 1
+    assert len([f for f in files if not f.startswith("stages-")]) == 3
+    assert len([f for f in files if f.startswith("stages-")]) == 1
     assert "cluster.measure_stages" in r.stdout
     assert "loss:         cross_entropy on stage 1" in r.stdout
 

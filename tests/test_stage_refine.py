@@ -113,7 +113,7 @@ def test_time_stages_times_each_stage_as_the_ranks_run_it():
         seen.append(n)
         return out, n
 
-    (a, b) = time_stages(tr.gm, [light, heavy], 2, [x], "cpu", min_rounds=5, min_time_s=0.0,
+    (a, b) = time_stages(tr.gm, [light, heavy], 2, {tr.input_names[0]: x}, "cpu", min_rounds=5, min_time_s=0.0,
                          rewrite=rewrite)
     assert len(seen) == 4 and sum(seen) > 0  # every stage of both cuts, its linears rewritten
     # the weight gradients accumulated during the rounds; .grad is put back as it was
@@ -205,7 +205,19 @@ def test_the_planner_moves_a_cut_the_stage_timings_contradict(tmp_path, monkeypa
     again = plan_with_graph(model, _spec(), (x,))[0]
     assert len(calls) == n_calls  # cached: nothing timed again
     assert [s.nodes for s in again.stages] == [s.nodes for s in plan.stages]
-    assert [f.name for f in (tmp_path / "profiles").glob("refined-*.json")]
+    (cached,) = (tmp_path / "profiles").glob("stages-*.json")
+    # another spec (device memory) decides again with the same timings: nothing timed again
+    roomy = _spec()
+    roomy["cluster"]["memory_gb"] = 32
+    plan_with_graph(model, roomy, (x,))
+    assert len(calls) == n_calls
+    # re-profiling the model drops its stage timings; a damaged file is ignored
+    prof.save_profile(key, biased, {})
+    assert not cached.exists()
+    cached.write_text('{"format": "stages-v2", "alone": {"[[0, 99]]": [[1, 2]], "x": 3}, '
+                      '"together": {"[[0, 1]]": "nope"}}')
+    plan_with_graph(model, _spec(), (x,))
+    assert len(calls) > n_calls  # timed afresh, no traceback
 
 
 def test_measure_stages_needs_real_weights_or_a_cache(tmp_path, monkeypatch):
@@ -220,3 +232,31 @@ def test_measure_stages_needs_real_weights_or_a_cache(tmp_path, monkeypatch):
     assert any(line.startswith("cluster.measure_stages") and "skip" not in line
                for line in plan.explain)  # the cached refinement serves the meta model
 
+
+
+class Gated(nn.Module):
+    """BatchNorm (running statistics), dropout and a keyword input after a non-tensor one."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.bn, self.b = nn.Linear(16, 32), nn.BatchNorm1d(32), nn.Linear(32, 32)
+        self.drop, self.c = nn.Dropout(0.1), nn.Linear(32, 8)
+
+    def forward(self, gate=None, x=None):
+        h = self.b(torch.relu(self.bn(self.a(x))))
+        return self.c(self.drop(h if gate is None else h * gate))
+
+
+def test_planning_leaves_the_model_and_the_rng_as_they_were(tmp_path, monkeypatch):
+    monkeypatch.setenv("FXPIPE_CACHE_DIR", str(tmp_path))
+    torch.manual_seed(0)
+    model = Gated()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randn(2, 16)
+    rng = torch.get_rng_state()
+    plan = plan_with_graph(model, _spec(), None, {"gate": None, "x": x})[0]
+    note = next(line for line in plan.explain if line.startswith("cluster.measure_stages"))
+    assert "not timed" not in note, note  # the tensor input after a None one was found
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    assert int(model.bn.num_batches_tracked) == 0
+    assert torch.equal(torch.get_rng_state(), rng)

@@ -61,6 +61,16 @@ class BlockRun:
     def to_dict(self) -> dict:
         return {"path": self.path, "start": self.start, "count": self.count}
 
+    @property
+    def prefix(self) -> str:
+        """What the blocks' names start with: ``"h."`` (``""`` when the model is the run's
+        ``Sequential`` itself)."""
+        return self.path + "." if self.path else ""
+
+    def block(self, i: int) -> str:
+        """Block ``i``'s module path (``h.3``; ``3`` at the top)."""
+        return f"{self.prefix}{i}"
+
 
 def _signature(m: nn.Module) -> tuple:
     return (type(m), tuple((n, tuple(p.shape), p.dtype, p.requires_grad)
@@ -97,6 +107,16 @@ def find_block_run(model: nn.Module, min_blocks: int = MIN_BLOCKS) -> BlockRun |
 def reduced(model: nn.Module, run: BlockRun, keep: int = KEEP) -> Iterator[nn.Module]:
     """``model`` with the run shortened to ``keep`` blocks for the ``with`` block (restored
     after, also on errors)."""
+    if not run.path:  # the model is the Sequential: renumber its own children
+        kids = list(model)
+        short = kids[:run.start] + kids[run.start:run.start + keep] + kids[run.start + run.count:]
+        saved = model._modules
+        model._modules = type(saved)((str(i), m) for i, m in enumerate(short))
+        try:
+            yield model
+        finally:
+            model._modules = saved
+        return
     parent_path, _, attr = run.path.rpartition(".")
     parent = model.get_submodule(parent_path)
     full = getattr(parent, attr)
@@ -244,7 +264,7 @@ def fold(pg: PricedGraph, run: BlockRun, unit_times: list[tuple[float, float, fl
     saved = ([unit(p, "saved_bytes") for p in fo.prologue]
              + [sum(unit(p, "saved_bytes") for p in rep)] * L
              + [unit(p, "saved_bytes") for p in fo.epilogue])
-    prefix = run.path + "."
+    prefix = run.prefix
     names = ([pg.order[p] for p in fo.prologue]
              + [f"{prefix}{run.start + b}" for b in range(L)]
              + [pg.order[p] for p in fo.epilogue])

@@ -36,11 +36,11 @@ from fxpipe.partitioner.problem import CutProblem, PartitionResult, Value, evalu
 from fxpipe.partitioner.profile import (SendCost, load_profile, load_send_cost, profile_graph,
                                         profile_key, save_profile)
 from fxpipe.partitioner.recompute import apply_recompute, cheap_values, is_clone
-from fxpipe.partitioner.refine import MAX_CUTS, Refinement, refine_cuts
+from fxpipe.partitioner.refine import MAX_CUTS, refine_cuts
 from fxpipe.partitioner.servers import assign_servers, even_server_bytes
 from fxpipe.partitioner.search import Candidate, candidates, stage_inflight
 from fxpipe.partitioner.solvers import optimal_partition
-from fxpipe.partitioner.stage_timing import load_refined, refine_key, save_refined, time_stages
+from fxpipe.partitioner.stage_timing import StageTimes, stage_times_key, time_stages
 from fxpipe.partitioner.timing import NodeTimes, analytic_times, sum_times
 from fxpipe.partitioner.trace import TracedModel, fake_on_device, trace
 from fxpipe.plans.plan import Plan, StagePlan
@@ -506,7 +506,7 @@ def _assemble_folded(pr: Priced, result: PartitionResult, cand: Candidate, spec:
     stage_of = result.stage_of()
     n_pro = len(fo.prologue)
     rep_index = run.start + KEEP - 1
-    rep_prefix = f"{run.path}.{rep_index}."
+    rep_prefix = f"{run.block(rep_index)}."
     rep = {"params": [], "buffers": []}
     for p_ in fo.block_units[-1]:
         for kind, held in rep.items():
@@ -531,7 +531,7 @@ def _assemble_folded(pr: Priced, result: PartitionResult, cand: Candidate, spec:
         buffers: list[str] = []
         for u in range(a, b):
             if n_pro <= u < n_pro + run.count:
-                at = f"{run.path}.{run.start + u - n_pro}."
+                at = f"{run.block(run.start + u - n_pro)}."
                 params += [at + f[len(rep_prefix):] for f in rep["params"]]
                 buffers += [at + f[len(rep_prefix):] for f in rep["buffers"]]
             else:
@@ -567,7 +567,7 @@ def _assemble_folded(pr: Priced, result: PartitionResult, cand: Candidate, spec:
         for fqn in st.params:
             users.setdefault(fqn, []).append(st.index)
     explain = list(explain) + [
-        f"planned as blocks: {run.count} identical {run.path}.* blocks, two of them traced and "
+        f"planned as blocks: {run.count} identical {run.prefix or 'top-level '}* blocks, two of them traced and "
         f"priced; stage {', stage '.join(f'{s}: ' + _block_range(run, block_stage, s) for s in range(cand.num_stages))}"]
     plan = Plan(
         model=pr.traced.model_name, num_stages=cand.num_stages, pipeline=cand.pipeline,
@@ -603,7 +603,7 @@ def _placement_note(plan: Plan, spec: ParallelSpec) -> str:
 
 def _block_range(run, block_stage: list[int], s: int) -> str:
     idx = [run.start + b for b, st in enumerate(block_stage) if st == s]
-    return f"{run.path}.{idx[0]}-{idx[-1]}" if idx else "no blocks"
+    return f"{run.block(idx[0])}-{idx[-1]}" if idx else "no blocks"
 
 
 def _ring_s(nbytes: float, n: int, spec: ParallelSpec, pipeline: int, dp: int,
@@ -909,9 +909,10 @@ def _refine_by_stages(pr: Priced, spec: ParallelSpec, cand: Candidate, result: P
                       mbs: int, model: nn.Module | None, args: tuple, kwargs: dict
                       ) -> tuple[Priced, PartitionResult, str]:
     """``cluster.measure_stages``: the planned cut checked against its stages timed whole, and
-    moved where they disagree (:mod:`fxpipe.partitioner.refine`); cached by the profile key,
-    the layout and the planned cut. ``model``: the model with real weights on the device (None:
-    only a cached refinement can be used). Returns the Priced with the chosen cut's stage times,
+    moved where they disagree (:mod:`fxpipe.partitioner.refine`). The stage timings are cached
+    cut by cut (:class:`~fxpipe.partitioner.stage_timing.StageTimes`), the decision is made
+    again under this spec. ``model``: the model with real weights on the device (None: only
+    cached timings can be used). Returns the Priced with the chosen cut's stage times,
     the partition, and a line for the plan's explanation."""
     cl = spec.cluster
     first = [int(c) for c in result.cuts]
@@ -921,9 +922,6 @@ def _refine_by_stages(pr: Priced, spec: ParallelSpec, cand: Candidate, result: P
                              cand.virtual_stages).split_backward
     fuse = (spec.train.fuse_grad_accumulation and spec.train.precision == "fp32"
             and not split)
-    layout = (f"{cand.label()}|mbs={mbs}|recompute={cand.recompute}|{spec.model.tracer}|"
-              f"fuse={fuse}")
-    key = refine_key(profile_key(pr.traced, cl.device), layout, first)
     raw = _raw_unit_times(pr)
 
     def problem_of(times: np.ndarray) -> tuple[Priced, CutProblem]:
@@ -938,36 +936,53 @@ def _refine_by_stages(pr: Priced, spec: ParallelSpec, cand: Candidate, result: P
         res = evaluate(prob, list(cuts), method="given")
         return _simulate_cut(p2, _unit_prefix(p2), prob, res, cand, spec, 1.0).step_time_s
 
-    ref = None
-    cached = load_refined(key)
-    if cached is not None and np.shape(cached.get("times")) == raw.shape:
-        ref = Refinement(cached["cuts"], np.asarray(cached["times"], dtype=np.float64),
-                         cached["visited"], [[tuple(x) for x in m] for m in cached["measured"]],
-                         cached["steps"])
-    if ref is None:
-        skip = "cluster.measure_stages: the cut's stages were not timed whole"
-        if model is None:
-            return pr, result, f"{skip} (no model with real weights on {cl.device} here)"
-        est = float(raw.sum()) * 9 * 2 * MAX_CUTS
-        if est > REFINE_BUDGET_S:
-            return pr, result, (f"{skip}: that would take about {est:.0f} s (over "
-                                f"{REFINE_BUDGET_S:.0f} s); the per-node sums stand")
-        _progress.info("timing the planned stages whole (cluster.measure_stages)")
-        full = trace(model, args, spec.model.tracer, example_kwargs=kwargs,
-                     output=spec.loss_output)
-        inputs = [*args, *(v for v in kwargs.values() if isinstance(v, torch.Tensor))]
+    store = StageTimes(stage_times_key(profile_key(pr.traced, cl.device), list(pr.table.names),
+                                       f"fuse={fuse}"))
+    skip = "cluster.measure_stages: the cut's stages were not timed whole"
+    timer: dict = {}
 
-        def measure(cut_list: list[list[int]]) -> list[list[tuple[float, float]]]:
-            assigns = [_node_stages(pr, c, cand, spec, mbs, full) for c in cut_list]
-            return time_stages(full.gm, assigns, cand.num_stages, inputs, cl.device,
-                               rewrite=fuse_weight_grads if fuse else None)
+    class NotTimed(Exception):
+        pass
 
-        try:
-            ref = refine_cuts(raw, first, solve, step_s, measure)
-        except (PlanError, RuntimeError) as e:  # a stage that cannot run on its own here
-            return pr, result, f"{skip} ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
-        save_refined(key, {"cuts": ref.cuts, "times": ref.times.tolist(), "visited": ref.visited,
-                           "measured": ref.measured, "steps": ref.step_s})
+    def time_now(cut_list: list[list[int]]) -> list[list[tuple[float, float]]]:
+        if "full" not in timer:
+            if model is None:
+                raise NotTimed(f"no model with real weights on {cl.device} here")
+            est = float(raw.sum()) * 9 * 2 * MAX_CUTS
+            if est > REFINE_BUDGET_S:
+                raise NotTimed(f"that would take about {est:.0f} s, over "
+                               f"{REFINE_BUDGET_S:.0f} s")
+            _progress.info("timing the planned stages whole (cluster.measure_stages)")
+            full = trace(model, args, spec.model.tracer, example_kwargs=kwargs,
+                         output=spec.loss_output)
+            timer["full"] = full
+            timer["inputs"] = dict(zip(full.input_names, [
+                v for v in [*args, *kwargs.values()] if isinstance(v, torch.Tensor)]))
+        full = timer["full"]
+        assigns = [_node_stages(pr, c, cand, spec, mbs, full) for c in cut_list]
+        return time_stages(full.gm, assigns, cand.num_stages, timer["inputs"], cl.device,
+                           rewrite=fuse_weight_grads if fuse else None)
+
+    def measure(cut_list: list[list[int]]) -> list[list[tuple[float, float]]]:
+        if len(cut_list) == 1:  # one cut alone: while refining
+            sig = store.sig(cut_list)
+            if sig not in store.alone:
+                store.alone[sig] = time_now(cut_list)[0]
+                store.save()
+            return [store.alone[sig]]
+        sig = store.sig(cut_list)  # the cuts visited, side by side: the decision
+        if sig not in store.together:
+            store.together[sig] = time_now(cut_list)
+            store.save()
+        return store.together[sig]
+
+    try:
+        ref = refine_cuts(raw, first, solve, step_s, measure)
+    except NotTimed as e:
+        return pr, result, f"{skip} ({e}); the per-node sums stand"
+    except Exception as e:  # noqa: BLE001 - the user's model: a stage that cannot run alone
+        why = (str(e).splitlines() or [""])[0][:200]
+        return pr, result, f"{skip} ({type(e).__name__}: {why}); the per-node sums stand"
     pr2 = _with_unit_times(pr, ref.times)
     res2 = evaluate(_cut_problem(pr2, spec, cand, 1.0), list(ref.cuts), method="given")
     i = ref.visited.index(list(ref.cuts))
@@ -997,8 +1012,17 @@ def plan_with_graph(model: nn.Module, spec: Any, example_inputs: Any = None,
     ``cuts`` (a fixed layout only): plan exactly these stage starts (unit positions, see
     :func:`planning_units`) instead of the optimal ones, e.g. to measure other cuts.
     ``units_only``: return ``(unit table, None)`` without planning (see
-    :func:`planning_units`)."""
+    :func:`planning_units`). The global random number generators are as before afterwards
+    (profiling draws random targets and runs dropout)."""
     spec = as_spec(spec)
+    cuda = spec.cluster.device == "cuda" and torch.cuda.is_available()
+    with torch.random.fork_rng(devices=[torch.cuda.current_device()] if cuda else []):
+        return _plan_with_graph(model, spec, example_inputs, example_kwargs, cuts, units_only)
+
+
+def _plan_with_graph(model: nn.Module, spec: ParallelSpec, example_inputs: Any,
+                     example_kwargs: dict | None, cuts: list[int] | None, units_only: bool
+                     ) -> tuple[Plan, "nx.DiGraph"]:
     _check_compression_rank(model, spec)
     if example_inputs is None and example_kwargs is None:
         batch = example_microbatch(spec, 1)
@@ -1136,7 +1160,7 @@ def planning_units(model: nn.Module, spec: Any, example_inputs: Any = None,
     ``i`` for :func:`plan_with_graph` ``cuts`` means "a cut right before unit ``i``"."""
     pr, _ = plan_with_graph(model, spec, example_inputs, example_kwargs, units_only=True)
     if pr.table.folding is not None:
-        return [(n, n if n.startswith(pr.table.folding.run.path + ".") else
+        return [(n, n if n.startswith(pr.table.folding.run.prefix) else
                  pr.pg.graph.nodes[n]["module"]) for n in pr.table.names]
     return [(n, pr.pg.graph.nodes[n]["module"]) for n in pr.table.names]
 

@@ -23,6 +23,7 @@ and cached here; the simulator charges it to every send.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -42,7 +43,7 @@ from fxpipe.partitioner.trace import COMPUTE_OPS, TracedModel
 
 __all__ = ["cache_dir", "profile_key", "profile_graph", "load_profile", "save_profile",
            "PROFILE_FORMAT", "profile_loss", "loss_key", "load_loss_profile", "save_loss_profile",
-           "SendCost", "load_send_cost", "send_cost_path"]
+           "SendCost", "load_send_cost", "send_cost_path", "kept_state"]
 
 
 def cache_dir() -> Path:
@@ -83,13 +84,16 @@ def load_profile(key: str) -> dict[str, NodeTimes] | None:
 
 
 def save_profile(key: str, times: dict[str, NodeTimes], meta: dict[str, Any]) -> Path:
-    """Write the cache entry atomically; returns its path."""
+    """Write the cache entry atomically, and drop the stage timings made with the profile it
+    replaces (:mod:`fxpipe.partitioner.stage_timing`); returns its path."""
     path = _path(key)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps({"meta": {**meta, "format": PROFILE_FORMAT}, "nodes": {
         k: [t.fwd_s, t.bwd_input_s, t.bwd_weight_s] for k, t in times.items()}}))
     tmp.replace(path)
+    for old in path.parent.glob(f"stages-{key}-*.json"):  # timed with the old profile's cut
+        old.unlink(missing_ok=True)
     return path
 
 
@@ -100,6 +104,22 @@ _clock = time.perf_counter
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+@contextlib.contextmanager
+def kept_state(module: torch.nn.Module, device: torch.device):
+    """``module``'s buffers (BatchNorm's running statistics and batch count) and the random
+    number generators (dropout) as they were before the ``with`` block: timing runs training
+    forwards, which would move them in the user's model."""
+    bufs = [(b, b.detach().clone()) for b in module.buffers()]
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for b, v in bufs:
+                    b.copy_(v)
 
 
 def _median_time(fn: Callable[[], Any], device: torch.device, warmup: int, repeats: int) -> float:
@@ -195,7 +215,9 @@ def profile_graph(traced: TracedModel, inputs: list[torch.Tensor], device: torch
                   *, warmup: int = 2, repeats: int = 5,
                   progress: Callable[[int, int], None] | None = None) -> dict[str, NodeTimes]:
     """Measured :class:`NodeTimes` of every compute node of ``traced`` (a graph of a real model
-    on ``device``), run on ``inputs`` (its placeholders' values, in order).
+    on ``device``), run on ``inputs`` (the values of its tensor inputs,
+    ``traced.input_names``, in order). The model's buffers (BatchNorm's running statistics)
+    and the random number generators are as before afterwards.
 
     Forwards: ``warmup`` untimed then ``repeats`` timed passes over the whole graph in order,
     node by node, as training runs it (grad enabled, activations kept); a node's forward is the
@@ -223,9 +245,14 @@ def profile_graph(traced: TracedModel, inputs: list[torch.Tensor], device: torch
         PlanError: a node fails on these inputs (the message names it).
     """
     device = torch.device(device)
+    with kept_state(traced.gm, device):  # the user's BatchNorm statistics, dropout's RNG
+        return _profile_graph(traced, inputs, device, warmup, repeats, progress)
+
+
+def _profile_graph(traced: TracedModel, inputs: list[torch.Tensor], device: torch.device,
+                   warmup: int, repeats: int, progress) -> dict[str, NodeTimes]:
     gm = traced.gm
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    given = {n.name: v for n, v in zip(placeholders, inputs)}
+    given = dict(zip(traced.input_names, inputs))  # the tensor placeholders, in order
     computes = [n for n in gm.graph.nodes if n.op in COMPUTE_OPS]
     samples: dict[str, list[float]] = {n.name: [] for n in computes}
     env: dict[str, Any] = {}

@@ -18,9 +18,9 @@ in turn, so load that comes and goes touches the cuts alike, and go on until at 
 ``min_rounds`` are timed and ``min_time_s`` has passed (a burst shorter than half of that moves
 no median); a stage's time is its median over the rounds.
 
-The outcome of a refinement (:mod:`fxpipe.partitioner.refine`) is cached next to the profile,
-keyed by the profile key and the layout, so that planning the same spec again gives the same
-plan without timing anything.
+The timings are cached next to the profile (:class:`StageTimes`, keyed by the profile key),
+cut by cut, so that planning the same spec again gives the same plan without timing anything,
+and a changed spec (memory, links, the layout) re-solves with the same timings.
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ from fxpipe.partitioner import profile as _profile
 from fxpipe.partitioner.boundaries import GUARDS_FN, stage_boundaries
 from fxpipe.partitioner.split import build_stage_module
 
-__all__ = ["time_stages", "refine_key", "load_refined", "save_refined"]
+__all__ = ["time_stages", "StageTimes", "stage_times_key", "STAGE_TIMING_FORMAT"]
+
 
 
 def _leaf(v: Any) -> Any:
@@ -89,29 +90,31 @@ class _Cut:
 
 
 def time_stages(gm: fx.GraphModule, assignments: list[dict[str, int]], num_stages: int,
-                inputs: list[Any], device: torch.device | str, *, warmup: int = 2,
+                inputs: dict[str, Any], device: torch.device | str, *, warmup: int = 2,
                 min_rounds: int = 7, max_rounds: int = 31, min_time_s: float = 0.5,
                 rewrite: Callable[[nn.Module], tuple[nn.Module, int]] | None = None
                 ) -> list[list[tuple[float, float]]]:
     """Seconds of every stage's forward and backward for each cut in ``assignments``
     (compute-node name -> stage, as :func:`~fxpipe.partitioner.boundaries.stage_boundaries`
-    takes it) of ``gm``, run on ``inputs`` (its placeholders' values, in order). Returns, per
-    cut, ``[(forward, backward), ...]`` per stage (medians over the timed rounds).
+    takes it) of ``gm``, run on ``inputs`` (placeholder name -> value). Returns, per cut,
+    ``[(forward, backward), ...]`` per stage (medians over the timed rounds). The parameters'
+    ``.grad``, the buffers (BatchNorm's running statistics) and the random number generators
+    are as before afterwards.
 
     Raises:
         SplitError: an assignment is not a valid cut of ``gm``.
     """
     device = torch.device(device)
-    placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
-    given = dict(zip(placeholders, inputs))
+    given = dict(inputs)
     cuts = [_Cut(gm, {n: s for n, s in a.items() if n != GUARDS_FN}, num_stages, rewrite)
             for a in assignments]
     saved = [(p, p.grad) for p in gm.parameters()]
     for p, _ in saved:  # accumulate into fresh tensors: the caller's .grad stay untouched
         p.grad = None
     try:
-        return _rounds(cuts, given, num_stages, device, warmup, min_rounds, max_rounds,
-                       min_time_s)
+        with _profile.kept_state(gm, device):
+            return _rounds(cuts, given, num_stages, device, warmup, min_rounds, max_rounds,
+                           min_time_s)
     finally:
         for p, g in saved:
             p.grad = g
@@ -149,41 +152,77 @@ def _rounds(cuts: list[_Cut], given: dict[str, Any], num_stages: int, device: to
             for c in range(len(cuts))]
 
 
-#: how stages are timed; part of every refinement's cache key
+#: how stages are timed; part of every cache key of stage timings
 STAGE_TIMING_FORMAT = "stages-v2"  # 2: weight gradients accumulate into .grad
 
 
-def refine_key(profile: str, layout: str, first_cuts: list[int]) -> str:
-    """Cache key of one refinement: the model's profile key, the layout (schedule, stages,
-    micro-batches, micro-batch size, recomputation, gradient accumulation) and the cut it
-    started from."""
-    h = hashlib.sha256(json.dumps([profile, layout, list(first_cuts),
-                                   STAGE_TIMING_FORMAT]).encode())
-    return h.hexdigest()[:24]
+def stage_times_key(profile: str, units: list[str], setting: str) -> str:
+    """Cache key of a model's stage timings: its profile key (graph, shapes, dtype, device,
+    torch), its planning units and how the stages run (``setting``: e.g. the in-place gradient
+    accumulation). The file name starts with the profile key, so re-profiling the model with
+    ``fxpipe profile`` drops them too (:func:`fxpipe.partitioner.profile.save_profile`)."""
+    h = hashlib.sha256(json.dumps([units, setting, STAGE_TIMING_FORMAT]).encode())
+    return f"{profile}-{h.hexdigest()[:16]}"
 
 
 def _path(key: str):
-    return _profile.cache_dir() / "profiles" / f"refined-{key}.json"
+    return _profile.cache_dir() / "profiles" / f"stages-{key}.json"
 
 
-def load_refined(key: str) -> dict | None:
-    """A cached refinement (``{"cuts": [...], "factors": [[f, b], ...], "rounds": [...]}``)."""
-    p = _path(key)
-    if not p.exists():
-        return None
+def _times(v: Any, cut: Any) -> list[tuple[float, float]] | None:
+    """``v`` as per-stage ``(forward, backward)`` seconds of the cut ``cut``, or None."""
     try:
-        data = json.loads(p.read_text())
-    except (OSError, ValueError):
+        out = [(float(f), float(b)) for f, b in v]
+        k = len(cut)
+    except (TypeError, ValueError):
         return None
-    if data.get("format") != _profile.PROFILE_FORMAT or not isinstance(data.get("result"), dict):
-        return None
-    return data["result"]
+    return out if len(out) == k and all(f >= 0 and b >= 0 for f, b in out) else None
 
 
-def save_refined(key: str, result: dict) -> None:
-    """Cache a refinement (written whole, then renamed, so a reader never sees half)."""
-    p = _path(key)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"format": _profile.PROFILE_FORMAT, "result": result}))
-    tmp.replace(p)
+def _cuts(sig: str) -> list[list[int]] | None:
+    try:
+        cuts = json.loads(sig)
+        return [[int(i) for i in c] for c in cuts] if isinstance(cuts, list) else None
+    except (TypeError, ValueError):
+        return None
+
+
+class StageTimes:
+    """The cached stage timings of one model: ``alone[cut]`` (a cut timed by itself) and
+    ``together[cuts]`` (cuts timed side by side, interleaved), per stage ``(forward,
+    backward)`` seconds; a cut is its stage starts. Entries that do not parse are ignored."""
+
+    def __init__(self, key: str):
+        self.key = key
+        self.alone: dict[str, list[tuple[float, float]]] = {}
+        self.together: dict[str, list[list[tuple[float, float]]]] = {}
+        try:
+            data = json.loads(_path(key).read_text())
+        except (OSError, ValueError):
+            return
+        if not isinstance(data, dict) or data.get("format") != STAGE_TIMING_FORMAT:
+            return
+        for sig, v in dict(data.get("alone") or {}).items():
+            cuts = _cuts(sig)
+            t = _times(v, cuts[0]) if cuts and len(cuts) == 1 else None
+            if t is not None:
+                self.alone[sig] = t
+        for sig, vs in dict(data.get("together") or {}).items():
+            cuts = _cuts(sig)
+            ts = ([_times(v, c) for v, c in zip(vs, cuts)]
+                  if cuts and isinstance(vs, list) and len(vs) == len(cuts) else [None])
+            if all(t is not None for t in ts):
+                self.together[sig] = ts
+
+    @staticmethod
+    def sig(cuts: list[list[int]]) -> str:
+        return json.dumps([list(map(int, c)) for c in cuts])
+
+    def save(self) -> None:
+        """Written whole, then renamed, so a reader never sees half."""
+        p = _path(self.key)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        tmp = p.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"format": STAGE_TIMING_FORMAT, "alone": self.alone,
+                                   "together": self.together}))
+        tmp.replace(p)
