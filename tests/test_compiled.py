@@ -500,7 +500,9 @@ def _top_sequential_worker(rank: int, plan_dict: dict) -> tuple[float, dict]:
     pipe = fxpipe.compile(model, Plan.from_dict(plan_dict))
     x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
     loss = pipe.step(x, torch.zeros(4, 4))
-    return loss, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    # plain lists: a tensor sent through the result queue is shared memory that vanishes when
+    # this process exits before the parent reads it
+    return loss, {n: p.grad.tolist() for n, p in model.named_parameters() if p.grad is not None}
 
 
 @pytest.mark.distributed
@@ -522,4 +524,4 @@ def test_a_model_that_is_itself_a_run_of_blocks_plans_as_blocks_and_trains():
     grads = {**got[0][1], **got[1][1]}
     assert set(grads) == {n for n, _ in model.named_parameters()}
     for n, p in model.named_parameters():
-        assert torch.allclose(grads[n], p.grad, atol=1e-6), n
+        assert torch.allclose(torch.tensor(grads[n]), p.grad, atol=1e-6), n
