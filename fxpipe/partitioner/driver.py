@@ -217,6 +217,11 @@ def _node_times(traced: TracedModel, costs: dict[str, NodeCost], spec: ParallelS
     return with_loss(times, node, loss), loss
 
 
+def _tensor_inputs(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensor inputs in call order: what a trace's ``input_names`` name."""
+    return [v for v in [*args, *kwargs.values()] if isinstance(v, torch.Tensor)]
+
+
 def traced_args(traced: TracedModel, inputs: list) -> tuple[tuple, dict]:
     """Split placeholder values (graph order) back into positional and keyword inputs."""
     kw = traced.input_kwargs
@@ -495,6 +500,23 @@ def _simulate_cut(pr: Priced, prefix: np.ndarray, problem: CutProblem,
         server_bytes=even_server_bytes(list(result.param_bytes), servers) if servers else None)
 
 
+def _folded_record(pr: Priced, stage_of: list[int]) -> dict:
+    """``Plan.folded`` of a folded partition (``stage_of``: the stage of every folded unit):
+    the stage of each prologue node, of each block and of each epilogue node, for
+    :func:`fxpipe.partitioner.blocks.resolve_folded`."""
+    fo, pg = pr.table.folding, pr.pg
+    g, run, n_pro = pg.graph, fo.run, len(fo.prologue)
+    folded_unit = {p_: i for i, p_ in enumerate(fo.prologue)}
+    folded_unit.update({p_: n_pro + run.count + i for i, p_ in enumerate(fo.epilogue)})
+    return {"run": run.to_dict(),
+            "prologue": {m: stage_of[folded_unit[p_]] for p_ in fo.prologue
+                         for m in g.nodes[pg.order[p_]]["members"]},
+            "blocks": [stage_of[n_pro + b] for b in range(run.count)],
+            "epilogue": [stage_of[folded_unit[p_]] for p_ in fo.epilogue
+                         for _ in g.nodes[pg.order[p_]]["members"]],
+            "cheap": sorted(pr.cheap)}
+
+
 def _assemble_folded(pr: Priced, result: PartitionResult, cand: Candidate, spec: ParallelSpec,
                      mbs: int, explain: list[str]) -> Plan:
     """A Plan of a folded partition: stages as blocks (``Plan.folded`` records which node goes
@@ -513,13 +535,8 @@ def _assemble_folded(pr: Priced, result: PartitionResult, cand: Candidate, spec:
             for fqn in g.nodes[pg.order[p_]][kind]:
                 if fqn.startswith(rep_prefix) and fqn not in held:
                     held.append(fqn)
-    folded_unit = {p_: i for i, p_ in enumerate(fo.prologue)}
-    folded_unit.update({p_: n_pro + run.count + i for i, p_ in enumerate(fo.epilogue)})
-    pro_stage = {m: stage_of[folded_unit[p_]] for p_ in fo.prologue
-                 for m in g.nodes[pg.order[p_]]["members"]}
-    epi_stage = [stage_of[folded_unit[p_]] for p_ in fo.epilogue
-                 for _ in g.nodes[pg.order[p_]]["members"]]
-    block_stage = [stage_of[n_pro + b] for b in range(run.count)]
+    record = _folded_record(pr, stage_of)
+    block_stage = record["blocks"]
     prefix = _unit_prefix(pr)
     cuts = list(result.cuts) + [len(tb.names)]
     fl = np.concatenate([np.zeros((3, 1)), np.cumsum(np.asarray(tb.flops, dtype=np.float64).T
@@ -567,8 +584,8 @@ def _assemble_folded(pr: Priced, result: PartitionResult, cand: Candidate, spec:
         for fqn in st.params:
             users.setdefault(fqn, []).append(st.index)
     explain = list(explain) + [
-        f"planned as blocks: {run.count} identical {run.prefix or 'top-level '}* blocks, two of them traced and "
-        f"priced; stage {', stage '.join(f'{s}: ' + _block_range(run, block_stage, s) for s in range(cand.num_stages))}"]
+        f"planned as blocks: {run.count} identical {run.prefix or 'top-level '}* blocks, two "
+        f"of them traced and priced; stage {', stage '.join(f'{s}: ' + _block_range(run, block_stage, s) for s in range(cand.num_stages))}"]
     plan = Plan(
         model=pr.traced.model_name, num_stages=cand.num_stages, pipeline=cand.pipeline,
         dp=cand.dp, microbatches=cand.microbatches, schedule=cand.schedule,
@@ -578,8 +595,7 @@ def _assemble_folded(pr: Priced, result: PartitionResult, cand: Candidate, spec:
         shared_params={k: v for k, v in users.items() if len(v) > 1},
         param_aliases=dict(one.param_aliases), bottleneck_stage=result.bottleneck,
         lower_bound_s=result.lower_bound_s, explain=explain, spec=spec.model_dump(mode="json"),
-        folded={"run": run.to_dict(), "prologue": pro_stage, "blocks": block_stage,
-                "epilogue": epi_stage, "cheap": sorted(pr.cheap)}, placement=cand.layout,
+        folded=record, placement=cand.layout,
     )
     problem = _cut_problem(pr, spec, cand, 1.0)
     _set_grad_send_times(plan, pr.send)
@@ -894,19 +910,22 @@ def _with_unit_times(pr: Priced, times: np.ndarray) -> Priced:
     return dataclasses.replace(pr, times=node_times, table=table)
 
 
-def _node_stages(pr: Priced, cuts: list[int], cand: Candidate, spec: ParallelSpec, mbs: int,
-                 full: TracedModel) -> dict[str, int]:
+def _node_stages(pr: Priced, cuts: list[int], full: TracedModel) -> dict[str, int]:
     """Node -> stage of the full trace ``full`` for the stage starts ``cuts``."""
-    res = evaluate(_cut_problem(pr, spec, cand, 1.0), cuts, method="given")
+    ends = list(cuts[1:]) + [len(pr.table.names)]
+    stage_of = [j for j, (a, b) in enumerate(zip(cuts, ends)) for _ in range(a, b)]
     if pr.table.folding is not None:
-        return resolve_folded(_assemble_folded(pr, res, cand, spec, mbs, []).folded, full)
+        return resolve_folded(_folded_record(pr, stage_of), full)
     g = pr.pg.graph
-    return {m: s for pos, s in enumerate(res.stage_of())
-            for m in g.nodes[pr.pg.order[pos]]["members"]}
+    return {m: s for pos, s in enumerate(stage_of) for m in g.nodes[pr.pg.order[pos]]["members"]}
+
+
+class _NotTimed(Exception):
+    """The stages cannot be timed here (the message says why)."""
 
 
 def _refine_by_stages(pr: Priced, spec: ParallelSpec, cand: Candidate, result: PartitionResult,
-                      mbs: int, model: nn.Module | None, args: tuple, kwargs: dict
+                      model: nn.Module | None, args: tuple, kwargs: dict
                       ) -> tuple[Priced, PartitionResult, str]:
     """``cluster.measure_stages``: the planned cut checked against its stages timed whole, and
     moved where they disagree (:mod:`fxpipe.partitioner.refine`). The stage timings are cached
@@ -941,25 +960,21 @@ def _refine_by_stages(pr: Priced, spec: ParallelSpec, cand: Candidate, result: P
     skip = "cluster.measure_stages: the cut's stages were not timed whole"
     timer: dict = {}
 
-    class NotTimed(Exception):
-        pass
-
     def time_now(cut_list: list[list[int]]) -> list[list[tuple[float, float]]]:
         if "full" not in timer:
             if model is None:
-                raise NotTimed(f"no model with real weights on {cl.device} here")
+                raise _NotTimed(f"no model with real weights on {cl.device} here")
             est = float(raw.sum()) * 9 * 2 * MAX_CUTS
             if est > REFINE_BUDGET_S:
-                raise NotTimed(f"that would take about {est:.0f} s, over "
+                raise _NotTimed(f"that would take about {est:.0f} s, over "
                                f"{REFINE_BUDGET_S:.0f} s")
             _progress.info("timing the planned stages whole (cluster.measure_stages)")
             full = trace(model, args, spec.model.tracer, example_kwargs=kwargs,
                          output=spec.loss_output)
             timer["full"] = full
-            timer["inputs"] = dict(zip(full.input_names, [
-                v for v in [*args, *kwargs.values()] if isinstance(v, torch.Tensor)]))
+            timer["inputs"] = dict(zip(full.input_names, _tensor_inputs(args, kwargs)))
         full = timer["full"]
-        assigns = [_node_stages(pr, c, cand, spec, mbs, full) for c in cut_list]
+        assigns = [_node_stages(pr, c, full) for c in cut_list]
         return time_stages(full.gm, assigns, cand.num_stages, timer["inputs"], cl.device,
                            rewrite=fuse_weight_grads if fuse else None)
 
@@ -978,7 +993,7 @@ def _refine_by_stages(pr: Priced, spec: ParallelSpec, cand: Candidate, result: P
 
     try:
         ref = refine_cuts(raw, first, solve, step_s, measure)
-    except NotTimed as e:
+    except _NotTimed as e:
         return pr, result, f"{skip} ({e}); the per-node sums stand"
     except Exception as e:  # noqa: BLE001 - the user's model: a stage that cannot run alone
         why = (str(e).splitlines() or [""])[0][:200]
@@ -1060,9 +1075,7 @@ def _plan_with_graph(model: nn.Module, spec: ParallelSpec, example_inputs: Any,
             traced = trace(m, a, spec.model.tracer, example_kwargs=kw, output=key)
             _progress.info("pricing %d nodes", len(traced.gm.graph.nodes))
             costs = price(traced)
-            times, loss = _node_times(traced, costs, spec, real,
-                                      [*a, *(v for v in kw.values()
-                                             if isinstance(v, torch.Tensor))])
+            times, loss = _node_times(traced, costs, spec, real, _tensor_inputs(a, kw))
         pg = build_graph(traced, costs)
         pr = Priced(traced, costs, times, pg, _cheap_values(pg, spec), _send_cost(spec), size,
                     loss=loss, loss_at=loss_node(traced, costs) if loss.total_s > 0 else None)
@@ -1103,7 +1116,7 @@ def _plan_with_graph(model: nn.Module, spec: ParallelSpec, example_inputs: Any,
         m, args_, kwargs_, on = tracing(False)
         real = None if on == "meta" or _is_fake(m) else m
         pr, result, note = _refine_by_stages(
-            pr, spec, cand, result, mbs, real, tuple(_resize(x, mbs) for x in args_),
+            pr, spec, cand, result, real, tuple(_resize(x, mbs) for x in args_),
             {k: _resize(v, mbs) for k, v in kwargs_.items()})
         explain.append(note)
     traced, pg = pr.traced, pr.pg

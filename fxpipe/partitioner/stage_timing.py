@@ -52,6 +52,15 @@ def _leaf(v: Any) -> Any:
     return v
 
 
+def _timed(fn: Callable[[], Any], device: torch.device) -> tuple[float, Any]:
+    """``fn()``'s seconds (the device synchronised around it) and its result."""
+    _profile._sync(device)
+    t0 = _profile._clock()
+    out = fn()
+    _profile._sync(device)
+    return _profile._clock() - t0, out
+
+
 class _Cut:
     """The stage modules of one cut of ``gm``, ready to run."""
 
@@ -66,12 +75,8 @@ class _Cut:
     def forward(self, given: dict[str, Any], j: int, vals: dict[str, Any], device) -> tuple:
         sb = self.bounds.stages[j]
         ins = [_leaf(vals[n]) if n in vals else given[n] for n in sb.inputs]
-        _profile._sync(device)
-        t0 = _profile._clock()
         with torch.enable_grad():
-            outs = self.mods[j](*ins)
-        _profile._sync(device)
-        dt = _profile._clock() - t0
+            dt, outs = _timed(lambda: self.mods[j](*ins), device)
         vals.update(zip(sb.outputs, outs))
         return dt, (ins, outs)
 
@@ -82,11 +87,8 @@ class _Cut:
         if not outs or not wrt:
             return 0.0
         grads = [torch.ones_like(o) for o in outs]
-        _profile._sync(device)
-        t0 = _profile._clock()
-        torch.autograd.backward(outs, grads, inputs=wrt)  # accumulates into .grad
-        _profile._sync(device)
-        return _profile._clock() - t0
+        # accumulates into .grad, as the step's later micro-batches do
+        return _timed(lambda: torch.autograd.backward(outs, grads, inputs=wrt), device)[0]
 
 
 def time_stages(gm: fx.GraphModule, assignments: list[dict[str, int]], num_stages: int,
@@ -105,7 +107,6 @@ def time_stages(gm: fx.GraphModule, assignments: list[dict[str, int]], num_stage
         SplitError: an assignment is not a valid cut of ``gm``.
     """
     device = torch.device(device)
-    given = dict(inputs)
     cuts = [_Cut(gm, {n: s for n, s in a.items() if n != GUARDS_FN}, num_stages, rewrite)
             for a in assignments]
     saved = [(p, p.grad) for p in gm.parameters()]
@@ -113,7 +114,7 @@ def time_stages(gm: fx.GraphModule, assignments: list[dict[str, int]], num_stage
         p.grad = None
     try:
         with _profile.kept_state(gm, device):
-            return _rounds(cuts, given, num_stages, device, warmup, min_rounds, max_rounds,
+            return _rounds(cuts, inputs, num_stages, device, warmup, min_rounds, max_rounds,
                            min_time_s)
     finally:
         for p, g in saved:
