@@ -826,8 +826,10 @@ def report(results: list[ModelResult], args, note: str, wall: float, cache_note:
         "of FLOPs and bytes plus a per-op cost, no profile in the cache) and **measured** "
         "(`costs: measured`: the planner profiles every node on this machine with one thread, "
         "and the send cost over two gloo ranks; then, `cluster.measure_stages` (the default), "
-        "it times the planned cut's stages whole in one process and moves the cut where they "
-        "disagree with the per-node sums). Each cut is planned by `plan_with_graph(..., "
+        "it times the planned cut's stages whole, side by side (one thread per rank, as the "
+        "two ranks share this CPU) and moves the cut where they disagree with the per-node "
+        "sums). Ranks, profile and stage timing run with glibc's malloc keeping freed memory "
+        "(`fxpipe.runtime.host_memory`). Each cut is planned by `plan_with_graph(..., "
         "cuts=[...])`, so it runs the same code path as a planned one (the per-node sums: a "
         "given cut is not refined).",
         "",
@@ -890,7 +892,7 @@ def report(results: list[ModelResult], args, note: str, wall: float, cache_note:
                   "backward, each the executor's mean action time in the "
                   f"{'head-to-head' if pick.final else 'screen'} run; send: one send on the "
                   "sending rank; F+B plan: the measured-cost plan's own stage times, which "
-                  "`cluster.measure_stages` took from its stages timed whole in one process):",
+                  "`cluster.measure_stages` took from its stages timed whole, side by side):",
                   "", stage_table(r, 2), "",
                   f"The measured-cost plan's refinement: {r.refine_notes.get(2) or 'none'}", "",
                   f"The last stage also runs the loss (`{r.loss_name}`) on the model's output: "

@@ -128,6 +128,93 @@ def test_time_stages_times_each_stage_as_the_ranks_run_it():
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
 
 
+class _Where(nn.Module):
+    """A stage module that notes whether it runs on the caller's thread, waits once (off it)
+    at ``meet`` for the other stages, and can fail."""
+
+    def __init__(self, inner: nn.Module, seen: list, meet=None, fail: bool = False):
+        super().__init__()
+        self.inner, self.seen, self.meet, self.fail = inner, seen, meet, fail
+
+    def forward(self, *args):
+        import threading
+
+        off = threading.current_thread() is not threading.main_thread()
+        self.seen.append(off)
+        if off and self.meet is not None:
+            self.meet.wait()  # broken (timeout) unless the other stage runs at the same time
+            self.meet = None
+        if self.fail and off:
+            raise RuntimeError("stage broke")
+        return self.inner(*args)
+
+
+def test_time_stages_side_by_side_runs_each_rank_on_its_own_thread():
+    """``ranks`` given: the stages of a cut run at once, one thread per rank, with one
+    intra-op thread; a heavier stage still takes longer, .grad and the thread count are put
+    back, and a failing stage raises in the caller."""
+    import threading
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 1024), nn.ReLU(),
+                          nn.Linear(1024, 1024), nn.Linear(1024, 32))
+    x = torch.randn(128, 32)
+    tr = trace(model, (x,))
+    names = [n.name for n in tr.compute_nodes()]
+    light = {n: (0 if i < 1 else 1) for i, n in enumerate(names)}
+    meet = threading.Barrier(2, timeout=20)
+    seen: list[list[bool]] = []
+
+    def rewrite(mod):
+        seen.append([])
+        return _Where(mod, seen[-1], meet), 0
+
+    before = torch.get_num_threads()
+    (a,) = time_stages(tr.gm, [light], 2, {tr.input_names[0]: x}, "cpu", min_rounds=3,
+                       min_time_s=0.0, rewrite=rewrite, ranks=[0, 1])
+    assert torch.get_num_threads() == before
+    assert sum(a[0]) * 4 < sum(a[1])
+    assert all(p.grad is None for p in tr.gm.parameters())
+    # one untimed forward on the caller's thread makes the inputs; every timed run is off it,
+    # and the two stages met at the barrier: they ran at the same time
+    assert [s.count(False) for s in seen] == [1, 1] and not meet.broken
+    # a rank that finished first ran again beside the other: the light stage ran more often
+    assert len(seen[0]) > len(seen[1]) >= 1 + 2 + 3  # feeds, 2 warm-up and 3 timed rounds
+    # a failing stage: raised in the caller, no thread left waiting
+    alive = threading.active_count()
+    with pytest.raises(RuntimeError, match="stage broke"):
+        time_stages(tr.gm, [light], 2, {tr.input_names[0]: x}, "cpu", min_rounds=2,
+                    min_time_s=0.0, ranks=[0, 1],
+                    rewrite=lambda m: (_Where(m, [], fail=True), 0))
+    assert torch.get_num_threads() == before
+    assert all(p.grad is None for p in tr.gm.parameters())
+    assert threading.active_count() == alive
+
+
+def test_stages_are_timed_side_by_side_where_ranks_share_a_cpu():
+    from fxpipe.partitioner.search import Candidate
+    from fxpipe.specs.schema import ParallelSpec
+
+    def spec(dp=1, **cluster):
+        return ParallelSpec.model_validate({
+            **_spec(), "parallel": {"pipeline": 2, "data": dp, "microbatches": 8},
+            "cluster": {"costs": "measured", **cluster}})
+
+    def cand(schedule="1f1b", v=1, p=2, dp=1, layout="pipeline-inner"):
+        return Candidate(pipeline=p, dp=dp, microbatches=8, schedule=schedule,
+                         virtual_stages=v, layout=layout)
+
+    assert driver._ranks_beside(spec(devices_per_node=2), cand()) == [0, 1]
+    assert driver._ranks_beside(spec(devices_per_node=2), cand("interleaved", 2)) == [0, 1, 0, 1]
+    assert driver._ranks_beside(spec(nodes=2, devices_per_node=1), cand()) is None
+    assert driver._ranks_beside(spec(devices_per_node=2, device="cuda"), cand()) is None
+    assert driver._ranks_beside(spec(devices_per_node=2), cand(p=1, dp=2)) is None
+    # 2 x 2 ranks on 2 nodes: a replica's pipeline in one node, or across the two
+    four = spec(dp=2, nodes=2, devices_per_node=2)
+    assert driver._ranks_beside(four, cand(dp=2)) == [0, 1]
+    assert driver._ranks_beside(four, cand(dp=2, layout="data-inner")) is None
+
+
 class Six(nn.Module):
     """Six equal layers (fewer than a foldable run of blocks)."""
 
@@ -180,6 +267,7 @@ def test_the_planner_moves_a_cut_the_stage_timings_contradict(tmp_path, monkeypa
     calls = []
 
     def fake_time_stages(gm, assignments, k, inputs, device, **kw):
+        assert kw["ranks"] == [0, 1]  # 2 ranks on one CPU node: timed side by side
         calls.append(len(assignments))
         out = []
         for a in assignments:
@@ -214,7 +302,7 @@ def test_the_planner_moves_a_cut_the_stage_timings_contradict(tmp_path, monkeypa
     # re-profiling the model drops its stage timings; a damaged file is ignored
     prof.save_profile(key, biased, {})
     assert not cached.exists()
-    cached.write_text('{"format": "stages-v2", "alone": {"[[0, 99]]": [[1, 2]], "x": 3}, '
+    cached.write_text('{"format": "stages-v3", "alone": {"[[0, 99]]": [[1, 2]], "x": 3}, '
                       '"together": {"[[0, 1]]": "nope"}}')
     plan_with_graph(model, _spec(), (x,))
     assert len(calls) > n_calls  # timed afresh, no traceback

@@ -46,8 +46,8 @@ from fxpipe.partitioner.trace import TracedModel, fake_on_device, trace
 from fxpipe.plans.plan import Plan, StagePlan
 from fxpipe.plans.values import needs_grad
 from fxpipe.runtime.grad_fusion import fuse_weight_grads
-from fxpipe.plans.placement import (nodes_of_stage_rank, pair_crosses_nodes, ring_crosses_nodes,
-                                    stage_to_rank)
+from fxpipe.plans.placement import (global_rank, node_of, nodes_of_stage_rank, pair_crosses_nodes,
+                                    ring_crosses_nodes, stage_to_rank)
 from fxpipe.schedule.lowering import build_schedule, compute_schedule
 from fxpipe.schedule.simulate import Links, SimResult, StageCosts, predict, simulate
 from fxpipe.specs.loader import build_model, load_spec, spec_location
@@ -924,6 +924,21 @@ class _NotTimed(Exception):
     """The stages cannot be timed here (the message says why)."""
 
 
+def _ranks_beside(spec: ParallelSpec, cand: Candidate) -> list[int] | None:
+    """Stage -> pipeline rank where the ranks share a CPU (two of a replica's pipeline ranks on
+    one node of a ``cpu`` cluster): their stages are then timed side by side
+    (:func:`~fxpipe.partitioner.stage_timing.time_stages`); None where each rank has its node
+    or its own device."""
+    cl = spec.cluster
+    if cl.device != "cpu" or cand.pipeline < 2:
+        return None
+    nodes = [node_of(global_rank(r, 0, cand.pipeline, cand.dp, cand.layout), cl.devices_per_node)
+             for r in range(cand.pipeline)]
+    if len(set(nodes)) == len(nodes):
+        return None
+    return stage_to_rank(cand.schedule, cand.pipeline, cand.num_stages)
+
+
 def _refine_by_stages(pr: Priced, spec: ParallelSpec, cand: Candidate, result: PartitionResult,
                       model: nn.Module | None, args: tuple, kwargs: dict
                       ) -> tuple[Priced, PartitionResult, str]:
@@ -955,8 +970,9 @@ def _refine_by_stages(pr: Priced, spec: ParallelSpec, cand: Candidate, result: P
         res = evaluate(prob, list(cuts), method="given")
         return _simulate_cut(p2, _unit_prefix(p2), prob, res, cand, spec, 1.0).step_time_s
 
+    beside = _ranks_beside(spec, cand)
     store = StageTimes(stage_times_key(profile_key(pr.traced, cl.device), list(pr.table.names),
-                                       f"fuse={fuse}"))
+                                       f"fuse={fuse};beside={beside}"))
     skip = "cluster.measure_stages: the cut's stages were not timed whole"
     timer: dict = {}
 
@@ -976,7 +992,7 @@ def _refine_by_stages(pr: Priced, spec: ParallelSpec, cand: Candidate, result: P
         full = timer["full"]
         assigns = [_node_stages(pr, c, full) for c in cut_list]
         return time_stages(full.gm, assigns, cand.num_stages, timer["inputs"], cl.device,
-                           rewrite=fuse_weight_grads if fuse else None)
+                           rewrite=fuse_weight_grads if fuse else None, ranks=beside)
 
     def measure(cut_list: list[list[int]]) -> list[list[tuple[float, float]]]:
         if len(cut_list) == 1:  # one cut alone: while refining

@@ -40,10 +40,12 @@ from fxpipe.errors import PlanError
 from fxpipe.partitioner.boundaries import resolve_attr
 from fxpipe.partitioner.timing import NodeTimes
 from fxpipe.partitioner.trace import COMPUTE_OPS, TracedModel
+from fxpipe.runtime.host_memory import keep_freed_memory
 
 __all__ = ["cache_dir", "profile_key", "profile_graph", "load_profile", "save_profile",
            "PROFILE_FORMAT", "profile_loss", "loss_key", "load_loss_profile", "save_loss_profile",
-           "SendCost", "load_send_cost", "send_cost_path", "kept_state"]
+           "SendCost", "load_send_cost", "send_cost_path", "kept_state",
+           "like_a_rank"]
 
 
 def cache_dir() -> Path:
@@ -104,6 +106,23 @@ _clock = time.perf_counter
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+@contextlib.contextmanager
+def like_a_rank(device: torch.device):
+    """On a CPU, the ``with`` block runs as every worker rank runs (:mod:`fxpipe.training.worker`,
+    :func:`fxpipe.runtime.mesh.init_distributed`): one intra-op thread (then as before), and
+    glibc's malloc keeping freed memory (:func:`fxpipe.runtime.host_memory.keep_freed_memory`;
+    process-wide, it stays). A time taken otherwise is not the time a rank will see."""
+    before = torch.get_num_threads()
+    if device.type == "cpu":
+        keep_freed_memory()
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != before:
+            torch.set_num_threads(before)
 
 
 @contextlib.contextmanager
@@ -245,7 +264,8 @@ def profile_graph(traced: TracedModel, inputs: list[torch.Tensor], device: torch
         PlanError: a node fails on these inputs (the message names it).
     """
     device = torch.device(device)
-    with kept_state(traced.gm, device):  # the user's BatchNorm statistics, dropout's RNG
+    # the user's BatchNorm statistics, dropout's RNG; one thread on a CPU, as a rank
+    with kept_state(traced.gm, device), like_a_rank(device):
         return _profile_graph(traced, inputs, device, warmup, repeats, progress)
 
 
@@ -429,7 +449,7 @@ def profile_loss(loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     f: list[float] = []
     b: list[float] = []
     grad = output.is_floating_point() or output.is_complex()
-    with torch.enable_grad():
+    with torch.enable_grad(), like_a_rank(device):
         for i in range(max(0, warmup) + max(1, repeats)):
             o = output.detach().requires_grad_(grad)
             _sync(device)

@@ -18,6 +18,15 @@ in turn, so load that comes and goes touches the cuts alike, and go on until at 
 ``min_rounds`` are timed and ``min_time_s`` has passed (a burst shorter than half of that moves
 no median); a stage's time is its median over the rounds.
 
+Ranks that share one CPU (``ranks`` given: the stage -> rank map) also share its memory
+bandwidth and caches: the ranks of a 2-stage pipeline on this machine's two cores slowed a
+memory-bound stage of LayerNorm+GELU layers more than a stage of matmuls, which a stage timed
+alone in one process never sees. There the stages of a cut run side by side, one thread per
+rank (each with one intra-op thread, running its stages' forward and backward in turn, on
+inputs made by one untimed forward of the cut), until every rank has run its stages once; a
+rank that finishes first starts again, so every timed run had the other ranks running beside
+it (a run still going when the last rank finishes is dropped).
+
 The timings are cached next to the profile (:class:`StageTimes`, keyed by the profile key),
 cut by cut, so that planning the same spec again gives the same plan without timing anything,
 and a changed spec (memory, links, the layout) re-solves with the same timings.
@@ -29,6 +38,7 @@ import hashlib
 import json
 import os
 import statistics
+import threading
 from typing import Any, Callable
 
 import torch
@@ -80,6 +90,22 @@ class _Cut:
         vals.update(zip(sb.outputs, outs))
         return dt, (ins, outs)
 
+    def feeds(self, given: dict[str, Any], device) -> list[dict[str, Any]]:
+        """Every stage's inputs from earlier stages (name -> value, detached), from one untimed
+        forward of the cut."""
+        vals: dict[str, Any] = {}
+        for j in range(len(self.mods)):
+            self.forward(given, j, vals, device)
+        det = {n: v.detach() if isinstance(v, torch.Tensor) else v for n, v in vals.items()}
+        return [{n: det[n] for n in sb.inputs if n in det} for sb in self.bounds.stages]
+
+    def run(self, given: dict[str, Any], j: int, feed: dict[str, Any], device
+            ) -> tuple[float, float]:
+        """Stage ``j``'s forward (on the model's inputs ``given`` and the earlier stages'
+        outputs ``feed``) and backward: their seconds."""
+        f, live = self.forward(given, j, dict(feed), device)
+        return f, self.backward(j, live, device)
+
     def backward(self, j: int, live: tuple, device) -> float:
         ins, outs = live
         outs = [o for o in outs if isinstance(o, torch.Tensor) and o.requires_grad]
@@ -94,14 +120,17 @@ class _Cut:
 def time_stages(gm: fx.GraphModule, assignments: list[dict[str, int]], num_stages: int,
                 inputs: dict[str, Any], device: torch.device | str, *, warmup: int = 2,
                 min_rounds: int = 7, max_rounds: int = 31, min_time_s: float = 0.5,
-                rewrite: Callable[[nn.Module], tuple[nn.Module, int]] | None = None
-                ) -> list[list[tuple[float, float]]]:
+                rewrite: Callable[[nn.Module], tuple[nn.Module, int]] | None = None,
+                ranks: list[int] | None = None) -> list[list[tuple[float, float]]]:
     """Seconds of every stage's forward and backward for each cut in ``assignments``
     (compute-node name -> stage, as :func:`~fxpipe.partitioner.boundaries.stage_boundaries`
     takes it) of ``gm``, run on ``inputs`` (placeholder name -> value). Returns, per cut,
     ``[(forward, backward), ...]`` per stage (medians over the timed rounds). The parameters'
     ``.grad``, the buffers (BatchNorm's running statistics) and the random number generators
-    are as before afterwards.
+    are as before afterwards. On a CPU it runs as a rank does (one intra-op thread, freed
+    memory kept: :func:`~fxpipe.partitioner.profile.like_a_rank`).
+    ``ranks`` (stage -> rank, ranks that share this CPU): a cut's stages run side by side, one
+    thread per rank (the module doc); None: one stage after another.
 
     Raises:
         SplitError: an assignment is not a valid cut of ``gm``.
@@ -113,7 +142,12 @@ def time_stages(gm: fx.GraphModule, assignments: list[dict[str, int]], num_stage
     for p, _ in saved:  # accumulate into fresh tensors: the caller's .grad stay untouched
         p.grad = None
     try:
-        with _profile.kept_state(gm, device):
+        with _profile.kept_state(gm, device), _profile.like_a_rank(device):
+            if ranks is not None and len(set(ranks)) > 1:
+                if len(ranks) != num_stages:
+                    raise ValueError(f"ranks: {len(ranks)} stages, not {num_stages}")
+                return _rounds_side_by_side(cuts, inputs, ranks, device, warmup, min_rounds,
+                                            max_rounds, min_time_s)
             return _rounds(cuts, inputs, num_stages, device, warmup, min_rounds, max_rounds,
                            min_time_s)
     finally:
@@ -153,8 +187,85 @@ def _rounds(cuts: list[_Cut], given: dict[str, Any], num_stages: int, device: to
             for c in range(len(cuts))]
 
 
+def _side_by_side(cut: _Cut, given: dict[str, Any], feeds: list[dict[str, Any]],
+                  groups: list[list[int]], device: torch.device,
+                  out: list[list[tuple[float, float]]]) -> None:
+    """One round of a cut's ranks (``groups``: the stages of each) run at once, one thread
+    each; appends to ``out[stage]`` the ``(forward, backward)`` of every run that had all the
+    other ranks running beside it."""
+    start = threading.Barrier(len(groups))
+    stop = threading.Event()
+    lock = threading.Lock()
+    left = [len(groups)]
+    errors: list[BaseException] = []
+
+    def work(stages: list[int]) -> None:
+        try:
+            start.wait()
+            first = True
+            while not stop.is_set():
+                got = [(j, cut.run(given, j, feeds[j], device)) for j in stages]
+                with lock:
+                    if stop.is_set():  # the last rank finished during this run: not beside it
+                        return
+                    for j, t in got:
+                        out[j].append(t)
+                    if first:
+                        first = False
+                        left[0] -= 1
+                        if left[0] == 0:
+                            stop.set()
+        except threading.BrokenBarrierError:
+            pass
+        except BaseException as e:  # noqa: BLE001 - raised again in the caller's thread
+            errors.append(e)
+            stop.set()
+            start.abort()
+
+    threads = [threading.Thread(target=work, args=(g,), daemon=True) for g in groups]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+
+
+def _rounds_side_by_side(cuts: list[_Cut], given: dict[str, Any], ranks: list[int],
+                         device: torch.device, warmup: int, min_rounds: int, max_rounds: int,
+                         min_time_s: float) -> list[list[tuple[float, float]]]:
+    groups = [[j for j, r in enumerate(ranks) if r == rank] for rank in sorted(set(ranks))]
+    feeds = [cut.feeds(given, device) for cut in cuts]
+    runs: list[list[list[list[tuple[float, float]]]]] = [[] for _ in cuts]
+    t_start = None
+    r = 0
+    while r < warmup + max_rounds:
+        timed = r >= warmup
+        if timed and t_start is None:
+            t_start = _profile._clock()
+        order = range(len(cuts)) if r % 2 == 0 else reversed(range(len(cuts)))
+        for c in order:
+            got: list[list[tuple[float, float]]] = [[] for _ in ranks]
+            _side_by_side(cuts[c], given, feeds[c], groups, device, got)
+            if timed:
+                runs[c].append(got)
+        r += 1
+        if (timed and r - warmup >= min_rounds
+                and _profile._clock() - t_start >= min_time_s):
+            break
+    out = []
+    for c in range(len(cuts)):
+        per_stage = []
+        for j in range(len(ranks)):
+            ts = [t for got in runs[c] for t in got[j]]
+            per_stage.append((statistics.median(f for f, _ in ts),
+                              statistics.median(b for _, b in ts)))
+        out.append(per_stage)
+    return out
+
+
 #: how stages are timed; part of every cache key of stage timings
-STAGE_TIMING_FORMAT = "stages-v2"  # 2: weight gradients accumulate into .grad
+STAGE_TIMING_FORMAT = "stages-v3"  # 2: weight gradients accumulate into .grad; 3: one thread
 
 
 def stage_times_key(profile: str, units: list[str], setting: str) -> str:

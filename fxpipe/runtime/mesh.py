@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from fxpipe.errors import RuntimeFailure
+from fxpipe.runtime.host_memory import keep_freed_memory
 from fxpipe.plans.placement import global_rank, rank_coords
 
 _ENV_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -42,7 +43,8 @@ def init_distributed(device: str = "cpu", timeout_s: float = 300.0) -> torch.dev
     Reads ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` (and ``LOCAL_RANK`` for CUDA),
     as set by ``torchrun`` / ``torch.distributed.run`` / ``fxpipe run``. Backend: gloo for
     ``device="cpu"``, NCCL for ``device="cuda"`` with device ``cuda:LOCAL_RANK``. If the default
-    group already exists it is reused.
+    group already exists it is reused. On a CPU the process's malloc keeps freed memory from
+    then on (:func:`fxpipe.runtime.host_memory.keep_freed_memory`).
 
     Args:
         device: ``"cpu"`` or ``"cuda"``.
@@ -68,6 +70,7 @@ def init_distributed(device: str = "cpu", timeout_s: float = 300.0) -> torch.dev
         torch.cuda.set_device(dev)
     else:
         dev = torch.device("cpu")
+        keep_freed_memory()  # activations freed each micro-batch are reused, not page-faulted
     if dist.is_initialized():
         return dev
     missing = [v for v in _ENV_VARS if v not in os.environ]
