@@ -51,3 +51,13 @@ def test_a_cpu_rank_reuses_freed_memory_instead_of_faulting_it_in_again():
     pages = 20 * (40 << 20) // 4096  # every allocation faulted in afresh
     assert system["faults"] >= pages * 0.9
     assert kept["faults"] <= system["faults"] / 4
+
+
+@pytest.mark.parametrize("value", ["0", "off", " OFF ", "false", "No"])
+def test_the_environment_turns_it_off(monkeypatch, value):
+    from fxpipe.runtime import host_memory
+
+    monkeypatch.setattr(host_memory, "_done", None)
+    monkeypatch.setattr(host_memory, "_libc", lambda: pytest.fail("mallopt called"))
+    monkeypatch.setenv("FXPIPE_KEEP_FREED_MEMORY", value)
+    assert host_memory.keep_freed_memory() is False

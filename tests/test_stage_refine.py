@@ -7,6 +7,9 @@ another, which no load on this machine reverses."""
 
 from __future__ import annotations
 
+import os
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -128,19 +131,37 @@ def test_time_stages_times_each_stage_as_the_ranks_run_it():
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
 
 
+def _libgomp():
+    """torch's OpenMP runtime (libgomp, as loaded), or None."""
+    import ctypes
+
+    with open("/proc/self/maps") as f:
+        paths = {line.split()[-1] for line in f if "libgomp" in line}
+    return ctypes.CDLL(sorted(paths)[0]) if paths else None
+
+
+_OMP = _libgomp() if os.path.exists("/proc/self/maps") else None
+
+
 class _Where(nn.Module):
     """A stage module that notes whether it runs on the caller's thread, waits once (off it)
     at ``meet`` for the other stages, and can fail."""
 
-    def __init__(self, inner: nn.Module, seen: list, meet=None, fail: bool = False):
+    def __init__(self, inner: nn.Module, seen: list, meet=None, fail: bool = False,
+                 sleep: float = 0.0):
         super().__init__()
-        self.inner, self.seen, self.meet, self.fail = inner, seen, meet, fail
+        self.inner, self.seen, self.meet, self.fail, self.sleep = inner, seen, meet, fail, sleep
+        self.omp: list[int] = []
 
     def forward(self, *args):
         import threading
 
         off = threading.current_thread() is not threading.main_thread()
         self.seen.append(off)
+        if off and _OMP is not None:  # the OpenMP threads this thread's kernels would use
+            self.omp.append(_OMP.omp_get_max_threads())
+        if self.sleep:
+            time.sleep(self.sleep)
         if off and self.meet is not None:
             self.meet.wait()  # broken (timeout) unless the other stage runs at the same time
             self.meet = None
@@ -165,9 +186,12 @@ def test_time_stages_side_by_side_runs_each_rank_on_its_own_thread():
     meet = threading.Barrier(2, timeout=20)
     seen: list[list[bool]] = []
 
+    wheres: list[_Where] = []
+
     def rewrite(mod):
         seen.append([])
-        return _Where(mod, seen[-1], meet), 0
+        wheres.append(_Where(mod, seen[-1], meet))
+        return wheres[-1], 0
 
     before = torch.get_num_threads()
     (a,) = time_stages(tr.gm, [light], 2, {tr.input_names[0]: x}, "cpu", min_rounds=3,
@@ -180,6 +204,10 @@ def test_time_stages_side_by_side_runs_each_rank_on_its_own_thread():
     assert [s.count(False) for s in seen] == [1, 1] and not meet.broken
     # a rank that finished first ran again beside the other: the light stage ran more often
     assert len(seen[0]) > len(seen[1]) >= 1 + 2 + 3  # feeds, 2 warm-up and 3 timed rounds
+    # every timing thread ran its kernels on one OpenMP thread, as a rank (a new thread starts
+    # at OpenMP's default, the machine's cores)
+    if _OMP is not None:
+        assert all(w.omp and set(w.omp) == {1} for w in wheres)
     # a failing stage: raised in the caller, no thread left waiting
     alive = threading.active_count()
     with pytest.raises(RuntimeError, match="stage broke"):
@@ -191,28 +219,78 @@ def test_time_stages_side_by_side_runs_each_rank_on_its_own_thread():
     assert threading.active_count() == alive
 
 
+def test_an_interrupt_during_side_by_side_timing_leaves_no_thread_on_the_model():
+    """Ctrl-C while the stages run: the threads are stopped and joined before the interrupt
+    leaves time_stages, and the model's .grad and BatchNorm statistics are as before."""
+    import signal
+    import threading
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16), nn.Linear(16, 16))
+    x = torch.randn(8, 16)
+    tr = trace(model, (x,))
+    names = [n.name for n in tr.compute_nodes()]
+    cut = {n: (0 if i < 2 else 1) for i, n in enumerate(names)}
+    bn = [b.clone() for b in tr.gm.buffers()]
+    alive = threading.active_count()
+    ctrl_c = threading.Timer(0.4, signal.pthread_kill, (threading.main_thread().ident,
+                                                      signal.SIGINT))
+    ctrl_c.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            time_stages(tr.gm, [cut], 2, {tr.input_names[0]: x}, "cpu", min_rounds=50,
+                        min_time_s=60.0, ranks=[0, 1],
+                        rewrite=lambda m: (_Where(m, [], sleep=0.1), 0))
+    finally:
+        ctrl_c.cancel()
+        ctrl_c.join()
+    for _ in range(200):  # a stopped thread's last instructions after its work is done
+        if threading.active_count() == alive:
+            break
+        time.sleep(0.01)
+    assert threading.active_count() == alive
+    assert all(p.grad is None for p in tr.gm.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(bn, tr.gm.buffers()))
+
+
+def test_side_by_side_groups_run_each_nodes_ranks_together_on_at_most_the_cores():
+    from fxpipe.partitioner.stage_timing import side_by_side_groups
+
+    assert side_by_side_groups([0, 1], cores=2) == [[[0], [1]]]
+    assert side_by_side_groups([0, 1, 0, 1], cores=2) == [[[0, 2], [1, 3]]]  # interleaved
+    assert side_by_side_groups([0, 1, 1, 0], cores=2) == [[[0, 3], [1, 2]]]  # zb-v
+    # 4 ranks on 2 nodes of 2: each node's pair together, the nodes one after the other
+    assert side_by_side_groups([0, 1, 2, 3], [0, 0, 1, 1], cores=4) == [[[0], [1]], [[2], [3]]]
+    # 3 ranks of one node on a 2-core machine: two, then the third alone
+    assert side_by_side_groups([0, 1, 2], cores=2) == [[[0], [1]], [[2]]]
+
+
 def test_stages_are_timed_side_by_side_where_ranks_share_a_cpu():
     from fxpipe.partitioner.search import Candidate
     from fxpipe.specs.schema import ParallelSpec
 
-    def spec(dp=1, **cluster):
+    def spec(dp=1, p=2, **cluster):
         return ParallelSpec.model_validate({
-            **_spec(), "parallel": {"pipeline": 2, "data": dp, "microbatches": 8},
+            **_spec(), "parallel": {"pipeline": p, "data": dp, "microbatches": 8},
             "cluster": {"costs": "measured", **cluster}})
 
     def cand(schedule="1f1b", v=1, p=2, dp=1, layout="pipeline-inner"):
         return Candidate(pipeline=p, dp=dp, microbatches=8, schedule=schedule,
                          virtual_stages=v, layout=layout)
 
-    assert driver._ranks_beside(spec(devices_per_node=2), cand()) == [0, 1]
-    assert driver._ranks_beside(spec(devices_per_node=2), cand("interleaved", 2)) == [0, 1, 0, 1]
+    assert driver._ranks_beside(spec(devices_per_node=2), cand()) == ([0, 1], [0, 0])
+    assert driver._ranks_beside(spec(devices_per_node=2), cand("interleaved", 2)) == (
+        [0, 1, 0, 1], [0, 0])
     assert driver._ranks_beside(spec(nodes=2, devices_per_node=1), cand()) is None
     assert driver._ranks_beside(spec(devices_per_node=2, device="cuda"), cand()) is None
     assert driver._ranks_beside(spec(devices_per_node=2), cand(p=1, dp=2)) is None
     # 2 x 2 ranks on 2 nodes: a replica's pipeline in one node, or across the two
     four = spec(dp=2, nodes=2, devices_per_node=2)
-    assert driver._ranks_beside(four, cand(dp=2)) == [0, 1]
+    assert driver._ranks_beside(four, cand(dp=2)) == ([0, 1], [0, 0])
     assert driver._ranks_beside(four, cand(dp=2, layout="data-inner")) is None
+    # a pipeline of 4 on 2 nodes of 2: which node each rank is on
+    assert driver._ranks_beside(spec(p=4, nodes=2, devices_per_node=2), cand(p=4)) == (
+        [0, 1, 2, 3], [0, 0, 1, 1])
 
 
 class Six(nn.Module):
@@ -267,7 +345,7 @@ def test_the_planner_moves_a_cut_the_stage_timings_contradict(tmp_path, monkeypa
     calls = []
 
     def fake_time_stages(gm, assignments, k, inputs, device, **kw):
-        assert kw["ranks"] == [0, 1]  # 2 ranks on one CPU node: timed side by side
+        assert kw["ranks"] == [0, 1] and kw["nodes"] == [0, 0]  # one CPU node: side by side
         calls.append(len(assignments))
         out = []
         for a in assignments:

@@ -40,7 +40,8 @@ from fxpipe.partitioner.refine import MAX_CUTS, refine_cuts
 from fxpipe.partitioner.servers import assign_servers, even_server_bytes
 from fxpipe.partitioner.search import Candidate, candidates, stage_inflight
 from fxpipe.partitioner.solvers import optimal_partition
-from fxpipe.partitioner.stage_timing import StageTimes, stage_times_key, time_stages
+from fxpipe.partitioner.stage_timing import (StageTimes, side_by_side_groups, stage_times_key,
+                                             time_stages)
 from fxpipe.partitioner.timing import NodeTimes, analytic_times, sum_times
 from fxpipe.partitioner.trace import TracedModel, fake_on_device, trace
 from fxpipe.plans.plan import Plan, StagePlan
@@ -924,9 +925,10 @@ class _NotTimed(Exception):
     """The stages cannot be timed here (the message says why)."""
 
 
-def _ranks_beside(spec: ParallelSpec, cand: Candidate) -> list[int] | None:
-    """Stage -> pipeline rank where the ranks share a CPU (two of a replica's pipeline ranks on
-    one node of a ``cpu`` cluster): their stages are then timed side by side
+def _ranks_beside(spec: ParallelSpec, cand: Candidate) -> tuple[list[int], list[int]] | None:
+    """``(stage -> pipeline rank, pipeline rank -> node)`` of the first replica where ranks
+    share a CPU (two of its pipeline ranks on one node of a ``cpu`` cluster): the stages of
+    each node are then timed side by side
     (:func:`~fxpipe.partitioner.stage_timing.time_stages`); None where each rank has its node
     or its own device."""
     cl = spec.cluster
@@ -936,7 +938,7 @@ def _ranks_beside(spec: ParallelSpec, cand: Candidate) -> list[int] | None:
              for r in range(cand.pipeline)]
     if len(set(nodes)) == len(nodes):
         return None
-    return stage_to_rank(cand.schedule, cand.pipeline, cand.num_stages)
+    return stage_to_rank(cand.schedule, cand.pipeline, cand.num_stages), nodes
 
 
 def _refine_by_stages(pr: Priced, spec: ParallelSpec, cand: Candidate, result: PartitionResult,
@@ -971,8 +973,10 @@ def _refine_by_stages(pr: Priced, spec: ParallelSpec, cand: Candidate, result: P
         return _simulate_cut(p2, _unit_prefix(p2), prob, res, cand, spec, 1.0).step_time_s
 
     beside = _ranks_beside(spec, cand)
+    ranks, nodes = beside if beside is not None else (None, None)
+    groups = side_by_side_groups(ranks, nodes) if ranks is not None else None
     store = StageTimes(stage_times_key(profile_key(pr.traced, cl.device), list(pr.table.names),
-                                       f"fuse={fuse};beside={beside}"))
+                                       f"fuse={fuse};beside={groups}"))
     skip = "cluster.measure_stages: the cut's stages were not timed whole"
     timer: dict = {}
 
@@ -992,7 +996,8 @@ def _refine_by_stages(pr: Priced, spec: ParallelSpec, cand: Candidate, result: P
         full = timer["full"]
         assigns = [_node_stages(pr, c, full) for c in cut_list]
         return time_stages(full.gm, assigns, cand.num_stages, timer["inputs"], cl.device,
-                           rewrite=fuse_weight_grads if fuse else None, ranks=beside)
+                           rewrite=fuse_weight_grads if fuse else None, ranks=ranks,
+                           nodes=nodes)
 
     def measure(cut_list: list[list[int]]) -> list[list[tuple[float, float]]]:
         if len(cut_list) == 1:  # one cut alone: while refining

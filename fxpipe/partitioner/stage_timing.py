@@ -22,10 +22,12 @@ Ranks that share one CPU (``ranks`` given: the stage -> rank map) also share its
 bandwidth and caches: the ranks of a 2-stage pipeline on this machine's two cores slowed a
 memory-bound stage of LayerNorm+GELU layers more than a stage of matmuls, which a stage timed
 alone in one process never sees. There the stages of a cut run side by side, one thread per
-rank (each with one intra-op thread, running its stages' forward and backward in turn, on
-inputs made by one untimed forward of the cut), until every rank has run its stages once; a
-rank that finishes first starts again, so every timed run had the other ranks running beside
-it (a run still going when the last rank finishes is dropped).
+rank (each with the caller's intra-op thread count, one on a CPU, running its stages' forward
+and backward in turn, on inputs made by one untimed forward of the cut), the ranks of one node
+together and at most as many at once as this machine has cores, until every rank has run its
+stages once; a rank that finishes first starts again, so every timed run had the other ranks
+running beside it (a run still going when the last rank finishes is dropped). An interrupt
+(Ctrl-C) stops and joins the threads before it leaves.
 
 The timings are cached next to the profile (:class:`StageTimes`, keyed by the profile key),
 cut by cut, so that planning the same spec again gives the same plan without timing anything,
@@ -49,7 +51,8 @@ from fxpipe.partitioner import profile as _profile
 from fxpipe.partitioner.boundaries import GUARDS_FN, stage_boundaries
 from fxpipe.partitioner.split import build_stage_module
 
-__all__ = ["time_stages", "StageTimes", "stage_times_key", "STAGE_TIMING_FORMAT"]
+__all__ = ["time_stages", "side_by_side_groups", "StageTimes", "stage_times_key",
+           "STAGE_TIMING_FORMAT"]
 
 
 
@@ -121,7 +124,8 @@ def time_stages(gm: fx.GraphModule, assignments: list[dict[str, int]], num_stage
                 inputs: dict[str, Any], device: torch.device | str, *, warmup: int = 2,
                 min_rounds: int = 7, max_rounds: int = 31, min_time_s: float = 0.5,
                 rewrite: Callable[[nn.Module], tuple[nn.Module, int]] | None = None,
-                ranks: list[int] | None = None) -> list[list[tuple[float, float]]]:
+                ranks: list[int] | None = None, nodes: list[int] | None = None,
+                cores: int | None = None) -> list[list[tuple[float, float]]]:
     """Seconds of every stage's forward and backward for each cut in ``assignments``
     (compute-node name -> stage, as :func:`~fxpipe.partitioner.boundaries.stage_boundaries`
     takes it) of ``gm``, run on ``inputs`` (placeholder name -> value). Returns, per cut,
@@ -129,8 +133,9 @@ def time_stages(gm: fx.GraphModule, assignments: list[dict[str, int]], num_stage
     ``.grad``, the buffers (BatchNorm's running statistics) and the random number generators
     are as before afterwards. On a CPU it runs as a rank does (one intra-op thread, freed
     memory kept: :func:`~fxpipe.partitioner.profile.like_a_rank`).
-    ``ranks`` (stage -> rank, ranks that share this CPU): a cut's stages run side by side, one
-    thread per rank (the module doc); None: one stage after another.
+    ``ranks`` (stage -> rank): a cut's stages run side by side, one thread per rank, the ranks
+    of each node (``nodes``: rank -> node, None: one node) together, at most ``cores`` at once
+    (:func:`side_by_side_groups`; the module doc); None: one stage after another.
 
     Raises:
         SplitError: an assignment is not a valid cut of ``gm``.
@@ -146,8 +151,8 @@ def time_stages(gm: fx.GraphModule, assignments: list[dict[str, int]], num_stage
             if ranks is not None and len(set(ranks)) > 1:
                 if len(ranks) != num_stages:
                     raise ValueError(f"ranks: {len(ranks)} stages, not {num_stages}")
-                return _rounds_side_by_side(cuts, inputs, ranks, device, warmup, min_rounds,
-                                            max_rounds, min_time_s)
+                return _rounds_side_by_side(cuts, inputs, ranks, nodes, cores, device, warmup,
+                                            min_rounds, max_rounds, min_time_s)
             return _rounds(cuts, inputs, num_stages, device, warmup, min_rounds, max_rounds,
                            min_time_s)
     finally:
@@ -199,8 +204,12 @@ def _side_by_side(cut: _Cut, given: dict[str, Any], feeds: list[dict[str, Any]],
     left = [len(groups)]
     errors: list[BaseException] = []
 
-    def work(stages: list[int]) -> None:
+    threads_per_rank = torch.get_num_threads()
+
+    def work(stages: list[int], finished: threading.Event) -> None:
         try:
+            # a new thread starts at OpenMP's default thread count, not the caller's
+            torch.set_num_threads(threads_per_rank)
             start.wait()
             first = True
             while not stop.is_set():
@@ -221,20 +230,54 @@ def _side_by_side(cut: _Cut, given: dict[str, Any], feeds: list[dict[str, Any]],
             errors.append(e)
             stop.set()
             start.abort()
+        finally:
+            finished.set()
 
-    threads = [threading.Thread(target=work, args=(g,), daemon=True) for g in groups]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    finished = [threading.Event() for _ in groups]
+    threads = [threading.Thread(target=work, args=(g, f), daemon=True)
+               for g, f in zip(groups, finished)]
+    started = 0
+    try:
+        for t in threads:
+            started += 1
+            t.start()
+        for t in threads:
+            t.join()
+    except BaseException:  # Ctrl-C: no thread may outlive this on the user's model
+        stop.set()
+        start.abort()
+        # not join(): a join interrupted by Ctrl-C can take a running thread for finished
+        for f in finished[:started]:
+            f.wait()
+        raise
     if errors:
         raise errors[0]
 
 
+def side_by_side_groups(ranks: list[int], nodes: list[int] | None = None,
+                        cores: int | None = None) -> list[list[list[int]]]:
+    """The runs of a side-by-side round: per run, the stages of each rank in it. ``ranks``:
+    stage -> rank; ``nodes``: rank -> node (None: one node). The ranks of a node run together,
+    at most ``cores`` at once (default: this machine's cores; more would time-slice here where
+    each has a core of its own there); a rank alone runs alone."""
+    if cores is None:
+        cores = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                 else os.cpu_count() or 1)
+    cores = max(1, int(cores))
+    by_rank = {r: [j for j, q in enumerate(ranks) if q == r] for r in sorted(set(ranks))}
+    node_of = (lambda r: 0) if nodes is None else (lambda r: nodes[r])
+    runs = []
+    for node in sorted({node_of(r) for r in by_rank}):
+        here = [by_rank[r] for r in by_rank if node_of(r) == node]
+        runs += [here[i:i + cores] for i in range(0, len(here), cores)]
+    return runs
+
+
 def _rounds_side_by_side(cuts: list[_Cut], given: dict[str, Any], ranks: list[int],
-                         device: torch.device, warmup: int, min_rounds: int, max_rounds: int,
-                         min_time_s: float) -> list[list[tuple[float, float]]]:
-    groups = [[j for j, r in enumerate(ranks) if r == rank] for rank in sorted(set(ranks))]
+                         nodes: list[int] | None, cores: int | None, device: torch.device,
+                         warmup: int, min_rounds: int, max_rounds: int, min_time_s: float
+                         ) -> list[list[tuple[float, float]]]:
+    groups = side_by_side_groups(ranks, nodes, cores)
     feeds = [cut.feeds(given, device) for cut in cuts]
     runs: list[list[list[list[tuple[float, float]]]]] = [[] for _ in cuts]
     t_start = None
@@ -246,7 +289,8 @@ def _rounds_side_by_side(cuts: list[_Cut], given: dict[str, Any], ranks: list[in
         order = range(len(cuts)) if r % 2 == 0 else reversed(range(len(cuts)))
         for c in order:
             got: list[list[tuple[float, float]]] = [[] for _ in ranks]
-            _side_by_side(cuts[c], given, feeds[c], groups, device, got)
+            for group in groups:
+                _side_by_side(cuts[c], given, feeds[c], group, device, got)
             if timed:
                 runs[c].append(got)
         r += 1

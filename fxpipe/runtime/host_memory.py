@@ -16,7 +16,8 @@ set it too, so that they time what the ranks run.
 
 The setting is process-wide and cannot be undone (glibc's own adjustment stops once a threshold
 is set). Another allocator (jemalloc or tcmalloc through ``LD_PRELOAD``) is left alone, and so
-is a C library without ``mallopt``; ``FXPIPE_KEEP_FREED_MEMORY=0`` turns it off.
+is a C library without ``mallopt``; ``FXPIPE_KEEP_FREED_MEMORY=0`` (or ``off``, ``false``,
+``no``) turns it off.
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ _M_MMAP_THRESHOLD = -3
 
 _done: bool | None = None
 
+#: values of ``FXPIPE_KEEP_FREED_MEMORY`` that turn it off
+_OFF = ("0", "false", "no", "n", "off", "disable", "disabled")
+
 
 def _libc():
     try:
@@ -49,7 +53,7 @@ def keep_freed_memory() -> bool:
     if _done is not None:
         return _done
     _done = False
-    if os.environ.get("FXPIPE_KEEP_FREED_MEMORY", "1").strip().lower() in ("0", "false", "no"):
+    if os.environ.get("FXPIPE_KEEP_FREED_MEMORY", "1").strip().lower() in _OFF:
         return _done
     preload = os.environ.get("LD_PRELOAD", "")
     if "jemalloc" in preload or "tcmalloc" in preload:
