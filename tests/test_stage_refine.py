@@ -95,13 +95,18 @@ def test_refine_stops_at_max_cuts_when_the_cut_keeps_moving():
     assert ref.visited == [[0, 4], [0, 2], [0, 3]] and ref.cuts == [0, 2]
 
 
-def test_time_stages_times_each_stage_as_the_ranks_run_it():
+def _lopsided():
+    """A model whose first layer is a sliver of its work: (model, x, its trace, node names)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 1024), nn.ReLU(),
                           nn.Linear(1024, 1024), nn.Linear(1024, 32))
     x = torch.randn(128, 32)
     tr = trace(model, (x,))
-    names = [n.name for n in tr.compute_nodes()]
+    return model, x, tr, [n.name for n in tr.compute_nodes()]
+
+
+def test_time_stages_times_each_stage_as_the_ranks_run_it():
+    model, x, tr, names = _lopsided()
     light = {n: (0 if i < 1 else 1) for i, n in enumerate(names)}
     heavy = {n: (0 if i < 4 else 1) for i, n in enumerate(names)}
     before = [p.clone() for p in model.parameters()]
@@ -176,12 +181,7 @@ def test_time_stages_side_by_side_runs_each_rank_on_its_own_thread():
     back, and a failing stage raises in the caller."""
     import threading
 
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 1024), nn.ReLU(),
-                          nn.Linear(1024, 1024), nn.Linear(1024, 32))
-    x = torch.randn(128, 32)
-    tr = trace(model, (x,))
-    names = [n.name for n in tr.compute_nodes()]
+    model, x, tr, names = _lopsided()
     light = {n: (0 if i < 1 else 1) for i, n in enumerate(names)}
     meet = threading.Barrier(2, timeout=20)
     seen: list[list[bool]] = []

@@ -151,20 +151,30 @@ def time_stages(gm: fx.GraphModule, assignments: list[dict[str, int]], num_stage
             if ranks is not None and len(set(ranks)) > 1:
                 if len(ranks) != num_stages:
                     raise ValueError(f"ranks: {len(ranks)} stages, not {num_stages}")
-                return _rounds_side_by_side(cuts, inputs, ranks, nodes, cores, device, warmup,
-                                            min_rounds, max_rounds, min_time_s)
-            return _rounds(cuts, inputs, num_stages, device, warmup, min_rounds, max_rounds,
-                           min_time_s)
+                groups = side_by_side_groups(ranks, nodes, cores)
+                feeds = [cut.feeds(inputs, device) for cut in cuts]
+
+                def visit(c: int) -> list[list[tuple[float, float]]]:
+                    got: list[list[tuple[float, float]]] = [[] for _ in ranks]
+                    for group in groups:
+                        _side_by_side(cuts[c], inputs, feeds[c], group, device, got)
+                    return got
+            else:
+                def visit(c: int) -> list[list[tuple[float, float]]]:
+                    return _in_turn(cuts[c], inputs, device)
+            return _rounds(cuts, visit, warmup, min_rounds, max_rounds, min_time_s)
     finally:
         for p, g in saved:
             p.grad = g
 
 
-def _rounds(cuts: list[_Cut], given: dict[str, Any], num_stages: int, device: torch.device,
+def _rounds(cuts: list[_Cut], visit: Callable[[int], list[list[tuple[float, float]]]],
             warmup: int, min_rounds: int, max_rounds: int, min_time_s: float
             ) -> list[list[tuple[float, float]]]:
-    fwd = [[[] for _ in range(num_stages)] for _ in cuts]
-    bwd = [[[] for _ in range(num_stages)] for _ in cuts]
+    """Rounds over the cuts (order reversed every other round); ``visit(c)`` runs cut ``c``
+    once and returns per stage its ``(forward, backward)`` runs. Per cut and stage, the
+    medians over the timed rounds' runs."""
+    runs: list[list[list[tuple[float, float]]]] = [[] for _ in cuts]
     t_start = None
     r = 0
     while r < warmup + max_rounds:
@@ -173,23 +183,39 @@ def _rounds(cuts: list[_Cut], given: dict[str, Any], num_stages: int, device: to
             t_start = _profile._clock()
         order = range(len(cuts)) if r % 2 == 0 else reversed(range(len(cuts)))
         for c in order:
-            cut, vals, live = cuts[c], {}, []
-            for j in range(num_stages):
-                dt, lv = cut.forward(given, j, vals, device)
-                live.append(lv)
-                if timed:
-                    fwd[c][j].append(dt)
-            for j in reversed(range(num_stages)):
-                dt = cut.backward(j, live[j], device)
-                live[j] = None
-                if timed:
-                    bwd[c][j].append(dt)
+            got = visit(c)
+            if timed:
+                runs[c].append(got)
         r += 1
         if (timed and r - warmup >= min_rounds
                 and _profile._clock() - t_start >= min_time_s):
             break
-    return [[(statistics.median(f), statistics.median(b)) for f, b in zip(fwd[c], bwd[c])]
-            for c in range(len(cuts))]
+    out = []
+    for c, cut in enumerate(cuts):
+        per_stage = []
+        for j in range(len(cut.mods)):
+            ts = [t for got in runs[c] for t in got[j]]
+            per_stage.append((statistics.median(f for f, _ in ts),
+                              statistics.median(b for _, b in ts)))
+        out.append(per_stage)
+    return out
+
+
+def _in_turn(cut: _Cut, given: dict[str, Any], device: torch.device
+             ) -> list[list[tuple[float, float]]]:
+    """One visit of a cut, one stage after another: every forward in order, then every
+    backward, last stage first."""
+    vals: dict[str, Any] = {}
+    fwd, live = [], []
+    for j in range(len(cut.mods)):
+        dt, lv = cut.forward(given, j, vals, device)
+        fwd.append(dt)
+        live.append(lv)
+    bwd = [0.0] * len(cut.mods)
+    for j in reversed(range(len(cut.mods))):
+        bwd[j] = cut.backward(j, live[j], device)
+        live[j] = None
+    return [[(f, b)] for f, b in zip(fwd, bwd)]
 
 
 def _side_by_side(cut: _Cut, given: dict[str, Any], feeds: list[dict[str, Any]],
@@ -271,41 +297,6 @@ def side_by_side_groups(ranks: list[int], nodes: list[int] | None = None,
         here = [by_rank[r] for r in by_rank if node_of(r) == node]
         runs += [here[i:i + cores] for i in range(0, len(here), cores)]
     return runs
-
-
-def _rounds_side_by_side(cuts: list[_Cut], given: dict[str, Any], ranks: list[int],
-                         nodes: list[int] | None, cores: int | None, device: torch.device,
-                         warmup: int, min_rounds: int, max_rounds: int, min_time_s: float
-                         ) -> list[list[tuple[float, float]]]:
-    groups = side_by_side_groups(ranks, nodes, cores)
-    feeds = [cut.feeds(given, device) for cut in cuts]
-    runs: list[list[list[list[tuple[float, float]]]]] = [[] for _ in cuts]
-    t_start = None
-    r = 0
-    while r < warmup + max_rounds:
-        timed = r >= warmup
-        if timed and t_start is None:
-            t_start = _profile._clock()
-        order = range(len(cuts)) if r % 2 == 0 else reversed(range(len(cuts)))
-        for c in order:
-            got: list[list[tuple[float, float]]] = [[] for _ in ranks]
-            for group in groups:
-                _side_by_side(cuts[c], given, feeds[c], group, device, got)
-            if timed:
-                runs[c].append(got)
-        r += 1
-        if (timed and r - warmup >= min_rounds
-                and _profile._clock() - t_start >= min_time_s):
-            break
-    out = []
-    for c in range(len(cuts)):
-        per_stage = []
-        for j in range(len(ranks)):
-            ts = [t for got in runs[c] for t in got[j]]
-            per_stage.append((statistics.median(f for f, _ in ts),
-                              statistics.median(b for _, b in ts)))
-        out.append(per_stage)
-    return out
 
 
 #: how stages are timed; part of every cache key of stage timings
