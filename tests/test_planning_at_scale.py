@@ -110,6 +110,49 @@ def test_deep_model_plans_as_blocks_in_seconds():
     assert took < 30, took  # 96 layers x 12288 on 1024 devices: BENCHMARKS.md, plan-scale
 
 
+class _Residual(nn.Module):
+    def __init__(self, d: int, hidden: int):
+        super().__init__()
+        self.f = nn.Sequential(nn.LayerNorm(d), nn.Linear(d, hidden), nn.GELU(),
+                               nn.Linear(hidden, d))
+
+    def forward(self, x):
+        return x + self.f(x)
+
+
+class _RunThenOthers(nn.Module):
+    """Blocks 0..8 identical (the folded run), block 9 wider, blocks 10..13 like the run."""
+
+    def __init__(self, d: int = 32, n: int = 14, odd: int = 9):
+        super().__init__()
+        self.blocks = nn.ModuleList(_Residual(d, 2 * d if i == odd else d) for i in range(n))
+        self.head = nn.Linear(d, 10)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("pipeline", [2, 3])
+def test_a_folded_plan_names_the_blocks_after_the_run_as_the_model_does(pipeline):
+    """The run is traced shortened to two blocks, which renumbers the blocks after it; the
+    plan must still hold every parameter of the full model once, under its own name."""
+    model = _RunThenOthers()
+    spec = {"model": {"factory": "x:y"}, "data": {"batch_size": 8},
+            "parallel": {"pipeline": pipeline, "data": 1, "microbatches": 2,
+                         "schedule": "1f1b"},
+            "cluster": {"devices_per_node": pipeline, "device": "cpu"}}
+    plan = fxpipe.plan(model, spec, (torch.randn(4, 32),))
+    assert plan.folded and plan.folded["run"]["count"] == 9
+    held = [n for st in plan.stages for n in st.params]
+    assert sorted(held) == sorted(n for n, _ in model.named_parameters())
+    assert plan.shared_params == {}
+    last = plan.stages[-1]
+    assert {"blocks.13.f.3.weight", "head.weight"} <= set(last.params)
+    assert "nodes after them" in " ".join(plan.explain)
+
+
 def test_activations_that_do_not_fit_are_recomputed_or_answered_with_what_fits():
     with torch.device("meta"):
         model = CharGPT(vocab_size=256, block_size=256, n_layer=4, n_head=4, n_embd=256)

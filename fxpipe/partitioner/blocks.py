@@ -50,6 +50,9 @@ MIN_BLOCKS = 8
 KEEP = 2
 
 
+_INDEX = re.compile(r"^(\d+)(\.|$)")
+
+
 @dataclass(frozen=True)
 class BlockRun:
     """``count`` identical children of the container at ``path``, from index ``start``."""
@@ -70,6 +73,19 @@ class BlockRun:
     def block(self, i: int) -> str:
         """Block ``i``'s module path (``h.3``; ``3`` at the top)."""
         return f"{self.prefix}{i}"
+
+    def full_name(self, fqn: str, keep: int = KEEP) -> str:
+        """A parameter or buffer name of the :func:`reduced` model as the full model names it:
+        children of the run's container after the kept blocks were renumbered when the run
+        was shortened (``h.3.w`` of a reduced model whose run ``h.0``..``h.7`` kept 2 blocks is
+        ``h.9.w``)."""
+        if not fqn.startswith(self.prefix):
+            return fqn
+        mo = _INDEX.match(fqn[len(self.prefix):])
+        if mo is None or int(mo.group(1)) < self.start + keep:
+            return fqn
+        i = int(mo.group(1)) + self.count - keep
+        return f"{self.prefix}{i}{fqn[len(self.prefix) + len(mo.group(1)):]}"
 
 
 def _signature(m: nn.Module) -> tuple:
@@ -128,9 +144,6 @@ def reduced(model: nn.Module, run: BlockRun, keep: int = KEEP) -> Iterator[nn.Mo
         yield model
     finally:
         setattr(parent, attr, full)
-
-
-_INDEX = re.compile(r"^(\d+)(\.|$)")
 
 
 def block_index(node: torch.fx.Node, run_path: str) -> int | None:

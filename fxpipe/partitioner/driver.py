@@ -554,8 +554,8 @@ def _assemble_folded(pr: Priced, result: PartitionResult, cand: Candidate, spec:
                 buffers += [at + f[len(rep_prefix):] for f in rep["buffers"]]
             else:
                 pos = fo.prologue[u] if u < n_pro else fo.epilogue[u - n_pro - run.count]
-                params += g.nodes[pg.order[pos]]["params"]
-                buffers += g.nodes[pg.order[pos]]["buffers"]
+                params += [run.full_name(f) for f in g.nodes[pg.order[pos]]["params"]]
+                buffers += [run.full_name(f) for f in g.nodes[pg.order[pos]]["buffers"]]
         f_s, bi_s, bw_s = (prefix[:, b] - prefix[:, a]) * slow[j]
         if cand.recompute:  # the backward runs the forward again first
             bi_s = bi_s + f_s
@@ -586,7 +586,9 @@ def _assemble_folded(pr: Priced, result: PartitionResult, cand: Candidate, spec:
             users.setdefault(fqn, []).append(st.index)
     explain = list(explain) + [
         f"planned as blocks: {run.count} identical {run.prefix or 'top-level '}* blocks, two "
-        f"of them traced and priced; stage {', stage '.join(f'{s}: ' + _block_range(run, block_stage, s) for s in range(cand.num_stages))}"]
+        f"of them traced and priced; stage "
+        + ", stage ".join(f"{s}: " + _block_range(run, record, s)
+                          for s in range(cand.num_stages))]
     plan = Plan(
         model=pr.traced.model_name, num_stages=cand.num_stages, pipeline=cand.pipeline,
         dp=cand.dp, microbatches=cand.microbatches, schedule=cand.schedule,
@@ -594,7 +596,8 @@ def _assemble_folded(pr: Priced, result: PartitionResult, cand: Candidate, spec:
         microbatch_size=mbs, stages=stages, values=values,
         model_inputs=list(one.model_inputs), model_output=one.model_outputs[0],
         shared_params={k: v for k, v in users.items() if len(v) > 1},
-        param_aliases=dict(one.param_aliases), bottleneck_stage=result.bottleneck,
+        param_aliases={run.full_name(a): run.full_name(c) for a, c in one.param_aliases.items()},
+        bottleneck_stage=result.bottleneck,
         lower_bound_s=result.lower_bound_s, explain=explain, spec=spec.model_dump(mode="json"),
         folded=record, placement=cand.layout,
     )
@@ -618,9 +621,18 @@ def _placement_note(plan: Plan, spec: ParallelSpec) -> str:
             f"{spec.cluster.links.intra_node_GBps:g} GB/s); {other} priced slower or equal")
 
 
-def _block_range(run, block_stage: list[int], s: int) -> str:
-    idx = [run.start + b for b, st in enumerate(block_stage) if st == s]
-    return f"{run.block(idx[0])}-{idx[-1]}" if idx else "no blocks"
+def _block_range(run, record: dict, s: int) -> str:
+    """What stage ``s`` of a folded plan holds: its range of the run's blocks and how many
+    nodes before and after the run (``h.3-5 + 12 nodes after them``)."""
+    idx = [run.start + b for b, st in enumerate(record["blocks"]) if st == s]
+    parts = [f"{run.block(idx[0])}-{idx[-1]}"] if idx else []
+    before = sum(st == s for st in record["prologue"].values())
+    after = sum(st == s for st in record["epilogue"])
+    if before:
+        parts.append(f"{plural(before, 'node')} before the blocks")
+    if after:
+        parts.append(f"{plural(after, 'node')} after them")
+    return " + ".join(parts) or "nothing"
 
 
 def _ring_s(nbytes: float, n: int, spec: ParallelSpec, pipeline: int, dp: int,
