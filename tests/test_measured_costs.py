@@ -153,6 +153,59 @@ def test_profile_key_changes_with_the_format(monkeypatch):
     assert prof.profile_key(tr, "cpu") != a
 
 
+def test_profile_key_names_the_precision_and_the_parameter_dtype():
+    x = torch.randn(4, 8)
+    tr = trace(nn.Linear(8, 4), (x,))
+    keys = {prof.profile_key(tr, "cpu", p) for p in ("fp32", "bf16", "fp16")}
+    assert len(keys) == 3 and prof.profile_key(tr, "cpu") == prof.profile_key(tr, "cpu", "fp32")
+    wide = trace(nn.Linear(8, 4).double(), (x.double(),))
+    assert prof.profile_key(wide, "cpu") not in keys
+
+
+def test_bf16_is_profiled_under_autocast_as_the_ranks_run(monkeypatch):
+    """Under ``train.precision: bf16`` every node runs in autocast's dtypes while timed."""
+    seen = []
+    real = prof._op
+
+    def spy(gm, n):
+        fn = real(gm, n)
+
+        def wrapped(*a, **k):
+            out = fn(*a, **k)
+            if isinstance(out, torch.Tensor):
+                seen.append(out.dtype)
+            return out
+        return wrapped
+    monkeypatch.setattr(prof, "_op", spy)
+    tr = trace(nn.Sequential(nn.Linear(8, 8), nn.ReLU()), (torch.randn(4, 8),))
+    prof.profile_graph(tr, [torch.randn(4, 8)], "cpu", warmup=0, repeats=1, precision="bf16")
+    assert torch.bfloat16 in seen
+    seen.clear()
+    prof.profile_graph(tr, [torch.randn(4, 8)], "cpu", warmup=0, repeats=1)
+    assert seen and set(seen) == {torch.float32}
+    assert not torch.is_autocast_enabled("cpu")
+
+
+@pytest.mark.parametrize("bad", [float("nan"), -5.0, float("inf"), "x", None])
+def test_a_cached_profile_with_impossible_times_is_measured_again(tmp_path, monkeypatch, bad):
+    import json
+    monkeypatch.setenv("FXPIPE_CACHE_DIR", str(tmp_path))
+    prof.save_profile("k", {"a": NodeTimes(1e-3, 1e-3, 0.0), "b": NodeTimes(2e-3, 0.0, 0.0)},
+                      {})
+    assert prof.load_profile("k")["b"] == NodeTimes(2e-3, 0.0, 0.0)
+    path = tmp_path / "profiles" / "k.json"
+    data = json.loads(path.read_text())
+    data["nodes"]["b"][0] = bad
+    path.write_text(json.dumps(data))
+    assert prof.load_profile("k") is None
+    prof.save_loss_profile("k", NodeTimes(1e-3, 1e-3, 0.0), {})
+    lpath = tmp_path / "profiles" / "loss-k.json"
+    data = json.loads(lpath.read_text())
+    data["bwd_s"] = bad
+    lpath.write_text(json.dumps(data))
+    assert prof.load_loss_profile("k") is None
+
+
 def test_a_node_that_fails_is_named():
     emb = nn.Embedding(10, 4)
     tr = trace(emb, (torch.zeros(2, 3, dtype=torch.long),))

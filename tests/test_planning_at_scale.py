@@ -153,6 +153,38 @@ def test_a_folded_plan_names_the_blocks_after_the_run_as_the_model_does(pipeline
     assert "nodes after them" in " ".join(plan.explain)
 
 
+def test_a_batch_no_replica_count_divides_names_the_batch_sizes_that_would_work():
+    with torch.device("meta"):
+        model = CharGPT(vocab_size=256, block_size=64, n_layer=8, n_head=2, n_embd=64)
+    spec = {"model": {"factory": "x:y"}, "data": {"batch_size": 999, "seq_len": 64},
+            "parallel": {"pipeline": "auto", "data": "auto", "microbatches": "auto",
+                         "schedule": "auto"},
+            "cluster": {"nodes": 50, "devices_per_node": 8, "device": "cuda"}}
+    x = (torch.zeros(1, 64, dtype=torch.long, device="meta"),)
+    with pytest.raises(PlanError) as e:
+        fxpipe.plan(model, spec, x)
+    text = str(e.value)
+    assert "data.batch_size 999 on 400 devices" in text and "pipeline <=" not in text
+    good = int(text.split("e.g. data.batch_size ")[1].split(")")[0])
+    spec["data"]["batch_size"] = good
+    plan = fxpipe.plan(model, spec, x)
+    assert plan.pipeline * plan.dp == 400 and good % plan.dp == 0
+
+
+def test_profiling_for_cuda_without_cuda_is_one_clean_error():
+    from fxpipe.training.profiling import profile_spec
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    spec = {"model": {"factory": "fxpipe.examples.gpt:CharGPT",
+                      "args": {"vocab_size": 64, "block_size": 16, "n_layer": 1, "n_head": 1,
+                               "n_embd": 16}},
+            "data": {"batch_size": 4, "seq_len": 16},
+            "parallel": {"pipeline": 1, "data": 1, "microbatches": 1, "schedule": "gpipe"},
+            "cluster": {"device": "cuda", "devices_per_node": 1, "costs": "measured"}}
+    with pytest.raises(PlanError, match="no CUDA device.*cluster.device: cpu"):
+        profile_spec(spec, send=False)
+
+
 def test_activations_that_do_not_fit_are_recomputed_or_answered_with_what_fits():
     with torch.device("meta"):
         model = CharGPT(vocab_size=256, block_size=256, n_layer=4, n_head=4, n_embd=256)

@@ -189,7 +189,8 @@ def _node_times(traced: TracedModel, costs: dict[str, NodeCost], spec: ParallelS
         loss = analytic_loss_times(loss_name, output_bytes(traced), cl.memory_Bps,
                                    cl.op_overhead_s)
         return with_loss(times, node, loss), loss
-    key = profile_key(traced, cl.device)
+    precision = spec.train.precision
+    key = profile_key(traced, cl.device, precision)
     times = load_profile(key)
     if times is None:
         if profile_model is None:
@@ -199,9 +200,11 @@ def _node_times(traced: TracedModel, costs: dict[str, NodeCost], spec: ParallelS
                 "weights (not on the meta device)")
         real = trace(profile_model, traced_args(traced, inputs)[0], spec.model.tracer,
                      example_kwargs=traced_args(traced, inputs)[1], output=spec.loss_output)
-        times = profile_graph(real, inputs, cl.device, progress=lambda done, total: (
+        times = profile_graph(real, inputs, cl.device, precision=precision,
+                              progress=lambda done, total: (
             _progress.info("profiling %d/%d nodes (cluster.costs: measured)", done, total)))
-        save_profile(key, times, {"model": traced.model_name, "device": cl.device})
+        save_profile(key, times, {"model": traced.model_name, "device": cl.device,
+                                  "precision": precision})
     missing = [n for n in costs if n not in times]
     if missing:
         raise PlanError(f"the measured costs do not cover nodes {missing[:5]}; re-run "
@@ -212,7 +215,7 @@ def _node_times(traced: TracedModel, costs: dict[str, NodeCost], spec: ParallelS
     else:
         size = next((int(t.shape[0]) for t in inputs if isinstance(t, torch.Tensor) and t.dim()),
                     1)
-        loss = measured_loss_times(traced, loss_name, cl.device,
+        loss = measured_loss_times(traced, loss_name, cl.device, precision=precision,
                                    ignore_index=spec.train.ignore_index,
                                    target=lambda: example_microbatch(spec, size).target)
     return with_loss(times, node, loss), loss
@@ -987,7 +990,8 @@ def _refine_by_stages(pr: Priced, spec: ParallelSpec, cand: Candidate, result: P
     beside = _ranks_beside(spec, cand)
     ranks, nodes = beside if beside is not None else (None, None)
     groups = side_by_side_groups(ranks, nodes) if ranks is not None else None
-    store = StageTimes(stage_times_key(profile_key(pr.traced, cl.device), list(pr.table.names),
+    store = StageTimes(stage_times_key(profile_key(pr.traced, cl.device, spec.train.precision),
+                                       list(pr.table.names),
                                        f"fuse={fuse};beside={groups}"))
     skip = "cluster.measure_stages: the cut's stages were not timed whole"
     timer: dict = {}
@@ -1009,7 +1013,7 @@ def _refine_by_stages(pr: Priced, spec: ParallelSpec, cand: Candidate, result: P
         assigns = [_node_stages(pr, c, full) for c in cut_list]
         return time_stages(full.gm, assigns, cand.num_stages, timer["inputs"], cl.device,
                            rewrite=fuse_weight_grads if fuse else None, ranks=ranks,
-                           nodes=nodes)
+                           nodes=nodes, precision=spec.train.precision)
 
     def measure(cut_list: list[list[int]]) -> list[list[tuple[float, float]]]:
         if len(cut_list) == 1:  # one cut alone: while refining

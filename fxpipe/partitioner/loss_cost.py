@@ -109,11 +109,13 @@ def _inputs(loss: str, meta: torch.Tensor, device: torch.device,
 
 def measured_loss_times(traced: TracedModel, loss: str, device: str, *, ignore_index: int = -100,
                         target: Callable[[], torch.Tensor | None] | None = None,
-                        warmup: int = 3, repeats: int = 15) -> NodeTimes:
+                        warmup: int = 3, repeats: int = 15, precision: str = "fp32") -> NodeTimes:
     """``loss`` timed on ``device`` on an output like ``traced``'s (cached; see the module doc).
 
     Args:
         target: a custom loss's target (the example batch's), called only when it is measured.
+        precision: ``train.precision`` (bf16 / fp16: timed under autocast, as the last stage
+            runs the loss).
     """
     meta = _output_meta(traced)
     if loss == MODEL_LOSS or meta is None:
@@ -121,12 +123,13 @@ def measured_loss_times(traced: TracedModel, loss: str, device: str, *, ignore_i
     dev = torch.device(device)
     out, y = _inputs(loss, meta, dev, target)
     fn = resolve_loss(loss, ignore_index)
-    key = loss_key(profile_key(traced, device), f"{loss}#{_code_fingerprint(fn)}", out, y)
+    key = loss_key(profile_key(traced, device, precision), f"{loss}#{_code_fingerprint(fn)}", out, y)
     times = load_loss_profile(key)
     if times is None:
         _log.info("profiling the loss %s (cluster.costs: measured)", loss)
         try:
-            times = profile_loss(fn, out, y, dev, warmup=warmup, repeats=repeats)
+            times = profile_loss(fn, out, y, dev, warmup=warmup, repeats=repeats,
+                                 precision=precision)
         except Exception as e:  # noqa: BLE001 - the user's loss, any failure
             raise PlanError(
                 f"train.loss {loss!r} cannot take the model output {tuple(out.shape)} "

@@ -41,6 +41,7 @@ from fxpipe.partitioner.boundaries import resolve_attr
 from fxpipe.partitioner.timing import NodeTimes
 from fxpipe.partitioner.trace import COMPUTE_OPS, TracedModel
 from fxpipe.runtime.host_memory import keep_freed_memory
+from fxpipe.runtime.precision import autocast_dtype
 
 __all__ = ["cache_dir", "profile_key", "profile_graph", "load_profile", "save_profile",
            "PROFILE_FORMAT", "profile_loss", "loss_key", "load_loss_profile", "save_loss_profile",
@@ -58,16 +59,20 @@ def cache_dir() -> Path:
 PROFILE_FORMAT = "profile-v4"
 
 
-def profile_key(traced: TracedModel, device: str, dtype: str = "float32") -> str:
+def profile_key(traced: TracedModel, device: str, precision: str = "fp32") -> str:
     """Cache key of a traced graph's measured costs: its code, input shapes and dtypes, the
-    device, the parameter dtype, the torch version and :data:`PROFILE_FORMAT`."""
+    parameters' and buffers' dtypes, the device, the precision it is timed in
+    (``train.precision``: fp32, or bf16 / fp16 autocast), the torch version and
+    :data:`PROFILE_FORMAT`."""
     h = hashlib.sha256()
     h.update(traced.gm.code.encode())
     for n in traced.gm.graph.nodes:
         if n.op == "placeholder":
             v = n.meta.get("val")
             h.update(f"{n.name}:{getattr(v, 'shape', None)}:{getattr(v, 'dtype', None)}".encode())
-    h.update(f"{device}|{dtype}|{torch.__version__}|{PROFILE_FORMAT}".encode())
+    for name, t in [*traced.gm.named_parameters(), *traced.gm.named_buffers()]:
+        h.update(f"{name}:{t.dtype}".encode())
+    h.update(f"{device}|{precision}|{torch.__version__}|{PROFILE_FORMAT}".encode())
     return h.hexdigest()[:24]
 
 
@@ -75,13 +80,23 @@ def _path(key: str) -> Path:
     return cache_dir() / "profiles" / f"{key}.json"
 
 
+def _seconds(values) -> list[float]:
+    """``values`` as seconds; ValueError unless every one is a finite number >= 0 (a damaged
+    or hand-edited cache entry is measured again, not planned with)."""
+    out = [float(v) for v in values]
+    if not all(np.isfinite(v) and v >= 0 for v in out):
+        raise ValueError("times must be finite and >= 0")
+    return out
+
+
 def load_profile(key: str) -> dict[str, NodeTimes] | None:
-    """Cached times for ``key``, or None."""
+    """Cached times for ``key``, or None (also when the entry is damaged: a time that is not a
+    finite number >= 0, a missing field)."""
     path = _path(key)
     try:
         data = json.loads(path.read_text())
-        return {k: NodeTimes(*map(float, v)) for k, v in data["nodes"].items()}
-    except (OSError, ValueError, KeyError, TypeError):
+        return {k: NodeTimes(*_seconds(v)) for k, v in data["nodes"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
 
 
@@ -109,17 +124,23 @@ def _sync(device: torch.device) -> None:
 
 
 @contextlib.contextmanager
-def like_a_rank(device: torch.device):
-    """On a CPU, the ``with`` block runs as every worker rank runs (:mod:`fxpipe.training.worker`,
-    :func:`fxpipe.runtime.mesh.init_distributed`): one intra-op thread (then as before), and
-    glibc's malloc keeping freed memory (:func:`fxpipe.runtime.host_memory.keep_freed_memory`;
-    process-wide, it stays). A time taken otherwise is not the time a rank will see."""
+def like_a_rank(device: torch.device, precision: str = "fp32"):
+    """The ``with`` block runs as every worker rank runs (:mod:`fxpipe.training.worker`,
+    :func:`fxpipe.runtime.mesh.init_distributed`): under ``torch.autocast`` in the precision's
+    dtype (``train.precision`` bf16 / fp16; fp32: none), and on a CPU with one intra-op thread
+    (then as before) and glibc's malloc keeping freed memory
+    (:func:`fxpipe.runtime.host_memory.keep_freed_memory`; process-wide, it stays). A time
+    taken otherwise is not the time a rank will see. (The ranks run only the forward and the
+    loss under autocast; a backward run inside it computes the same: autograd replays the
+    forward's dtypes.)"""
     before = torch.get_num_threads()
+    amp = autocast_dtype(precision)
     if device.type == "cpu":
         keep_freed_memory()
         torch.set_num_threads(1)
     try:
-        yield
+        with torch.autocast(device.type, dtype=amp or torch.float32, enabled=amp is not None):
+            yield
     finally:
         if torch.get_num_threads() != before:
             torch.set_num_threads(before)
@@ -232,7 +253,8 @@ def _split_joint(joint: float, b: float, w: float) -> tuple[float, float]:
 
 def profile_graph(traced: TracedModel, inputs: list[torch.Tensor], device: torch.device | str,
                   *, warmup: int = 2, repeats: int = 5,
-                  progress: Callable[[int, int], None] | None = None) -> dict[str, NodeTimes]:
+                  progress: Callable[[int, int], None] | None = None,
+                  precision: str = "fp32") -> dict[str, NodeTimes]:
     """Measured :class:`NodeTimes` of every compute node of ``traced`` (a graph of a real model
     on ``device``), run on ``inputs`` (the values of its tensor inputs,
     ``traced.input_names``, in order). The model's buffers (BatchNorm's running statistics)
@@ -259,13 +281,15 @@ def profile_graph(traced: TracedModel, inputs: list[torch.Tensor], device: torch
 
     Args:
         progress: called as ``progress(done, total)`` after each node's backward.
+        precision: ``train.precision``: bf16 / fp16 time the graph under autocast, as the
+            ranks run it.
 
     Raises:
         PlanError: a node fails on these inputs (the message names it).
     """
     device = torch.device(device)
     # the user's BatchNorm statistics, dropout's RNG; one thread on a CPU, as a rank
-    with kept_state(traced.gm, device), like_a_rank(device):
+    with kept_state(traced.gm, device), like_a_rank(device, precision):
         return _profile_graph(traced, inputs, device, warmup, repeats, progress)
 
 
@@ -424,7 +448,7 @@ def load_loss_profile(key: str) -> NodeTimes | None:
     """Cached loss times for ``key`` (forward, backward to the output), or None."""
     try:
         data = json.loads(_loss_path(key).read_text())
-        return NodeTimes(float(data["fwd_s"]), float(data["bwd_s"]), 0.0)
+        return NodeTimes(*_seconds([data["fwd_s"], data["bwd_s"]]), 0.0)
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -441,7 +465,7 @@ def save_loss_profile(key: str, times: NodeTimes, meta: dict[str, Any]) -> Path:
 
 def profile_loss(loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                  output: torch.Tensor, target: torch.Tensor, device: torch.device | str, *,
-                 warmup: int = 3, repeats: int = 15) -> NodeTimes:
+                 warmup: int = 3, repeats: int = 15, precision: str = "fp32") -> NodeTimes:
     """Measured seconds of ``loss_fn(output, target)`` (what the last stage runs on the model's
     output): the median forward as ``fwd_s`` and the median backward to ``output`` as
     ``bwd_input_s`` (a fresh leaf each run, as each micro-batch's output is)."""
@@ -449,7 +473,7 @@ def profile_loss(loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     f: list[float] = []
     b: list[float] = []
     grad = output.is_floating_point() or output.is_complex()
-    with torch.enable_grad(), like_a_rank(device):
+    with torch.enable_grad(), like_a_rank(device, precision):
         for i in range(max(0, warmup) + max(1, repeats)):
             o = output.detach().requires_grad_(grad)
             _sync(device)
@@ -508,6 +532,13 @@ def load_send_cost(device: str) -> SendCost | None:
     """The measured send cost (``fxpipe profile`` writes it), or None."""
     try:
         d = json.loads(send_cost_path(device).read_text())
-        return SendCost(d["overhead_s"], d["rate_Bps"], d.get("points"))
-    except (OSError, ValueError, KeyError, TypeError):
+        (overhead,) = _seconds([d["overhead_s"]])
+        rate = float(d["rate_Bps"])
+        if not rate > 0:  # inf: a backend whose sender only enqueues
+            raise ValueError("rate_Bps must be > 0")
+        points = [_seconds(pt) for pt in d.get("points") or []]
+        if any(len(pt) != 2 for pt in points):
+            raise ValueError("points are (bytes, seconds)")
+        return SendCost(overhead, rate, points or None)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None

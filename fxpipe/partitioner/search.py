@@ -80,6 +80,23 @@ def _too_many_stages(spec: ParallelSpec, n_units: int, num_stages: int, pipeline
     )
 
 
+def _batch_leaves_too_many_stages(spec: ParallelSpec, world: int, n_units: int) -> PlanError:
+    """Every data-parallel degree that divides both the world size and the batch leaves
+    pipelines longer than the model has units: say so, and which batch sizes would do."""
+    batch = spec.data.batch_size
+    fits = [d for d in _divisors(world) if batch % d == 0]  # 1 always
+    need = next(d for d in _divisors(world) if world // d <= n_units)
+    where = spec_location(spec, "data.batch_size")
+    return PlanError(
+        f"{where + ': ' if where else ''}data.batch_size {batch} on {world} devices: the "
+        f"data-parallel degree must divide both, and the ones that do "
+        f"({', '.join(map(str, fits))}) leave pipelines of at least "
+        f"{plural(world // max(fits), 'stage')}, but the model has only "
+        f"{plural(n_units, 'planning unit')} to cut; make data.batch_size a multiple of "
+        f"{need} (then {world // need} pipeline stages x {need} replicas can work, e.g. "
+        f"data.batch_size {need * max(1, -(-batch // need))}), or use fewer devices")
+
+
 def candidates(spec: ParallelSpec, max_stages: int | None = None) -> list[Candidate]:
     """The search space for the spec: every ``auto`` field expanded, fixed fields kept.
 
@@ -135,6 +152,9 @@ def candidates(spec: ParallelSpec, max_stages: int | None = None) -> list[Candid
                 if spread and pp > 1 and dp > 1:  # several nodes: the other way round too
                     out.append(Candidate(pp, dp, m, s, v, layout="data-inner"))
     if not out and too_many is not None and max_stages is not None:
+        fits = [d for d in _divisors(world) if spec.data.batch_size % d == 0]
+        if par.pipeline == "auto" and par.data == "auto" and world // max(fits) > max_stages:
+            raise _batch_leaves_too_many_stages(spec, world, max_stages)
         raise _too_many_stages(spec, max_stages, *too_many)
     if not out:
         raise PlanError(

@@ -125,7 +125,8 @@ def time_stages(gm: fx.GraphModule, assignments: list[dict[str, int]], num_stage
                 min_rounds: int = 7, max_rounds: int = 31, min_time_s: float = 0.5,
                 rewrite: Callable[[nn.Module], tuple[nn.Module, int]] | None = None,
                 ranks: list[int] | None = None, nodes: list[int] | None = None,
-                cores: int | None = None) -> list[list[tuple[float, float]]]:
+                cores: int | None = None, precision: str = "fp32"
+                ) -> list[list[tuple[float, float]]]:
     """Seconds of every stage's forward and backward for each cut in ``assignments``
     (compute-node name -> stage, as :func:`~fxpipe.partitioner.boundaries.stage_boundaries`
     takes it) of ``gm``, run on ``inputs`` (placeholder name -> value). Returns, per cut,
@@ -136,6 +137,7 @@ def time_stages(gm: fx.GraphModule, assignments: list[dict[str, int]], num_stage
     ``ranks`` (stage -> rank): a cut's stages run side by side, one thread per rank, the ranks
     of each node (``nodes``: rank -> node, None: one node) together, at most ``cores`` at once
     (:func:`side_by_side_groups`; the module doc); None: one stage after another.
+    ``precision``: ``train.precision`` (bf16 / fp16: under autocast, as the ranks run).
 
     Raises:
         SplitError: an assignment is not a valid cut of ``gm``.
@@ -147,7 +149,7 @@ def time_stages(gm: fx.GraphModule, assignments: list[dict[str, int]], num_stage
     for p, _ in saved:  # accumulate into fresh tensors: the caller's .grad stay untouched
         p.grad = None
     try:
-        with _profile.kept_state(gm, device), _profile.like_a_rank(device):
+        with _profile.kept_state(gm, device), _profile.like_a_rank(device, precision):
             if ranks is not None and len(set(ranks)) > 1:
                 if len(ranks) != num_stages:
                     raise ValueError(f"ranks: {len(ranks)} stages, not {num_stages}")

@@ -20,12 +20,13 @@ from collections import defaultdict
 import torch
 
 from fxpipe.data.batches import example_microbatch
+from fxpipe.errors import PlanError
 from fxpipe.partitioner.driver import as_spec, tracing_model
 from fxpipe.partitioner.loss_cost import measured_loss_times
 from fxpipe.partitioner.profile import (SendCost, profile_graph, profile_key, save_profile,
                                         send_cost_path)
 from fxpipe.partitioner.trace import module_path_of, trace
-from fxpipe.specs.loader import build_model
+from fxpipe.specs.loader import build_model, spec_location
 from fxpipe.units import human_bytes, ms
 
 __all__ = ["profile_spec", "measure_send_cost"]
@@ -85,6 +86,14 @@ def profile_spec(spec, *, repeats: int = 5, warmup: int = 2, send: bool = True) 
     """Profile the spec's model (see the module doc); returns the printed report."""
     spec = as_spec(spec)
     device = spec.cluster.device
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        where = spec_location(spec, "cluster.device")
+        raise PlanError(
+            f"{where + ': ' if where else ''}cluster.device is {device!r} but this machine has no "
+            f"CUDA device (torch {torch.__version__}"
+            f"{'' if torch.version.cuda else ', built without CUDA'}): profile where the spec's "
+            "devices are (the cache is keyed by the device), or set cluster.device: cpu to "
+            "measure this machine")
     torch.set_num_threads(1)  # as on a worker rank
     model = build_model(spec)
     batch = example_microbatch(spec)
@@ -101,12 +110,14 @@ def profile_spec(spec, *, repeats: int = 5, warmup: int = 2, send: bool = True) 
             print(f"\rprofiling {done}/{total} nodes", end="" if done < total else "\n",
                   file=sys.stderr, flush=True)
 
+    precision = spec.train.precision
     times = profile_graph(traced, inputs, device, warmup=warmup, repeats=repeats,
+                          precision=precision,
                           progress=progress)
-    path = save_profile(profile_key(traced, device), times,
-                        {"model": traced.model_name, "device": device,
+    path = save_profile(profile_key(traced, device, precision), times,
+                        {"model": traced.model_name, "device": device, "precision": precision,
                          "microbatch_size": batch.size})
-    loss = measured_loss_times(traced, spec.train.loss, device,
+    loss = measured_loss_times(traced, spec.train.loss, device, precision=precision,
                                ignore_index=spec.train.ignore_index, target=lambda: batch.target)
     per_module: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])
     for n in traced.compute_nodes():
