@@ -493,10 +493,33 @@ def _top_sequential() -> nn.Module:
     return nn.Sequential(*(nn.Linear(16, 16) for _ in range(8)), nn.Linear(16, 4))
 
 
-def _top_sequential_worker(rank: int, plan_dict: dict) -> tuple[float, dict]:
+class _ResidualOutside(nn.Module):
+    """``for b in blocks: x = x + b(x)``: the residual add is the parent's, between blocks."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 16),
+                                                  nn.Tanh()) for _ in range(9))
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = x + b(x)
+        return self.head(x)
+
+
+def _residual_outside() -> nn.Module:
+    torch.manual_seed(0)
+    return _ResidualOutside()
+
+
+_RUNS = {"top-level Sequential": _top_sequential, "residual add outside": _residual_outside}
+
+
+def _run_of_blocks_worker(rank: int, name: str, plan_dict: dict) -> tuple[float, dict]:
     from fxpipe.plans.plan import Plan
 
-    model = _top_sequential()
+    model = _RUNS[name]()
     pipe = fxpipe.compile(model, Plan.from_dict(plan_dict))
     x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
     loss = pipe.step(x, torch.zeros(4, 4))
@@ -506,17 +529,20 @@ def _top_sequential_worker(rank: int, plan_dict: dict) -> tuple[float, dict]:
 
 
 @pytest.mark.distributed
-def test_a_model_that_is_itself_a_run_of_blocks_plans_as_blocks_and_trains():
-    """``nn.Sequential(8 identical layers, head)``: the run is the model itself (no parent
-    module to shorten it in); it plans as blocks and trains as one process does."""
+@pytest.mark.parametrize("name", _RUNS)
+def test_a_run_of_blocks_plans_as_blocks_and_trains(name):
+    """``nn.Sequential(8 identical layers, head)`` (the run is the model itself: no parent
+    module to shorten it in), and blocks whose residual add is the parent's (each block's
+    glue): both plan as blocks and train as one process does."""
     spec = {"model": {"factory": "x:y"}, "data": {"batch_size": 4},
             "parallel": {"pipeline": 2, "data": 1, "microbatches": 2, "schedule": "1f1b"},
             "cluster": {"devices_per_node": 2},
             "train": {"loss": "mse", "timeout_s": 60}}
-    plan = fxpipe.plan(_top_sequential(), spec, (torch.zeros(2, 16),))
+    plan = fxpipe.plan(_RUNS[name](), spec, (torch.zeros(2, 16),))
     assert plan.folded and set(plan.folded["blocks"]) == {0, 1}
-    got = run_ranks(_top_sequential_worker, 2, plan.to_dict(), timeout_s=120)
-    model = _top_sequential()
+    assert plan.folded["run"]["glue"] == (name == "residual add outside")
+    got = run_ranks(_run_of_blocks_worker, 2, name, plan.to_dict(), timeout_s=120)
+    model = _RUNS[name]()
     x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
     ref = F.mse_loss(model(x), torch.zeros(4, 4))
     ref.backward()

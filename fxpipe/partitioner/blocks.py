@@ -55,14 +55,17 @@ _INDEX = re.compile(r"^(\d+)(\.|$)")
 
 @dataclass(frozen=True)
 class BlockRun:
-    """``count`` identical children of the container at ``path``, from index ``start``."""
+    """``count`` identical children of the container at ``path``, from index ``start``;
+    ``glue``: compute nodes of the parent that follow each block and go with it (the residual
+    add of ``for b in blocks: x = x + b(x)``), 0 when the blocks follow each other directly."""
 
     path: str
     start: int
     count: int
+    glue: int = 0
 
     def to_dict(self) -> dict:
-        return {"path": self.path, "start": self.start, "count": self.count}
+        return {"path": self.path, "start": self.start, "count": self.count, "glue": self.glue}
 
     @property
     def prefix(self) -> str:
@@ -166,6 +169,7 @@ class Folding:
         prologue: unit positions (in the reduced graph) before the run's blocks.
         block_units: per kept block, its unit positions.
         epilogue: unit positions after the run.
+        glue: unit positions of the last kept block's glue (the parent's nodes after it).
         n_units: units of the folded problem: ``len(prologue) + run.count + len(epilogue)``.
     """
 
@@ -173,6 +177,7 @@ class Folding:
     prologue: list[int]
     block_units: list[list[int]]
     epilogue: list[int]
+    glue: tuple[int, ...] = ()
 
     @property
     def n_units(self) -> int:
@@ -192,32 +197,61 @@ class Folding:
         self._block = {p: b for b, units in enumerate(self.block_units) for p in units}
 
 
+def _glue_ops(pg: PricedGraph, by_name: dict, units: list[int]) -> list | None:
+    """The ops of the parent's units between two blocks (what each block's glue must repeat),
+    or None when one holds parameters or buffers (they would not be a block's)."""
+    g = pg.graph
+    ops = []
+    for p in units:
+        u = g.nodes[pg.order[p]]
+        if u["params"] or u["buffers"]:
+            return None
+        ops += [by_name[m].target for m in u["members"]]
+    return ops
+
+
 def _groups(pg: PricedGraph, run: BlockRun) -> Folding | None:
     """Split the reduced graph's units into prologue, kept blocks and epilogue (graph order),
-    or None when block nodes and other nodes interleave."""
+    or None when block nodes and other nodes interleave. Units of the parent between the two
+    kept blocks (a residual add outside the block) go with the first; the same ops right after
+    the second go with it (the run's ``glue``)."""
     by_name = {n.name: n for n in pg.traced.gm.graph.nodes}
     kept = range(run.start, run.start + KEEP)
     blocks: list[list[int]] = [[] for _ in kept]
-    prologue, epilogue = [], []
-    seen_block = False
+    prologue, between, epilogue = [], [], []
     for pos, u in enumerate(pg.order):
         b = block_index(by_name[u], run.path)
         if b is not None and b in kept:
-            if epilogue:
-                return None  # a block after the epilogue started
-            blocks[b - run.start].append(pos)
-            seen_block = True
-        elif not seen_block:
+            k = b - run.start
+            if epilogue or any(blocks[k + 1:]) or (k == 0 and between):
+                return None  # blocks out of order, or a block after the epilogue started
+            if k > 0 and not blocks[k] and not blocks[k - 1]:
+                return None
+            blocks[k].append(pos)
+        elif not any(blocks):
             prologue.append(pos)
+        elif not blocks[-1]:
+            between.append(pos)
         else:
             epilogue.append(pos)
     if not all(blocks):
         return None
-    # blocks must be contiguous and in order
-    flat = [p for units in blocks for p in units]
-    if flat != list(range(flat[0], flat[0] + len(flat))):
-        return None
-    return Folding(run, prologue, blocks, epilogue)
+    for units in blocks:  # each block's units contiguous
+        if units != list(range(units[0], units[0] + len(units))):
+            return None
+    glue = 0
+    if between:
+        ops = _glue_ops(pg, by_name, between)
+        after = epilogue[:len(between)]
+        if (ops is None or len(after) < len(between)
+                or after != list(range(blocks[-1][-1] + 1, blocks[-1][-1] + 1 + len(after)))
+                or _glue_ops(pg, by_name, after) != ops):
+            return None
+        blocks = [blocks[0] + between, blocks[1] + after]
+        epilogue = epilogue[len(after):]
+        glue = sum(len(pg.graph.nodes[pg.order[p]]["members"]) for p in between)
+    return Folding(BlockRun(run.path, run.start, run.count, glue), prologue, blocks, epilogue,
+                   tuple(blocks[1][len(blocks[1]) - len(between):]) if between else ())
 
 
 @dataclass
@@ -257,6 +291,8 @@ def fold(pg: PricedGraph, run: BlockRun, unit_times: list[tuple[float, float, fl
     fo = _groups(pg, run)
     if fo is None or pg.forced_cuts or pg.pins:
         return None
+    if any(u in fo.glue for users in pg.input_users.values() for u in users):
+        return None  # the parent reads a model input after block 1 too: maybe a skip
     g = pg.graph
     rep = fo.block_units[-1]  # the last kept block reads from a block, like every later one
     n_pro, L = len(fo.prologue), run.count
@@ -293,6 +329,8 @@ def fold(pg: PricedGraph, run: BlockRun, unit_times: list[tuple[float, float, fl
         ub = {fo._block[u] for u in users if u in fo._block}
         other = [fo.folded_pos(u) for u in users if u not in fo._block]
         if pb is None:  # a prologue or epilogue value
+            if any(u in fo.glue for u in users):
+                return None  # the parent reads it after block 1 too: maybe a skip over blocks
             src = fo.folded_pos(row.producer_pos)
             to_blocks = (list(range(first_block, last_block + 1)) if ub == {0, 1}
                          else [first_block] if ub == {0} else None)
@@ -327,17 +365,23 @@ def node_groups(traced: TracedModel, run: BlockRun) -> tuple[list[str], dict[int
     blocks: dict[int, list[str]] = {}
     epi: list[str] = []
     run_ix = range(run.start, run.start + run.count)
+    last, glued = None, 0  # the block the parent's nodes now follow, and how many it took
     for n in traced.gm.graph.nodes:
         if n.op not in COMPUTE_OPS:
             continue
         b = block_index(n, run.path)
         if b is not None and b in run_ix:
-            if epi:
+            if epi or (b != last and last is not None and glued != run.glue):
                 raise PlanError(f"node {n.name} of block {b} comes after nodes outside the "
                                 f"blocks of {run.path}; re-plan with a spec that does not fold")
+            if b != last:
+                last, glued = b, 0
             blocks.setdefault(b, []).append(n.name)
         elif not blocks:
             pro.append(n.name)
+        elif glued < run.glue and not epi:
+            blocks[last].append(n.name)  # the block's glue (a residual add in the parent)
+            glued += 1
         else:
             epi.append(n.name)
     return pro, blocks, epi

@@ -1120,12 +1120,20 @@ def _plan_with_graph(model: nn.Module, spec: ParallelSpec, example_inputs: Any,
             pr.table = fold(pg, run, pr.table.times, pr.cheap)
         return pr
 
+    unfolded: list[str] = []  # why a run of identical blocks was not planned as blocks
+
     def priced(size: int) -> Priced:
         nonlocal run
         if run is not None:
             pr = priced_at(size, True)
             if pr.table is not None:
                 return pr
+            unfolded.append(
+                f"not planned as blocks: {run.count} identical {run.prefix or 'top-level '}* "
+                "blocks were found, but the graph between them does not repeat block by block "
+                "(a block's value read by a later block, the parent's nodes between blocks that "
+                "differ or hold parameters, or pipe_split()/annotate() in the run); planned "
+                "node by node, which takes longer for deep models")
             run = None  # the reduced graph does not fold: plan node by node
         return priced_at(size, False)
 
@@ -1156,6 +1164,7 @@ def _plan_with_graph(model: nn.Module, spec: ParallelSpec, example_inputs: Any,
             pr, spec, cand, result, real, tuple(_resize(x, mbs) for x in args_),
             {k: _resize(v, mbs) for k, v in kwargs_.items()})
         explain.append(note)
+    explain += unfolded
     traced, pg = pr.traced, pr.pg
     model, traced_on = tracing(pr.table.folding is not None)[0], tracing(
         pr.table.folding is not None)[3]
