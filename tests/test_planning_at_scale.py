@@ -272,3 +272,5 @@ def test_slower_nodes_get_less_work():
     plan = fxpipe.plan(model, spec, (torch.randn(16, 256, device="meta"),))
     same = fxpipe.plan(model, _spec(), (torch.randn(16, 256, device="meta"),))
     assert _norms_per_stage(plan)[1] < _norms_per_stage(same)[1]
+    note = next(e for e in plan.explain if e.startswith("placement"))
+    assert "sit on nodes 0, 1" in note and "node speeds 0.02, 0.005 TFLOP/s" in note

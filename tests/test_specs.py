@@ -200,6 +200,20 @@ def test_yaml_booleans_are_not_numbers(tmp_path):
     assert load_spec(ok).model.args["flag"] is True  # free-form args keep booleans
 
 
+@pytest.mark.parametrize("value, words", [
+    ("node_tflops: 0.02", "expected a list, each item a number >= 1e-06"),
+    ("node_tflops: [true]", "got true (a boolean)"),
+    ("memory_GBps: 0", "0 is zero, but it must be a number >= 1e-06"),
+    ("op_overhead_us: -1", "-1 is negative, but it must be a number >= 0"),
+])
+def test_optional_and_list_numbers_are_described_in_words(tmp_path, value, words):
+    path = write(tmp_path, BASE.replace("  nodes: 1\n", f"  nodes: 1\n  {value}\n"))
+    line = 1 + path.read_text().splitlines().index(f"  {value}")
+    msg = spec_error(path)
+    assert msg.startswith(f"{path}:{line}: cluster.{value.split(':')[0]}: ") and words in msg
+    assert "None" not in msg and "typing" not in msg and "float" not in msg
+
+
 def test_section_of_wrong_type(tmp_path):
     path = write(tmp_path, BASE.replace("train:\n  lr: 1.0e-3\n  seed: 3\n", "train: 5\n"))
     msg = spec_error(path)

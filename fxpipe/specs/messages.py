@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 import typing
+from types import UnionType
 from typing import Any, Sequence
 
 import annotated_types
@@ -49,17 +50,24 @@ def describe(tp: Any, metadata: Sequence[Any] = ()) -> str:
     origin = typing.get_origin(tp)
     if origin is typing.Annotated:
         base, *extra = typing.get_args(tp)
-        return describe(base, [*extra, *metadata])
-    if origin is typing.Union:
+        flat = []
+        for m in extra:  # Field(ge=...) inside Annotated carries its bounds as metadata
+            flat.extend(getattr(m, "metadata", None) or [m])
+        return describe(base, [*flat, *metadata])
+    if origin in (typing.Union, UnionType):
         literals, others = [], []
-        for arg in typing.get_args(tp):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]  # None: not given
+        for arg in args:
             if typing.get_origin(arg) is typing.Literal:
                 literals.extend(typing.get_args(arg))
             else:
-                others.append(describe(arg))
+                others.append(describe(arg, metadata))
         if literals:
             others.append(describe(typing.Literal[tuple(literals)]))
         return " or ".join(others)
+    if origin in (list, tuple):
+        args = [a for a in typing.get_args(tp) if a is not Ellipsis]
+        return f"a list, each item {describe(args[0])}" if args else "a list"
     if origin is typing.Literal:
         values = [repr(v) for v in typing.get_args(tp)]
         return values[0] if len(values) == 1 else "one of " + ", ".join(values)
@@ -152,7 +160,8 @@ def _bad_value(model, path, errors) -> str:
     name = str(path[-1]) if path else "value"
     example = ""
     if not info.is_required() and info.default_factory is None:
-        example = f" (default {info.default!r})"
+        example = (" (or leave it out)" if info.default is None
+                   else f" (default {info.default!r})")
     choices = [str(v) for v in _literal_values(info.annotation)]
     if isinstance(value, str) and choices and _only_literals(info.annotation):
         near = difflib.get_close_matches(value, choices, n=1, cutoff=0.5)

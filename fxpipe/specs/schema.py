@@ -82,8 +82,10 @@ class _Section(BaseModel):
     def _no_booleans(cls, value: Any, info: ValidationInfo) -> Any:
         # pydantic would read true as 1; YAML 1.1 also reads yes/no/on/off as booleans
         annotation = cls.model_fields[info.field_name].annotation
-        if isinstance(value, bool) and "bool" not in str(annotation):
-            raise ValueError(f"got {str(value).lower()} (a boolean); YAML reads true/false/yes/no/"
+        items = value if isinstance(value, (list, tuple)) else [value]
+        flag = next((v for v in items if isinstance(v, bool)), None)
+        if flag is not None and "bool" not in str(annotation):
+            raise ValueError(f"got {str(flag).lower()} (a boolean); YAML reads true/false/yes/no/"
                              "on/off as booleans: write the value itself, quoted if it is text")
         return value
 
