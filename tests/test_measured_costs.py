@@ -186,7 +186,7 @@ def test_bf16_is_profiled_under_autocast_as_the_ranks_run(monkeypatch):
     assert not torch.is_autocast_enabled("cpu")
 
 
-@pytest.mark.parametrize("bad", [float("nan"), -5.0, float("inf"), "x", None])
+@pytest.mark.parametrize("bad", [float("nan"), -5.0, float("inf"), 1e308, True, "x", None])
 def test_a_cached_profile_with_impossible_times_is_measured_again(tmp_path, monkeypatch, bad):
     import json
     monkeypatch.setenv("FXPIPE_CACHE_DIR", str(tmp_path))

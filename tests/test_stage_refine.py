@@ -219,6 +219,19 @@ def test_time_stages_side_by_side_runs_each_rank_on_its_own_thread():
     assert threading.active_count() == alive
 
 
+@pytest.mark.parametrize("ranks", [None, [0, 1]])
+def test_bf16_stages_are_timed_under_autocast_on_every_thread(ranks):
+    """A stage fed another stage's bf16 output runs in autocast too, also on the side-by-side
+    threads (autocast is per thread: without it a Linear fails on bf16 and fp32 operands)."""
+    model, x, tr, names = _lopsided()
+    cut = {n: (0 if i < 2 else 1) for i, n in enumerate(names)}  # stage 1 starts at a relu
+    ((f0, b0), (f1, b1)), = time_stages(tr.gm, [cut], 2, {tr.input_names[0]: x}, "cpu",
+                                         min_rounds=2, min_time_s=0.0, ranks=ranks,
+                                         precision="bf16")
+    assert min(f0, b0, f1, b1) > 0
+    assert not torch.is_autocast_enabled("cpu")
+
+
 def test_an_interrupt_during_side_by_side_timing_leaves_no_thread_on_the_model():
     """Ctrl-C while the stages run: the threads are stopped and joined before the interrupt
     leaves time_stages, and the model's .grad and BatchNorm statistics are as before."""

@@ -80,12 +80,20 @@ def _path(key: str) -> Path:
     return cache_dir() / "profiles" / f"{key}.json"
 
 
+#: no single op of one micro-batch takes longer than this (seconds): a cached time past it is
+#: damaged
+MAX_OP_S = 3600.0
+
+
 def _seconds(values) -> list[float]:
-    """``values`` as seconds; ValueError unless every one is a finite number >= 0 (a damaged
-    or hand-edited cache entry is measured again, not planned with)."""
+    """``values`` as seconds; ValueError unless every one is a number (not a boolean) in
+    ``[0, MAX_OP_S]`` (a damaged or hand-edited cache entry is measured again, not planned
+    with)."""
+    if any(isinstance(v, bool) for v in values):
+        raise ValueError("times are numbers, not booleans")
     out = [float(v) for v in values]
-    if not all(np.isfinite(v) and v >= 0 for v in out):
-        raise ValueError("times must be finite and >= 0")
+    if not all(0 <= v <= MAX_OP_S for v in out):  # NaN fails too
+        raise ValueError(f"times must be in [0, {MAX_OP_S:g}] s")
     return out
 
 
@@ -536,8 +544,8 @@ def load_send_cost(device: str) -> SendCost | None:
         rate = float(d["rate_Bps"])
         if not rate > 0:  # inf: a backend whose sender only enqueues
             raise ValueError("rate_Bps must be > 0")
-        points = [_seconds(pt) for pt in d.get("points") or []]
-        if any(len(pt) != 2 for pt in points):
+        points = [(float(b), *_seconds([t])) for b, t in d.get("points") or []]
+        if not all(np.isfinite(b) and b >= 0 for b, _ in points):
             raise ValueError("points are (bytes, seconds)")
         return SendCost(overhead, rate, points or None)
     except (OSError, ValueError, KeyError, TypeError, AttributeError):

@@ -233,25 +233,16 @@ def _side_by_side(cut: _Cut, given: dict[str, Any], feeds: list[dict[str, Any]],
     errors: list[BaseException] = []
 
     threads_per_rank = torch.get_num_threads()
+    # autocast is per thread too: the ranks' threads run in the caller's (train.precision)
+    amp = torch.is_autocast_enabled(device.type)
+    amp_dtype = torch.get_autocast_dtype(device.type)
 
     def work(stages: list[int], finished: threading.Event) -> None:
         try:
             # a new thread starts at OpenMP's default thread count, not the caller's
             torch.set_num_threads(threads_per_rank)
-            start.wait()
-            first = True
-            while not stop.is_set():
-                got = [(j, cut.run(given, j, feeds[j], device)) for j in stages]
-                with lock:
-                    if stop.is_set():  # the last rank finished during this run: not beside it
-                        return
-                    for j, t in got:
-                        out[j].append(t)
-                    if first:
-                        first = False
-                        left[0] -= 1
-                        if left[0] == 0:
-                            stop.set()
+            with torch.autocast(device.type, dtype=amp_dtype, enabled=amp):
+                _work(stages)
         except threading.BrokenBarrierError:
             pass
         except BaseException as e:  # noqa: BLE001 - raised again in the caller's thread
@@ -260,6 +251,22 @@ def _side_by_side(cut: _Cut, given: dict[str, Any], feeds: list[dict[str, Any]],
             start.abort()
         finally:
             finished.set()
+
+    def _work(stages: list[int]) -> None:
+        start.wait()
+        first = True
+        while not stop.is_set():
+            got = [(j, cut.run(given, j, feeds[j], device)) for j in stages]
+            with lock:
+                if stop.is_set():  # the last rank finished during this run: not beside it
+                    return
+                for j, t in got:
+                    out[j].append(t)
+                if first:
+                    first = False
+                    left[0] -= 1
+                    if left[0] == 0:
+                        stop.set()
 
     finished = [threading.Event() for _ in groups]
     threads = [threading.Thread(target=work, args=(g, f), daemon=True)
