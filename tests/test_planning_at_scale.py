@@ -194,6 +194,45 @@ def test_blocks_whose_residual_add_is_the_parents_plan_as_blocks():
     assert any(e.startswith("not planned as blocks: 12 identical blocks.*") for e in skip.explain)
 
 
+class _Irregular(_ResidualOutside):
+    """Repeats for the first two blocks (all the shortened trace sees), then does not."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+
+    def forward(self, x):
+        seen = [x]
+        for i, b in enumerate(self.blocks):
+            x = x + b(x)
+            if self.how == "late glue" and i == 5:
+                x = x * 2  # the parent's code after block 5 only
+            if self.how == "late skip" and i >= 2:
+                x = x + seen[-2]  # a value of two blocks back, from block 2 on
+            seen.append(x)
+        return self.head(x + (seen[2] if self.how == "early value" else 0))
+
+
+@pytest.mark.parametrize("how, why", [
+    ("late glue", "the parent's code after block blocks.5 differs"),
+    ("late skip", "reads a value of"),
+    ("early value", "in the code after the blocks reads a value of"),
+])
+def test_a_run_that_repeats_only_in_the_shortened_trace_is_planned_node_by_node(how, why):
+    """The two traced blocks fold, but the full model does not repeat: checked by running it
+    once (a plan made as blocks would fail on every worker when resolved)."""
+    spec = {"model": {"factory": "x:y"}, "data": {"batch_size": 8},
+            "parallel": {"pipeline": 2, "data": 1, "microbatches": 2, "schedule": "1f1b"},
+            "cluster": {"devices_per_node": 2, "device": "cpu"}}
+    model = _Irregular(how)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    plan = fxpipe.plan(model, spec, (torch.randn(4, 32),))
+    assert not plan.folded and all(st.nodes for st in plan.stages)
+    note = next(e for e in plan.explain if e.startswith("not planned as blocks"))
+    assert why in note, note
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+
+
 def test_a_batch_no_replica_count_divides_names_the_batch_sizes_that_would_work():
     with torch.device("meta"):
         model = CharGPT(vocab_size=256, block_size=64, n_layer=8, n_head=2, n_embd=64)

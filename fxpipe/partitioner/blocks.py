@@ -32,6 +32,8 @@ from typing import Iterator
 
 import torch
 import torch.nn as nn
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from fxpipe.errors import PlanError
 from fxpipe.partitioner.annotations import STAGE_ATTR
@@ -41,7 +43,7 @@ from fxpipe.partitioner.trace import COMPUTE_OPS, TracedModel, _stack_paths
 from fxpipe.plans.values import needs_grad
 
 __all__ = ["MIN_BLOCKS", "KEEP", "BlockRun", "Folding", "UnitTable", "find_block_run", "reduced",
-           "fold", "node_groups", "resolve_folded"]
+           "fold", "check_run", "node_groups", "resolve_folded"]
 
 #: fewest identical blocks worth folding
 MIN_BLOCKS = 8
@@ -411,3 +413,117 @@ def resolve_folded(folded: dict, traced: TracedModel) -> dict[str, int]:
                         f"{len(folded['epilogue'])}; re-create the plan with `fxpipe plan`")
     stage.update(dict(zip(epi, folded["epilogue"])))
     return stage
+
+
+class _RunWatch(TorchDispatchMode):
+    """Records, while the full model runs eagerly, which region every op ran in (the prologue,
+    block ``i``, the parent's ops after block ``i``, the epilogue) and which regions its
+    tensor inputs came from; :func:`check_run` reads it."""
+
+    def __init__(self, run: BlockRun):
+        super().__init__()
+        self.run = run
+        self.region: tuple[str, int] = ("pro", -1)
+        self.made: dict[int, tuple[str, int]] = {}
+        self.kept: list[torch.Tensor] = []  # keeps ids unique while the run lasts
+        self.ops: dict[tuple[str, int], list] = {}
+        self.problem: str | None = None
+
+    def fail(self, why: str) -> None:
+        if self.problem is None:
+            self.problem = why
+
+    def enter(self, i: int) -> None:
+        expected = ("pro", -1) if i == 0 else ("g", i - 1)
+        if self.region != expected:
+            self.fail(f"block {self.run.block(self.run.start + i)} ran out of turn")
+        self.region = ("b", i)
+
+    def leave(self, i: int) -> None:
+        self.region = ("g", i)
+
+    def _where(self) -> tuple[str, int]:
+        kind, i = self.region
+        if kind == "g" and i == self.run.count - 1:  # after the run: its glue, then the rest
+            first = self.ops.get(("g", 0), [])
+            if len(self.ops.get(self.region, [])) >= len(first):
+                return ("epi", -1)
+        return self.region
+
+    def _may_read(self, at: tuple[str, int], src: tuple[str, int]) -> bool:
+        kind, i = at
+        skind, j = src
+        if kind == "epi":  # after the run: nothing of a block before the last
+            return skind in ("pro", "in", "epi") or j == self.run.count - 1
+        if kind in ("b", "g"):
+            if skind in ("b", "g"):
+                return j in (i, i - 1)
+            # a value from before the run: every block may read it (a mask); the parent's
+            # ops between blocks only after block 0 (else it may be a skip over blocks)
+            return kind == "b" or i == 0
+        return True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        at = self._where()
+        for t in pytree.tree_leaves((args, kwargs)):
+            if isinstance(t, torch.Tensor):
+                src = self.made.get(id(t))
+                if src is not None and not self._may_read(at, src):
+                    self.fail(f"{func} in {self._name(at)} reads a value of {self._name(src)}")
+        out = func(*args, **kwargs)
+        self.ops.setdefault(at, []).append(func)
+        for o in pytree.tree_leaves(out):
+            if isinstance(o, torch.Tensor):
+                self.made[id(o)] = at
+                self.kept.append(o)
+        return out
+
+    def _name(self, region: tuple[str, int]) -> str:
+        kind, i = region
+        return {"pro": "the code before the blocks", "in": "the model's inputs",
+                "epi": "the code after the blocks"}.get(kind) or (
+            f"block {self.run.block(self.run.start + i)}" if kind == "b"
+            else f"the parent's code after block {self.run.block(self.run.start + i)}")
+
+
+def check_run(model: nn.Module, run: BlockRun, args: tuple, kwargs: dict) -> str | None:
+    """Run ``model`` once, eagerly, and check that its full graph repeats as the shortened
+    trace's fold assumed: the blocks run in order, the parent's ops after every block are the
+    same, and no op reads a value from more than one block back (nor, after the run, from a
+    block before the last). Returns what does not hold, or None, also when the model cannot run
+    eagerly here (e.g. a meta model whose forward reads a value: ``.item()``; the trace could,
+    so the fold stands unchecked). The model's buffers and the random number generators are
+    as before afterwards (no gradients are recorded)."""
+    parent = model.get_submodule(run.path) if run.path else model
+    watch = _RunWatch(run)
+    hooks = []
+    for i in range(run.count):
+        block = parent[run.start + i]
+        hooks.append(block.register_forward_pre_hook(lambda m, a, i=i: watch.enter(i)))
+        hooks.append(block.register_forward_hook(lambda m, a, o, i=i: watch.leave(i)))
+    for t in pytree.tree_leaves((args, kwargs)):
+        if isinstance(t, torch.Tensor):
+            watch.made[id(t)] = ("in", -1)
+    saved = [(b, b.detach().clone()) for b in model.buffers()]
+    try:
+        with torch.random.fork_rng(devices=[]), torch.no_grad(), watch:
+            model(*args, **kwargs)
+    except Exception:  # noqa: BLE001 - the user's forward cannot run eagerly here: unchecked
+        return None
+    finally:
+        for h in hooks:
+            h.remove()
+        with torch.no_grad():
+            for b, v in saved:
+                b.copy_(v)
+    if watch.problem is not None:
+        return watch.problem
+    first = watch.ops.get(("g", 0), [])
+    for i in range(1, run.count):
+        ops = watch.ops.get(("g", i), [])
+        if ops != first:
+            return (f"the parent's code after block {run.block(run.start + i)} differs from "
+                    f"the code after block {run.block(run.start)} ({len(ops)} ops, not "
+                    f"{len(first)})")
+    return None

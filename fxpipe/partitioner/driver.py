@@ -25,8 +25,8 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from fxpipe.data.batches import example_microbatch
 from fxpipe.errors import PlanError, SpecError, TraceError
-from fxpipe.partitioner.blocks import (KEEP, UnitTable, find_block_run, fold, reduced,
-                                       resolve_folded)
+from fxpipe.partitioner.blocks import (KEEP, UnitTable, check_run, find_block_run, fold,
+                                       reduced, resolve_folded)
 from fxpipe.partitioner.boundaries import GUARDS_FN, stage_boundaries
 from fxpipe.partitioner.cost import NodeCost, price
 from fxpipe.partitioner.graph import PricedGraph, build_graph
@@ -1137,19 +1137,28 @@ def _plan_with_graph(model: nn.Module, spec: ParallelSpec, example_inputs: Any,
 
     unfolded: list[str] = []  # why a run of identical blocks was not planned as blocks
 
+    checked: list[bool] = []  # the full model ran once and repeats as the fold assumes
+
     def priced(size: int) -> Priced:
         nonlocal run
         if run is not None:
             pr = priced_at(size, True)
-            if pr.table is not None:
+            why = None if pr.table is not None else (
+                "the graph between them does not repeat block by block (a block's value read "
+                "by a later block, the parent's nodes between blocks that differ or hold "
+                "parameters, or pipe_split()/annotate() in the run)")
+            if why is None and not checked:
+                _progress.info("checking that the model's %d blocks repeat", run.count)
+                why = check_run(given, run, tuple(_resize(x, 1) for x in args),
+                                {k: _resize(v, 1) for k, v in kwargs.items()})
+                checked.append(why is None)
+            if why is None:
                 return pr
             unfolded.append(
                 f"not planned as blocks: {run.count} identical {run.prefix or 'top-level '}* "
-                "blocks were found, but the graph between them does not repeat block by block "
-                "(a block's value read by a later block, the parent's nodes between blocks that "
-                "differ or hold parameters, or pipe_split()/annotate() in the run); planned "
-                "node by node, which takes longer for deep models")
-            run = None  # the reduced graph does not fold: plan node by node
+                f"blocks were found, but {why}; planned node by node, which takes longer for "
+                "deep models")
+            run = None  # the full model does not fold: plan node by node
         return priced_at(size, False)
 
     pr = priced(b0)
