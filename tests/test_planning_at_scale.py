@@ -96,14 +96,19 @@ def test_measured_costs_of_a_meta_model_need_a_profile(tmp_path, monkeypatch):
         fxpipe.plan(model, _spec(costs="measured"), (torch.randn(16, 256, device="meta"),))
 
 
+def _all_auto_on_gpus(data: dict, nodes: int) -> dict:
+    """Every parallel field auto on ``nodes`` x 8 CUDA devices of 80 GB, 400 TFLOP/s."""
+    return {"model": {"factory": "x:y"}, "data": data,
+            "parallel": {"pipeline": "auto", "data": "auto", "microbatches": "auto",
+                         "schedule": "auto"},
+            "cluster": {"nodes": nodes, "devices_per_node": 8, "device": "cuda",
+                        "memory_gb": 80, "device_tflops": 400}}
+
+
 def test_deep_model_plans_as_blocks_in_seconds():
     with torch.device("meta"):
         model = CharGPT(vocab_size=50257, block_size=512, n_layer=48, n_head=16, n_embd=1024)
-    spec = {"model": {"factory": "x:y"}, "data": {"batch_size": 256, "seq_len": 512},
-            "parallel": {"pipeline": "auto", "data": "auto", "microbatches": "auto",
-                         "schedule": "auto"},
-            "cluster": {"nodes": 8, "devices_per_node": 8, "device": "cuda", "memory_gb": 80,
-                        "device_tflops": 400}}
+    spec = _all_auto_on_gpus({"batch_size": 256, "seq_len": 512}, nodes=8)
     t0 = time.perf_counter()
     plan = fxpipe.plan(model, spec, (torch.zeros(1, 512, dtype=torch.long, device="meta"),))
     took = time.perf_counter() - t0
@@ -177,11 +182,7 @@ class _ResidualOutside(nn.Module):
 def test_blocks_whose_residual_add_is_the_parents_plan_as_blocks():
     with torch.device("meta"):
         model = _ResidualOutside(d=1024, n=48)
-    spec = {"model": {"factory": "x:y"}, "data": {"batch_size": 512},
-            "parallel": {"pipeline": "auto", "data": "auto", "microbatches": "auto",
-                         "schedule": "auto"},
-            "cluster": {"nodes": 64, "devices_per_node": 8, "device": "cuda", "memory_gb": 80,
-                        "device_tflops": 400}}
+    spec = _all_auto_on_gpus({"batch_size": 512}, nodes=64)
     t0 = time.perf_counter()
     plan = fxpipe.plan(model, spec, (torch.zeros(1, 1024, device="meta"),))
     assert time.perf_counter() - t0 < 30
@@ -236,10 +237,7 @@ def test_a_run_that_repeats_only_in_the_shortened_trace_is_planned_node_by_node(
 def test_a_batch_no_replica_count_divides_names_the_batch_sizes_that_would_work():
     with torch.device("meta"):
         model = CharGPT(vocab_size=256, block_size=64, n_layer=8, n_head=2, n_embd=64)
-    spec = {"model": {"factory": "x:y"}, "data": {"batch_size": 999, "seq_len": 64},
-            "parallel": {"pipeline": "auto", "data": "auto", "microbatches": "auto",
-                         "schedule": "auto"},
-            "cluster": {"nodes": 50, "devices_per_node": 8, "device": "cuda"}}
+    spec = _all_auto_on_gpus({"batch_size": 999, "seq_len": 64}, nodes=50)
     x = (torch.zeros(1, 64, dtype=torch.long, device="meta"),)
     with pytest.raises(PlanError) as e:
         fxpipe.plan(model, spec, x)

@@ -615,15 +615,14 @@ def _placement_note(plan: Plan, spec: ParallelSpec) -> str:
     dpn = spec.cluster.devices_per_node
     p, d = plan.pipeline, plan.dp
     pairs = [(a, a + 1) for a in range(p - 1)]
-    cross_p = sum(pair_crosses_nodes(a, b, p, d, dpn, plan.placement) for a, b in pairs)
+    crossing = [f"{a}->{b}" for a, b in pairs
+                if pair_crosses_nodes(a, b, p, d, dpn, plan.placement)]
     cross_d = sum(ring_crosses_nodes(r, p, d, dpn, plan.placement) for r in range(p))
     other = "data-inner" if plan.placement == "pipeline-inner" else "pipeline-inner"
     shown = 16
     nodes = [node_of(global_rank(r, 0, p, d, plan.placement), dpn) for r in range(min(p, shown))]
     where = (f"; replica 0's pipeline ranks 0..{p - 1} sit on nodes "
              f"{', '.join(map(str, nodes))}{', ...' if p > shown else ''}")
-    crossing = [f"{a}->{b}" for a, b in pairs
-                if pair_crosses_nodes(a, b, p, d, dpn, plan.placement)]
     if crossing:
         where += (f"; pipeline-rank links that cross nodes: {', '.join(crossing[:shown])}"
                   f"{', ...' if len(crossing) > shown else ''}")
@@ -632,7 +631,7 @@ def _placement_note(plan: Plan, spec: ParallelSpec) -> str:
         where += (f"; node speeds {', '.join(f'{s:g}' for s in speeds[:shown])}"
                   f"{', ...' if len(speeds) > shown else ''} TFLOP/s: stages on slower nodes "
                   "were given less work (priced at their node's speed)")
-    return (f"placement {plan.placement}: {cross_p} of {len(pairs)} stage-to-stage links and "
+    return (f"placement {plan.placement}: {len(crossing)} of {len(pairs)} stage-to-stage links and "
             f"{cross_d} of {p} data-parallel groups cross nodes (inter-node "
             f"{spec.cluster.links.inter_node_GBps:g} GB/s, intra-node "
             f"{spec.cluster.links.intra_node_GBps:g} GB/s); {other} priced slower or equal"
@@ -1136,7 +1135,6 @@ def _plan_with_graph(model: nn.Module, spec: ParallelSpec, example_inputs: Any,
         return pr
 
     unfolded: list[str] = []  # why a run of identical blocks was not planned as blocks
-
     checked: list[bool] = []  # the full model ran once and repeats as the fold assumes
 
     def priced(size: int) -> Priced:

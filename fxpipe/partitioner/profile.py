@@ -98,8 +98,8 @@ def _seconds(values) -> list[float]:
 
 
 def load_profile(key: str) -> dict[str, NodeTimes] | None:
-    """Cached times for ``key``, or None (also when the entry is damaged: a time that is not a
-    finite number >= 0, a missing field)."""
+    """Cached times for ``key``, or None (also when the entry is damaged: a missing field, a
+    time that :func:`_seconds` refuses)."""
     path = _path(key)
     try:
         data = json.loads(path.read_text())

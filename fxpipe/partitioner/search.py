@@ -80,11 +80,12 @@ def _too_many_stages(spec: ParallelSpec, n_units: int, num_stages: int, pipeline
     )
 
 
-def _batch_leaves_too_many_stages(spec: ParallelSpec, world: int, n_units: int) -> PlanError:
-    """Every data-parallel degree that divides both the world size and the batch leaves
-    pipelines longer than the model has units: say so, and which batch sizes would do."""
+def _batch_leaves_too_many_stages(spec: ParallelSpec, world: int, n_units: int,
+                                  fits: list[int]) -> PlanError:
+    """Every data-parallel degree that divides both the world size and the batch (``fits``)
+    leaves pipelines longer than the model has units: say so, and which batch sizes would
+    do."""
     batch = spec.data.batch_size
-    fits = [d for d in _divisors(world) if batch % d == 0]  # 1 always
     need = next(d for d in _divisors(world) if world // d <= n_units)
     where = spec_location(spec, "data.batch_size")
     return PlanError(
@@ -152,9 +153,9 @@ def candidates(spec: ParallelSpec, max_stages: int | None = None) -> list[Candid
                 if spread and pp > 1 and dp > 1:  # several nodes: the other way round too
                     out.append(Candidate(pp, dp, m, s, v, layout="data-inner"))
     if not out and too_many is not None and max_stages is not None:
-        fits = [d for d in _divisors(world) if spec.data.batch_size % d == 0]
+        fits = [d for d in _divisors(world) if spec.data.batch_size % d == 0]  # 1 always
         if par.pipeline == "auto" and par.data == "auto" and world // max(fits) > max_stages:
-            raise _batch_leaves_too_many_stages(spec, world, max_stages)
+            raise _batch_leaves_too_many_stages(spec, world, max_stages, fits)
         raise _too_many_stages(spec, max_stages, *too_many)
     if not out:
         raise PlanError(
