@@ -15,8 +15,9 @@ picks for the same layout under three cost models:
 * **measured**: ``cluster.costs: measured``: the planner profiles every node of the model on
   this machine (one thread, as a worker rank runs) and the send cost over two gloo ranks
   (:func:`fxpipe.training.profiling.measure_send_cost`), into a cache directory of this run;
-  then (``cluster.measure_stages``, the default) it times the planned cut's stages whole and
-  moves the cut where they disagree with the per-node sums (:mod:`fxpipe.partitioner.refine`).
+  then (``cluster.measure_stages``, the default) it times the planned cut's stages whole,
+  moves the cut where they disagree with the per-node sums, and times the near ties (cuts
+  within 3% of its simulated step) beside it (:mod:`fxpipe.partitioner.refine`).
 
 Cuts are planned with :func:`fxpipe.partitioner.driver.plan_with_graph` (``cuts=[0, i]`` for a
 given cut, no ``cuts`` for the pick), so every measured plan goes through the same code as a user's
@@ -827,8 +828,9 @@ def report(results: list[ModelResult], args, note: str, wall: float, cache_note:
         "(`costs: measured`: the planner profiles every node on this machine with one thread, "
         "and the send cost over two gloo ranks; then, `cluster.measure_stages` (the default), "
         "it times the planned cut's stages whole, side by side (one thread per rank, as the "
-        "two ranks share this CPU) and moves the cut where they disagree with the per-node "
-        "sums). Ranks, profile and stage timing run with glibc's malloc keeping freed memory "
+        "two ranks share this CPU), moves the cut where they disagree with the per-node "
+        "sums, and times up to 3 near ties (cuts moving one boundary that come within 3% of "
+        "its simulated step) beside it, keeping the fastest). Ranks, profile and stage timing run with glibc's malloc keeping freed memory "
         "(`fxpipe.runtime.host_memory`). Each cut is planned by `plan_with_graph(..., "
         "cuts=[...])`, so it runs the same code path as a planned one (the per-node sums: a "
         "given cut is not refined).",

@@ -7,6 +7,7 @@ another, which no load on this machine reverses."""
 
 from __future__ import annotations
 
+import math
 import os
 import time
 
@@ -18,7 +19,7 @@ import torch.nn as nn
 from fxpipe.partitioner import driver
 from fxpipe.partitioner import profile as prof
 from fxpipe.partitioner.driver import plan_with_graph
-from fxpipe.partitioner.refine import calibrated, refine_cuts
+from fxpipe.partitioner.refine import calibrated, near_cuts, refine_cuts
 from fxpipe.partitioner.stage_timing import time_stages
 from fxpipe.partitioner.timing import NodeTimes
 from fxpipe.partitioner.trace import trace
@@ -83,7 +84,10 @@ def test_refine_keeps_a_right_cut_after_one_timing():
                  for a, b in zip(c, list(c[1:]) + [5])] for c in cuts_list]
 
     ref = refine_cuts(true * 1.3, solve(true), solve, step, measure)
-    assert ref.cuts == solve(true) and not ref.moved and len(calls) == 1
+    assert ref.cuts == solve(true) and not ref.moved
+    # timed alone once; the solver stays; then side by side with the one equal cut ([0, 3])
+    assert calls[0] == [solve(true)] and ref.visited == [[0, 2], [0, 3]] and ref.rivals == 1
+    assert len(calls) == 2 and calls[1] == ref.visited
     assert ref.times.sum() == pytest.approx(true.sum())  # 1.3x everywhere: scaled back
 
 
@@ -91,8 +95,73 @@ def test_refine_stops_at_max_cuts_when_the_cut_keeps_moving():
     raw = np.tile([1.0, 0.0, 0.0], (8, 1))
     seq = iter([[0, 2], [0, 3], [0, 5], [0, 6], [0, 7]])
     ref = refine_cuts(raw, [0, 4], lambda t: next(seq), lambda t, c: float(c[1]),
-                      lambda cl: [[(1.0, 1.0), (1.0, 1.0)] for _ in cl], max_cuts=3)
+                      lambda cl: [[(1.0, 1.0), (1.0, 1.0)] for _ in cl], max_cuts=3,
+                      max_rivals=0)
     assert ref.visited == [[0, 4], [0, 2], [0, 3]] and ref.cuts == [0, 2]
+
+
+def test_near_cuts_spread_over_the_tie_and_skip_what_breaks_a_constraint():
+    times = np.tile([1.0, 1.0, 0.0], (40, 1))
+    flat = {17, 18, 19, 20, 21, 22, 23, 24}  # these single-boundary cuts tie with [0, 20]
+
+    def step(t, c):
+        if c[1] == 23:
+            return math.inf  # e.g. over memory
+        return 100.0 if c[1] in flat else 100.0 * (1 + 0.1 * abs(c[1] - 20))
+
+    got = near_cuts(times, [0, 20], step, near=0.03, limit=3)
+    # the scan to the right stops at the cut that breaks a constraint: 24 is not reached
+    assert got[0] == [0, 17] and got[1] == [0, 22]  # the two ends, farthest first
+    assert got[2] in ([0, 18], [0, 19], [0, 21]) and len(got) == 3  # then one between
+    assert near_cuts(times, [0, 20], step, near=0.03, limit=10) == [
+        [0, 17], [0, 22], [0, 19], [0, 18], [0, 21]]
+    assert near_cuts(times, [0, 20], step, limit=0) == []
+    # a move of no unit time is no rival; a cut of one stage has none
+    zero = np.zeros((40, 3))
+    zero[:, 0] = 1.0
+    zero[18:23, 0] = 0.0
+    assert near_cuts(zero, [0, 20], lambda t, c: 100.0 if c[1] in (19, 20, 21) else 200.0) == []
+    assert near_cuts(times, [0], step) == []
+
+
+def test_near_cuts_move_each_boundary_of_a_longer_cut():
+    times = np.tile([1.0, 0.0, 0.0], (30, 1))
+
+    def step(t, c):  # boundary 1 may move 2 either way, boundary 2 only to the right
+        return 10.0 + (0.0 if abs(c[1] - 10) <= 2 and 20 <= c[2] <= 23 else 5.0)
+
+    got = near_cuts(times, [0, 10, 20], step, limit=10)
+    assert sorted(got) == sorted([[0, 8, 20], [0, 9, 20], [0, 11, 20], [0, 12, 20],
+                                  [0, 10, 21], [0, 10, 22], [0, 10, 23]])
+    assert got[0] == [0, 10, 23]
+
+
+def test_refine_times_the_near_tie_and_takes_it_when_its_stages_run_faster():
+    """The per-node sums cannot tell a boundary that costs more than its units (on the real
+    machine: a cut inside a block ran 5% slower than one at the block's end, predicted equal):
+    timing the near tie side by side can."""
+    n = 20
+    raw = np.tile([1.0, 1.0, 0.0], (n, 1))
+    stages, solve, step = _bottleneck_solver(2)
+    calls = []
+
+    def measure(cuts_list):
+        calls.append([list(c) for c in cuts_list])
+        out = []
+        for c in cuts_list:
+            per = [(float(raw[a:b, 0].sum()), float(raw[a:b, 1:].sum()))
+                   for a, b in zip(c, list(c[1:]) + [n])]
+            if c[1] == 10:  # this boundary makes stage 1 run 10% slower than its units
+                per[1] = (per[1][0] * 1.1, per[1][1] * 1.1)
+            out.append(per)
+        return out
+
+    ref = refine_cuts(raw, [0, 10], solve, step, measure)
+    assert ref.visited[0] == [0, 10] and [0, 11] in ref.visited[1:] and ref.rivals >= 1
+    assert ref.cuts == [0, 11] and ref.moved
+    assert calls[-1] == ref.visited
+    # without near ties the calibrated solve keeps [0, 10] (a tie it breaks to the left)
+    assert refine_cuts(raw, [0, 10], solve, step, measure, max_rivals=0).cuts == [0, 10]
 
 
 def _lopsided():

@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,7 +37,7 @@ from fxpipe.partitioner.problem import CutProblem, PartitionResult, Value, evalu
 from fxpipe.partitioner.profile import (SendCost, load_profile, load_send_cost, profile_graph,
                                         profile_key, save_profile)
 from fxpipe.partitioner.recompute import apply_recompute, cheap_values, is_clone
-from fxpipe.partitioner.refine import MAX_CUTS, refine_cuts
+from fxpipe.partitioner.refine import MAX_CUTS, MAX_RIVALS, NEAR, refine_cuts
 from fxpipe.partitioner.servers import assign_servers, even_server_bytes
 from fxpipe.partitioner.search import Candidate, candidates, stage_inflight
 from fxpipe.partitioner.solvers import optimal_partition
@@ -989,9 +990,14 @@ def _refine_by_stages(pr: Priced, spec: ParallelSpec, cand: Candidate, result: P
             and not split)
     raw = _raw_unit_times(pr)
 
+    last: dict = {}
+
     def problem_of(times: np.ndarray) -> tuple[Priced, CutProblem]:
-        p2 = _with_unit_times(pr, times)
-        return p2, _cut_problem(p2, spec, cand, 1.0)
+        key = np.asarray(times, dtype=np.float64).tobytes()
+        if last.get("key") != key:  # the near-tie scan prices many cuts under one calibration
+            p2 = _with_unit_times(pr, times)
+            last.update(key=key, built=(p2, _cut_problem(p2, spec, cand, 1.0)))
+        return last["built"]
 
     def solve(times: np.ndarray) -> list[int]:
         return list(optimal_partition(problem_of(times)[1]).cuts)
@@ -999,6 +1005,8 @@ def _refine_by_stages(pr: Priced, spec: ParallelSpec, cand: Candidate, result: P
     def step_s(times: np.ndarray, cuts) -> float:
         p2, prob = problem_of(times)
         res = evaluate(prob, list(cuts), method="given")
+        if res.violations:  # memory, a pin or a pipe_split() marker: not a cut to take
+            return math.inf
         return _simulate_cut(p2, _unit_prefix(p2), prob, res, cand, spec, 1.0).step_time_s
 
     beside = _ranks_beside(spec, cand)
@@ -1014,7 +1022,7 @@ def _refine_by_stages(pr: Priced, spec: ParallelSpec, cand: Candidate, result: P
         if "full" not in timer:
             if model is None:
                 raise _NotTimed(f"no model with real weights on {cl.device} here")
-            est = float(raw.sum()) * 9 * 2 * MAX_CUTS
+            est = float(raw.sum()) * 9 * (2 * MAX_CUTS + MAX_RIVALS)
             if est > REFINE_BUDGET_S:
                 raise _NotTimed(f"that would take about {est:.0f} s, over "
                                f"{REFINE_BUDGET_S:.0f} s")
@@ -1056,7 +1064,10 @@ def _refine_by_stages(pr: Priced, spec: ParallelSpec, cand: Candidate, result: P
     summed = [float(raw[a:b].sum()) for a, b in zip(first, ends)]
     timed = [f + b for f, b in ref.measured[0]]
     ms = ", ".join
-    note = (f"cluster.measure_stages: {plural(len(ref.visited), 'cut')} timed stage by stage; "
+    ties = (f" ({ref.rivals} of them near ties: within {NEAR:.0%} of the cut's simulated step "
+            "with its timed stages)" if ref.rivals else "")
+    note = (f"cluster.measure_stages: {plural(len(ref.visited), 'cut')} timed stage by stage"
+            f"{ties}; "
             f"the planned cut's stages (forward + backward per micro-batch, without the loss) "
             f"summed node by node {ms(f'{x * 1e3:.3g}' for x in summed)} ms, timed whole "
             f"{ms(f'{x * 1e3:.3g}' for x in timed)} ms; ")
