@@ -50,8 +50,9 @@ from fxpipe.plans.values import needs_grad
 from fxpipe.runtime.grad_fusion import fuse_weight_grads
 from fxpipe.plans.placement import (global_rank, node_of, nodes_of_stage_rank, pair_crosses_nodes,
                                     ring_crosses_nodes, stage_to_rank)
-from fxpipe.schedule.lowering import build_schedule, compute_schedule
-from fxpipe.schedule.simulate import Links, SimResult, StageCosts, predict, simulate
+from fxpipe.schedule.lowering import compute_schedule
+from fxpipe.schedule.simulate import (Links, LoweredSchedule, SimResult, StageCosts, predict,
+                                      simulate)
 from fxpipe.specs.loader import build_model, load_spec, spec_location
 from fxpipe.specs.schema import (OPTIMIZER_STATE_FACTOR, ParallelSpec,
                                  compression_rank_problems, stages_per_rank)
@@ -459,10 +460,12 @@ def _set_grad_send_times(plan: Plan, send: SendCost) -> None:
 
 @functools.lru_cache(maxsize=4)
 def _full_schedule(name: str, p: int, m: int, v: int, edges: frozenset, grad_edges: frozenset):
-    """``build_schedule`` for the search, kept for the few most recent layouts: both placements
-    of a grid and cuts with the same stage edges share it (the simulator only reads it; a
-    schedule of hundreds of micro-batches takes seconds to build)."""
-    return build_schedule(name, p, m, v, set(edges), set(grad_edges))
+    """``build_schedule`` for the search, as a :class:`LoweredSchedule` (the simulator's
+    compiled form of it, without building its communication actions: it prices exactly the
+    same), kept for the few most recent layouts: both placements of a grid and cuts with the
+    same stage edges share it (the simulator only reads it; a schedule of hundreds of
+    micro-batches takes seconds to build)."""
+    return LoweredSchedule(compute_schedule(name, p, m, v), set(edges), set(grad_edges))
 
 
 def _simulate_cut(pr: Priced, prefix: np.ndarray, problem: CutProblem,

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from fxpipe.errors import PlanError
 from fxpipe.plans.placement import stage_to_rank
 from fxpipe.schedule.generators import compute_schedule
-from fxpipe.schedule.lowering import add_communication, linear_edges
-from fxpipe.schedule.simulate import StageCosts, simulate
+from fxpipe.schedule.lowering import linear_edges
+from fxpipe.schedule.simulate import LoweredSchedule, StageCosts, simulate
 from fxpipe.specs.loader import spec_location
 from fxpipe.specs.schema import AUTO_VIRTUAL_STAGES, SCHEDULES, ParallelSpec, stages_per_rank
 from fxpipe.units import plural
@@ -198,6 +198,7 @@ def _inflight(schedule: str, p: int, m: int, v: int) -> tuple[int, ...]:
     if k * m_sim * 3 > _SIMULATE_ACTIONS:
         return tuple(min(m, 2 * p) for _ in range(k))
     sched = compute_schedule(schedule, p, m_sim, v)
-    full = add_communication(sched, linear_edges(k))
-    res = simulate(full, StageCosts([1.0] * k, [1.0] * k, [1.0] * k), check=False)
+    full = LoweredSchedule(sched, linear_edges(k))  # add_communication's, for the simulator
+    res = simulate(full, StageCosts([1.0] * k, [1.0] * k, [1.0] * k), check=False,
+                   timeline=False)
     return tuple(max(1, min(x, m)) for x in res.peak_inflight)

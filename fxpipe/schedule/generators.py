@@ -17,7 +17,10 @@ Pipeline Parallelism", ICLR 2024 / "Pipeline Parallelism with Controllable Memor
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import heapq
+from collections import deque
 from typing import Callable
 
 from fxpipe.errors import ScheduleError
@@ -195,8 +198,26 @@ def _cached(key: str, p: int, m: int, v: int, make: Callable[[], Schedule]) -> S
     if k not in _CACHE:
         if len(_CACHE) >= 256:
             _CACHE.pop(next(iter(_CACHE)))
-        _CACHE[k] = make()
+        with _collector_paused():
+            _CACHE[k] = make()
     return _CACHE[k]
+
+
+@contextlib.contextmanager
+def _collector_paused():
+    """The cyclic garbage collector off while a schedule is built (back on after, also on an
+    error; left alone when already off). A schedule of hundreds of micro-batches allocates
+    hundreds of thousands of actions, none of them in a reference cycle, and each burst of
+    allocations would set off collections that walk the whole heap: in a 64-rank plan search
+    (``bench_plan_scale``) that was about a fifth of its CPU time."""
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
 
 
 
@@ -247,36 +268,52 @@ def _list_schedule(
     own: list[list[int]] = [[] for _ in range(p)]
     for s, r in enumerate(stage_to_rank):  # O(n), not O(n p)
         own[r].append(s)
-    done: dict[tuple[Op, int, int], float] = {}
+    F, B, W = Op.F, Op.B, Op.W
+    # finish times of F / B of (stage, micro-batch): done_f[s][i], done_b[s][i]; None: not yet
+    # (lists, not a dict keyed by (Op, s, i): hashing an Enum member runs Python code)
+    done_f: list[list[float | None]] = [[None] * m for _ in range(n)]
+    done_b: list[list[float | None]] = [[None] * m for _ in range(n)]
     t = [0.0] * p
     nextf, nextb = [0] * n, [0] * n
-    pendw: list[list[tuple[int, int]]] = [[] for _ in range(p)]
+    pendw: list[deque[tuple[int, int]]] = [deque() for _ in range(p)]
     held = [0] * p
     acts: list[list[Action]] = [[] for _ in range(p)]
+    last = n - 1
+    placed = all(0 <= q < p for q in stage_to_rank)  # no rank index that aliases another
 
     def rank_best(r: int):
-        """The action rank ``r`` would start next: ``(start, r, (prio, key, op, s, i))``, or
-        None. Depends only on rank ``r``'s own state and on ``done`` of its stages' neighbours,
-        so it changes only when one of those does (see the loop)."""
-        cands = []
+        """The action rank ``r`` would start next: ``(start, prio, key, op, s, i)``, the least
+        candidate (ties broken as the docstring says), or None. Depends only on rank ``r``'s
+        own state and on the finish times of its stages' neighbours, so it changes only when
+        one of those does (see the loop)."""
+        tr = t[r]
+        best = None
+        admit = held[r] < limit
         for s in own[r]:
             i = nextb[s]
-            if i < m and (Op.F, s, i) in done:
-                dep = done[(Op.F, s, i)] if s == n - 1 else done.get((Op.B, s + 1, i))
+            if i < m:
+                dep = done_f[s][i]
                 if dep is not None:
-                    cands.append((max(t[r], dep), 0, s, Op.B, s, i))
+                    if s != last:
+                        dep = done_b[s + 1][i]
+                    if dep is not None:
+                        c = (dep if dep > tr else tr, 0, s, B, s, i)  # max(t[r], dep)
+                        if best is None or c < best:
+                            best = c
             i = nextf[s]
-            if i < m and held[r] < limit:
-                dep = 0.0 if s == 0 else done.get((Op.F, s - 1, i))
+            if i < m and admit:
+                dep = 0.0 if s == 0 else done_f[s - 1][i]
                 if dep is not None:
-                    cands.append((max(t[r], dep), 1, -s, Op.F, s, i))
-        if pendw[r]:
-            s, i = pendw[r][0]
-            cands.append((t[r], 2, -s, Op.W, s, i))
-        if not cands:
-            return None
-        c = min(cands)
-        return (c[0], r, c)
+                    c = (dep if dep > tr else tr, 1, -s, F, s, i)
+                    if best is None or c < best:
+                        best = c
+        w = pendw[r]
+        if w:
+            s, i = w[0]
+            c = (tr, 2, -s, W, s, i)
+            if best is None or c < best:
+                best = c
+        return best
 
     # Each rank's next action is cached; after an action of stage s on rank r only ranks r,
     # rank(s-1) and rank(s+1) can change theirs (F of s unblocks F of s+1 and, on the last
@@ -288,41 +325,68 @@ def _list_schedule(
     version = [0] * p
     heap = [(b[0], r, 0) for r, b in enumerate(best_of) if b is not None]
     heapq.heapify(heap)
+    heappop, heappush = heapq.heappop, heapq.heappush
     for _ in range(3 * n * m):
         best = None
         while heap:
-            _, r, ver = heapq.heappop(heap)
-            if ver == version[r] and best_of[r] is not None:
+            _, r, ver = heappop(heap)
+            if ver == version[r]:
                 best = best_of[r]
-                break
+                if best is not None:
+                    break
         if best is None:  # cannot happen for limit >= 2 stages per rank; guard anyway
             raise ScheduleError(
                 f"{name}: the greedy order got stuck with p={p}, m={m} (in-flight limit {limit}); "
                 f"use another schedule or raise the limit"
             )
-        start, r, (_, _, _, op, s, i) = best
-        t[r] = start + {Op.F: f_s, Op.B: b_s, Op.W: w_s}[op]
-        done[(op, s, i)] = t[r]
-        acts[r].append(Action(op, s, i))
-        if op is Op.F:
+        start, _, _, op, s, i = best
+        if op is F:
+            t[r] = end = start + f_s
+            done_f[s][i] = end
             nextf[s] += 1
             held[r] += 1
-        elif op is Op.B:
+        elif op is B:
+            t[r] = end = start + b_s
+            done_b[s][i] = end
             nextb[s] += 1
             pendw[r].append((s, i))
         else:
-            pendw[r].pop(0)
+            t[r] = start + w_s
+            pendw[r].popleft()
             held[r] -= 1
+        acts[r].append(Action(op, s, i))
+        if placed:
+            # only a neighbour that waits for exactly this action can start another one: the
+            # next F of stage s+1 (after F of s), the next B of stage s-1 (after B of s); a
+            # rank whose inputs did not change keeps its cached action (recomputing it would
+            # give the same one, and the heap the same minimum)
+            b = best_of[r] = rank_best(r)
+            version[r] += 1
+            if b is not None:
+                heappush(heap, (b[0], r, version[r]))
+            q = -1
+            if op is F:
+                if s < last and nextf[s + 1] == i:
+                    q = stage_to_rank[s + 1]
+            elif op is B:
+                if s > 0 and nextb[s - 1] == i:
+                    q = stage_to_rank[s - 1]
+            if q >= 0 and q != r:
+                b = best_of[q] = rank_best(q)
+                version[q] += 1
+                if b is not None:
+                    heappush(heap, (b[0], q, version[q]))
+            continue
         touched = {r}
         if s > 0:
             touched.add(stage_to_rank[s - 1])
-        if s < n - 1:
+        if s < last:
             touched.add(stage_to_rank[s + 1])
         for q in touched:
-            best_of[q] = rank_best(q)
+            b = best_of[q] = rank_best(q)
             version[q] += 1
-            if best_of[q] is not None:
-                heapq.heappush(heap, (best_of[q][0], q, version[q]))
+            if b is not None:
+                heappush(heap, (b[0], q, version[q]))
     return Schedule(name, p, n, m, list(stage_to_rank), acts, split_backward=True)
 
 

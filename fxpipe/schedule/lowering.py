@@ -49,6 +49,41 @@ def _cross_rank(
     return prod, cons
 
 
+def communication_peers(
+    schedule: Schedule,
+    edges: Iterable[Edge],
+    grad_edges: Iterable[Edge] | None = None,
+) -> tuple[dict[int, list[int]], dict[int, list[int]], dict[int, list[int]], dict[int, list[int]]]:
+    """The peers :func:`add_communication` inserts messages with, after its checks (the same
+    errors, in the same order): ``(producers, consumers, grad_producers, grad_consumers)``,
+    each ``{stage: [stage on another rank, ascending]}`` over ``edges`` / ``grad_edges``. F of
+    stage ``s`` receives from ``producers[s]`` and sends to ``consumers[s]``; B of ``s``
+    receives gradients from ``grad_consumers[s]`` and sends them back to
+    ``grad_producers[s]``.
+
+    Raises:
+        ScheduleError: as :func:`add_communication`.
+    """
+    edges = set(edges)
+    grad_edges = edges if grad_edges is None else set(grad_edges)
+    if not grad_edges <= edges:
+        raise ScheduleError(
+            f"grad_edges {sorted(grad_edges - edges)} are not in edges; gradients can only flow "
+            f"back along edges that carry forward values"
+        )
+    compute = (Op.F, Op.B, Op.W)
+    for r, acts in enumerate(schedule.actions):
+        for a in acts:
+            if a.op not in compute:
+                raise ScheduleError(
+                    f"add_communication expects a compute-only schedule, but rank {r} already "
+                    f"has {a}; pass the generator's output (e.g. one_f_one_b(p, m))"
+                )
+    prod, cons = _cross_rank(schedule, edges, "forward")
+    gprod, gcons = _cross_rank(schedule, grad_edges, "gradient")
+    return prod, cons, gprod, gcons
+
+
 def add_communication(
     schedule: Schedule,
     edges: Iterable[Edge],
@@ -79,41 +114,35 @@ def add_communication(
     Raises:
         ScheduleError: the schedule already holds non-compute actions, or an edge is malformed.
     """
-    edges = set(edges)
-    grad_edges = edges if grad_edges is None else set(grad_edges)
-    if not grad_edges <= edges:
-        raise ScheduleError(
-            f"grad_edges {sorted(grad_edges - edges)} are not in edges; gradients can only flow "
-            f"back along edges that carry forward values"
-        )
-    for r, acts in enumerate(schedule.actions):
-        for a in acts:
-            if a.op not in (Op.F, Op.B, Op.W):
-                raise ScheduleError(
-                    f"add_communication expects a compute-only schedule, but rank {r} already "
-                    f"has {a}; pass the generator's output (e.g. one_f_one_b(p, m))"
-                )
-    prod, cons = _cross_rank(schedule, edges, "forward")
-    gprod, gcons = _cross_rank(schedule, grad_edges, "gradient")
+    prod, cons, gprod, gcons = communication_peers(schedule, edges, grad_edges)
+    F, B = Op.F, Op.B
+    RECV_F, SEND_F, RECV_B, SEND_B = Op.RECV_F, Op.SEND_F, Op.RECV_B, Op.SEND_B
     last_op = Op.W if schedule.split_backward else Op.B
     out_actions: list[list[Action]] = []
     for acts in schedule.actions:
         lst: list[Action] = []
+        put = lst.append
         last_idx: dict[int, int] = {}
         for a in acts:
-            s, i = a.stage, a.microbatch
-            if a.op is Op.F:
-                lst += [Action(Op.RECV_F, s, i, q) for q in prod[s]]
-                lst.append(a)
-                lst += [Action(Op.SEND_F, s, i, c) for c in cons[s]]
-            elif a.op is Op.B:
-                lst += [Action(Op.RECV_B, s, i, c) for c in gcons[s]]
-                lst.append(a)
-                lst += [Action(Op.SEND_B, s, i, q) for q in gprod[s]]
+            op = a.op
+            if op is F:
+                s, i = a.stage, a.microbatch
+                for q in prod[s]:
+                    put(Action(RECV_F, s, i, q))
+                put(a)
+                for c in cons[s]:
+                    put(Action(SEND_F, s, i, c))
+            elif op is B:
+                s, i = a.stage, a.microbatch
+                for c in gcons[s]:
+                    put(Action(RECV_B, s, i, c))
+                put(a)
+                for q in gprod[s]:
+                    put(Action(SEND_B, s, i, q))
             else:
-                lst.append(a)
-            if a.op is last_op:
-                last_idx[s] = len(lst)  # insertion point: after a's trailing sends
+                put(a)
+            if op is last_op:
+                last_idx[a.stage] = len(lst)  # insertion point: after a's trailing sends
         for s, pos in sorted(last_idx.items(), key=lambda kv: -kv[1]):
             lst.insert(pos, Action(Op.ALLREDUCE, s))
         stages = schedule.stages_of_rank(len(out_actions))

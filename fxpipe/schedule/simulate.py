@@ -30,7 +30,7 @@ Units: seconds, bytes, GB/s = 1e9 bytes/s.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 from dataclasses import dataclass, field
@@ -40,7 +40,8 @@ from fxpipe.plans.placement import (global_rank, node_of, replica_period,
                                     server_link_crosses_nodes)
 from fxpipe.plans.plan import Plan, Predicted
 from fxpipe.schedule.actions import Action, Op, Schedule
-from fxpipe.schedule.lowering import linear_edges, schedule_for_plan
+from fxpipe.schedule.lowering import (add_communication, communication_peers, linear_edges,
+                                     schedule_for_plan)
 from fxpipe.schedule.timeline import TimelineEvent, action_label
 from fxpipe.schedule.validate import validate
 from fxpipe.specs.schema import (
@@ -229,7 +230,7 @@ class SimResult:
 
 
 def simulate(
-    schedule: Schedule,
+    schedule: Schedule | LoweredSchedule,
     costs: StageCosts,
     edge_bytes: Mapping[Edge, float] | None = None,
     links: Links | None = None,
@@ -243,7 +244,8 @@ def simulate(
     """Price one training step of ``schedule`` (see the module docstring for the semantics).
 
     Args:
-        schedule: a full schedule (with communication, e.g. from ``build_schedule``).
+        schedule: a full schedule (with communication, e.g. from ``build_schedule``), or a
+            :class:`LoweredSchedule` (the same results, faster when only the figures matter).
         costs: per-stage seconds and bytes.
         edge_bytes: ``{(producer_stage, consumer_stage): bytes per micro-batch}`` of forward
             values; its keys are the stage graph's edges. Default: the linear chain, 0 bytes.
@@ -264,6 +266,12 @@ def simulate(
     Raises:
         ScheduleError: invalid schedule, mismatched cost lists, or a deadlock.
     """
+    lowered = None
+    if isinstance(schedule, LoweredSchedule):
+        if check or timeline or schedule.program is None:
+            schedule = schedule.full()
+        else:  # its compute-only schedule has the full one's ranks, stages and placement
+            lowered, schedule = schedule, schedule.schedule
     n, p = schedule.num_stages, schedule.num_ranks
     costs.check(n)
     links = links or Links()
@@ -279,7 +287,6 @@ def simulate(
     if check:
         validate(schedule, set(edge_bytes), set(grad_edge_bytes))
     s2r = schedule.stage_to_rank
-    split = schedule.split_backward
     send_cost = list(costs.send_s) if costs.send_s is not None else [0.0] * n
     grad_send_cost = list(costs.grad_send_s) if costs.grad_send_s is not None else send_cost
     push_pull = [0.0] * p  # per rank: parameter-server round trips of its stages
@@ -288,6 +295,464 @@ def simulate(
             if server_bytes else []
         for s in range(n):
             push_pull[s2r[s]] += links.push_pull_seconds(s2r[s], server_bytes[s], loads, dp)
+
+    prog = lowered.program if lowered is not None else _compile(schedule)
+    run = None
+    if prog is not None:
+        try:
+            bound = prog.bind(costs, edge_bytes, grad_edge_bytes, links, send_cost,
+                              grad_send_cost)
+        except Exception:  # noqa: BLE001  (the reference loop raises it where it used to)
+            bound = None
+        if bound is not None:
+            run = _run_program(prog, bound, schedule.actions if timeline else None, links, dp,
+                               ar_bytes, server_bytes is not None, costs.step_s, push_pull)
+    if run is None:
+        if lowered is not None:
+            schedule, lowered = lowered.full(), None
+        run = _run_reference(schedule, costs, edge_bytes, grad_edge_bytes, links, dp, ar_bytes,
+                             server_bytes is not None, send_cost, grad_send_cost, push_pull,
+                             timeline)
+    t, busy, ar_free, ptr, peak, events = run
+    lengths = [len(c) for c in prog.code] if lowered is not None else [
+        len(schedule.actions[r]) for r in range(p)]
+    stuck = [r for r in range(p) if ptr[r] < lengths[r]]
+    if stuck:
+        if lowered is not None:
+            schedule = lowered.full()
+        raise ScheduleError(
+            "deadlock in simulation: "
+            + "; ".join(f"rank {r} waits at {schedule.actions[r][ptr[r]]}" for r in stuck)
+            + "; validate the schedule (fxpipe.schedule.validate.validate) for details"
+        )
+    step = max([*t, *ar_free, 0.0])
+    idle = [1.0 - b / step if step > 0 else 0.0 for b in busy]
+    act = costs.activation_bytes or [0] * n
+    static = costs.static_bytes or [0] * n
+    mem = [int(peak[s] * act[s] + static[s]) for s in range(n)]
+    return SimResult(step, busy, idle, sum(idle) / p, peak, mem, events)
+
+
+# ----------------------------------------------------------------------------- the event loop
+#
+# simulate() compiles the schedule's action lists into integer programs once per call
+# (:func:`_compile`) and runs them with the costs looked up per position (:func:`_run_program`):
+# the same round-robin over ranks, the same floating-point operations in the same order, so the
+# results, and the timeline events with their order, are exactly those of the per-action loop
+# (:func:`_run_reference`, the definition; kept for the schedules the compiled form does not
+# take: an action off its stage's rank, a stage outside 0..n-1, an op that is not an ``Op``,
+# costs or links that raise while being looked up).
+
+_ALLREDUCE, _STEP = -1, -2  # ``other_row`` of the actions that are not SENDs
+
+
+@dataclass
+class _Program:
+    """A full schedule as integer programs, independent of the costs (plain ints in lists: next
+    to nothing for the garbage collector to track).
+
+    Attributes:
+        num_ranks / num_stages: ``p`` / ``n``.
+        split: the schedule's ``split_backward`` (B costs input + weight seconds when False).
+        code: per rank, per action: ``kind x n + stage`` for F (kind 0) / B (1) / W (2), an
+            index into the duration table :meth:`bind` gives; ``3n + slot`` for a RECV that
+            waits for message ``slot``; ``~j`` (negative) for the ``j``-th of the rank's other
+            actions.
+        other_row / other_arg: per rank, per other action: a SEND is ``(row of sends, slot)``,
+            an ALLREDUCE ``(_ALLREDUCE, stage)``, the STEP ``(_STEP, 0)``. ``slot`` indexes the
+            arrival time of one (direction, sender stage, micro-batch, receiver stage) message.
+        sends: distinct ``(rank, gradient?, stage, peer, link)`` of the SEND actions; ``link``
+            indexes ``links``, the distinct ``(rank, destination rank)`` pairs (one transfer
+            at a time on each).
+        num_slots: message slots (``microbatches`` per channel, a channel being one direction
+            between two stages).
+        peak: per stage, peak micro-batches in flight (F done, B / W not): it depends only on
+            the order of the stage's actions on its rank, not on the costs.
+    """
+
+    num_ranks: int
+    num_stages: int
+    split: bool
+    code: list[list[int]]
+    other_row: list[list[int]]
+    other_arg: list[list[int]]
+    sends: list[tuple[int, bool, int, int, int]]
+    links: list[tuple[int, int]]
+    num_slots: int
+    peak: list[int]
+
+    def bind(self, costs: StageCosts, edge_bytes: Mapping[Edge, float],
+             grad_edge_bytes: Mapping[Edge, float], links: Links,
+             send_cost: Sequence[float], grad_send_cost: Sequence[float]
+             ) -> tuple[list[float], list[tuple[float, int, float, float]]]:
+        """(durations, sends): F/B/W seconds indexed by ``code`` (the very expressions of the
+        per-action loop: a non-split B is ``bwd_input_s + bwd_weight_s``, a split one
+        ``bwd_input_s + 0.0``), and per row of ``sends`` ``(sender seconds, link, link
+        occupancy, latency)`` (:meth:`Links.p2p_seconds` once per distinct send)."""
+        n, split = self.num_stages, self.split
+        fwd, bi, bw = costs.fwd_s, costs.bwd_input_s, costs.bwd_weight_s
+        dur = ([fwd[s] for s in range(n)]
+               + [bi[s] + (0.0 if split else bw[s]) for s in range(n)]
+               + [bw[s] for s in range(n)])
+        sends = []
+        for r, grad, s, q, li in self.sends:
+            if grad:
+                c = grad_send_cost[s]
+                nbytes = grad_edge_bytes.get((q, s), 0)
+            else:
+                c = send_cost[s]
+                nbytes = edge_bytes.get((s, q), 0)
+            occ, lat = links.p2p_seconds(r, self.links[li][1], nbytes)
+            sends.append((c, li, occ, lat))
+        return dur, sends
+
+
+class _Builder:
+    """Collects the channels, send rows and links of a :class:`_Program` as actions come."""
+
+    def __init__(self, n: int, m: int):
+        self.n, self.m = n, m
+        self.chan: dict[int, int] = {}  # (sender x n + receiver) x 2 + gradient -> first slot
+        self.sends: list[tuple[int, bool, int, int, int]] = []
+        self.link_idx: dict[tuple, int] = {}
+
+    def channel(self, key: int) -> int:
+        base = self.chan.get(key)
+        if base is None:
+            base = self.chan[key] = len(self.chan) * self.m
+        return base
+
+    def send_row(self, rows: dict[int, int], key: int, r: int, grad: bool, s: int, q: int,
+                 dst: int) -> int:
+        li = self.link_idx.get((r, dst))
+        if li is None:
+            li = self.link_idx[(r, dst)] = len(self.link_idx)
+        row = rows[key] = len(self.sends)
+        self.sends.append((r, grad, s, q, li))
+        return row
+
+    def program(self, p: int, split: bool, codes, rows, args, peak) -> _Program:
+        return _Program(p, self.n, split, codes, rows, args, self.sends, list(self.link_idx),
+                        len(self.chan) * self.m, peak)
+
+
+def _compile(schedule: Schedule) -> _Program | None:
+    """The schedule as a :class:`_Program`, or None where the compiled loop would not give the
+    per-action loop's results (see above)."""
+    try:
+        return _compile_lists(schedule.actions, schedule.stage_to_rank, schedule.num_ranks,
+                              schedule.num_stages, schedule.microbatches,
+                              schedule.split_backward)
+    except Exception:  # noqa: BLE001  (malformed actions: the reference loop handles them)
+        return None
+
+
+def _compile_lists(actions: Sequence[Sequence[Action]], s2r: Sequence[int], p: int, n: int,
+                   m: int, split: bool) -> _Program | None:
+    """See :func:`_compile`. A message is matched by (direction, sender stage, micro-batch,
+    receiver stage), as the per-action loop's keys match; it takes slot ``channel x m +
+    micro-batch``, so stages, peers and micro-batches of messages must be ints in range here,
+    and compute actions sit on their stage's rank (in-flight peaks are counted per rank)."""
+    if len(actions) != p or len(s2r) != n or type(m) is not int or m < 1:
+        return None
+    F, B, W = Op.F, Op.B, Op.W
+    SEND_F, SEND_B, RECV_F, RECV_B = Op.SEND_F, Op.SEND_B, Op.RECV_F, Op.RECV_B
+    ALLREDUCE, STEP = Op.ALLREDUCE, Op.STEP
+    release = W if split else B
+    n2, n3 = 2 * n, 3 * n
+    build = _Builder(n, m)
+    chan, channel, send_row = build.chan, build.channel, build.send_row
+    inflight = [0] * n
+    peak = [0] * n
+    codes: list[list[int]] = []
+    other_rows: list[list[int]] = []
+    other_args: list[list[int]] = []
+    for r, acts in enumerate(actions):
+        code: list[int] = []
+        orow: list[int] = []
+        oarg: list[int] = []
+        emit = code.append
+        rows: dict[int, int] = {}  # channel key -> row of ``sends`` (this rank sends on it)
+        for a in acts:
+            op = a.op
+            if op is F or op is B or op is W:
+                s = a.stage
+                if not 0 <= s < n or s2r[s] != r:
+                    return None
+                if op is F:
+                    emit(s)
+                    v = inflight[s] + 1
+                    inflight[s] = v
+                    if v > peak[s]:
+                        peak[s] = v
+                elif op is B:
+                    emit(n + s)
+                else:
+                    emit(n2 + s)
+                if op is release:
+                    inflight[s] -= 1
+                continue
+            if op is RECV_F or op is RECV_B or op is SEND_F or op is SEND_B:
+                s, q, i = a.stage, a.peer, a.microbatch
+                if (type(s) is not int or type(q) is not int or type(i) is not int
+                        or not (0 <= s < n and 0 <= q < n and 0 <= i < m)):
+                    return None
+                if op is RECV_F or op is RECV_B:  # waits for the message q -> s
+                    key = (q * n + s) * 2 + (op is RECV_B)
+                    base = chan.get(key)
+                    emit(n3 + (channel(key) if base is None else base) + i)
+                    continue
+                grad = op is SEND_B
+                key = (s * n + q) * 2 + grad
+                base = chan.get(key)
+                if base is None:
+                    base = channel(key)
+                row = rows.get(key)
+                if row is None:
+                    row = send_row(rows, key, r, grad, s, q, s2r[q])
+                emit(~len(orow))
+                orow.append(row)
+                oarg.append(base + i)
+            elif op is ALLREDUCE:
+                emit(~len(orow))
+                orow.append(_ALLREDUCE)
+                oarg.append(a.stage)
+            elif op is STEP:
+                emit(~len(orow))
+                orow.append(_STEP)
+                oarg.append(0)
+            else:
+                return None
+        codes.append(code)
+        other_rows.append(orow)
+        other_args.append(oarg)
+    return build.program(p, split, codes, other_rows, other_args, peak)
+
+
+def _lowered_program(schedule: Schedule, peers) -> _Program | None:
+    """The :class:`_Program` of ``add_communication(schedule, edges, grad_edges)`` straight from
+    the compute-only ``schedule`` and :func:`~fxpipe.schedule.lowering.communication_peers`'s
+    ``peers`` of those edges, without building the communication actions: the same codes,
+    channels, send rows and links (the other actions may be numbered in another order). None
+    where :func:`_compile` could give None for the lowered schedule (then the caller lowers it
+    for real)."""
+    try:
+        return _lowered_lists(schedule, peers)
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _lowered_lists(schedule: Schedule, peers) -> _Program | None:
+    actions, s2r = schedule.actions, schedule.stage_to_rank
+    p, n, m = schedule.num_ranks, schedule.num_stages, schedule.microbatches
+    split = schedule.split_backward
+    if len(actions) != p or len(s2r) != n or type(m) is not int or m < 1:
+        return None
+    prod, cons, gprod, gcons = peers
+    for table in peers:
+        for peer_list in table.values():
+            if any(type(q) is not int or not 0 <= q < n for q in peer_list):
+                return None
+    F, B, W = Op.F, Op.B, Op.W
+    release = W if split else B  # also add_communication's last_op (ALLREDUCE after it)
+    n2, n3 = 2 * n, 3 * n
+    build = _Builder(n, m)
+    chan, channel, send_row = build.chan, build.channel, build.send_row
+    inflight = [0] * n
+    peak = [0] * n
+    codes: list[list[int]] = []
+    other_rows: list[list[int]] = []
+    other_args: list[list[int]] = []
+    for r, acts in enumerate(actions):
+        code: list[int] = []
+        orow: list[int] = []
+        oarg: list[int] = []
+        emit = code.append
+        rows: dict[int, int] = {}
+        last_idx: dict[int, int] = {}
+        for a in acts:
+            op = a.op
+            s = a.stage
+            if type(s) is not int or not 0 <= s < n or s2r[s] != r:
+                return None
+            if op is F or op is B:
+                grad = op is B
+                recv_from, send_to = (gcons[s], gprod[s]) if grad else (prod[s], cons[s])
+                if recv_from or send_to:
+                    i = a.microbatch
+                    if type(i) is not int or not 0 <= i < m:
+                        return None
+                for q in recv_from:  # RECV_F / RECV_B (stage s, peer q): the message q -> s
+                    key = (q * n + s) * 2 + grad
+                    base = chan.get(key)
+                    emit(n3 + (channel(key) if base is None else base) + i)
+                if grad:
+                    emit(n + s)
+                else:
+                    emit(s)
+                    v = inflight[s] + 1
+                    inflight[s] = v
+                    if v > peak[s]:
+                        peak[s] = v
+                for q in send_to:  # SEND_F / SEND_B (stage s, peer q)
+                    key = (s * n + q) * 2 + grad
+                    base = chan.get(key)
+                    if base is None:
+                        base = channel(key)
+                    row = rows.get(key)
+                    if row is None:
+                        row = send_row(rows, key, r, grad, s, q, s2r[q])
+                    emit(~len(orow))
+                    orow.append(row)
+                    oarg.append(base + i)
+            elif op is W:
+                emit(n2 + s)
+            else:
+                return None
+            if op is release:
+                inflight[s] -= 1
+                last_idx[s] = len(code)  # after the action's trailing sends
+        for s, pos in sorted(last_idx.items(), key=lambda kv: -kv[1]):
+            code.insert(pos, ~len(orow))
+            orow.append(_ALLREDUCE)
+            oarg.append(s)
+        code.append(~len(orow))
+        orow.append(_STEP)
+        oarg.append(0)
+        codes.append(code)
+        other_rows.append(orow)
+        other_args.append(oarg)
+    return build.program(p, split, codes, other_rows, other_args, peak)
+
+
+class LoweredSchedule:
+    """A compute-only schedule and its stage edges, lowered for :func:`simulate` only:
+    ``simulate(LoweredSchedule(s, edges, grad_edges), ...)`` gives exactly what
+    ``simulate(add_communication(s, edges, grad_edges), ...)`` gives, without building the
+    communication actions (hundreds of thousands for a planner-sized layout; the planner
+    simulates a layout for many cuts). The full schedule (:meth:`full`) is built only where it
+    is needed: ``check=True``, ``timeline=True``, a deadlock's message, or a schedule the
+    compiled loop does not take. ``schedule`` must not change afterwards.
+
+    Raises:
+        ScheduleError: as :func:`~fxpipe.schedule.lowering.add_communication` would.
+    """
+
+    def __init__(self, schedule: Schedule, edges: Iterable[Edge],
+                 grad_edges: Iterable[Edge] | None = None):
+        self.schedule = schedule
+        self.edges = set(edges)
+        self.grad_edges = None if grad_edges is None else set(grad_edges)
+        self.program = _lowered_program(
+            schedule, communication_peers(schedule, self.edges, self.grad_edges))
+        self._full: Schedule | None = None
+
+    def full(self) -> Schedule:
+        """``add_communication(schedule, edges, grad_edges)`` (built once)."""
+        if self._full is None:
+            self._full = add_communication(self.schedule, self.edges, self.grad_edges)
+        return self._full
+
+
+def _run_program(prog: _Program, bound, actions, links: Links, dp: int, ar_bytes: list,
+                 servers: bool, step_s: float, push_pull: list[float]):
+    """Run the compiled programs (``actions``: the schedule's lists, for the timeline labels;
+    None: no timeline). Returns ``(t, busy, ar_free, ptr, peak, events)`` per rank / stage."""
+    p = prog.num_ranks
+    n3 = 3 * prog.num_stages
+    dur, sends = bound
+    timeline = actions is not None
+    t = [0.0] * p
+    busy = [0.0] * p
+    ptr = [0] * p
+    ar_free = [0.0] * p
+    arrival: list = [None] * prog.num_slots
+    link_free = [0.0] * len(prog.links)
+    events: list[TimelineEvent] = []
+    ev = events.append
+    TE = TimelineEvent
+    labels = [[action_label(a) for a in acts] for acts in actions] if timeline else None
+    lab: list[str] = []
+    codes, other_rows, other_args = prog.code, prog.other_row, prog.other_arg
+    progress = True
+    while progress:
+        progress = False
+        for r in range(p):
+            code = codes[r]
+            k = ptr[r]
+            end_k = len(code)
+            if k >= end_k:
+                continue
+            k0 = k
+            orow = other_rows[r]
+            oarg = other_args[r]
+            if timeline:
+                lab = labels[r]
+            tr = t[r]
+            br = busy[r]
+            while k < end_k:
+                x = code[k]
+                if x >= 0:
+                    if x < n3:  # F / B / W
+                        d = dur[x]
+                        if timeline:
+                            ev(TE(r, lab[k], tr, tr + d))
+                        tr += d
+                        br += d
+                    else:  # RECV
+                        arr = arrival[x - n3]
+                        if arr is None:
+                            break  # blocked: the sender has not issued it yet
+                        end = arr if arr > tr else tr  # max(t, arrival)
+                        if timeline:
+                            ev(TE(r, lab[k], tr, end))
+                        tr = end
+                else:
+                    j = ~x
+                    row = orow[j]
+                    if row >= 0:  # SEND
+                        c, li, occ, lat = sends[row]
+                        if c > 0:  # the sender's thread stages the bytes; not compute busy
+                            if timeline:
+                                ev(TE(r, lab[k], tr, tr + c))
+                            tr += c
+                        free = link_free[li]
+                        start = free if free > tr else tr
+                        link_free[li] = start + occ
+                        arrival[oarg[j]] = start + occ + lat
+                        if timeline:
+                            ev(TE(r, lab[k], start, start + occ + lat, "comm"))
+                    elif row == _ALLREDUCE:
+                        d = 0.0 if servers else links.allreduce_seconds(ar_bytes[oarg[j]], dp, r)
+                        free = ar_free[r]
+                        start = free if free > tr else tr
+                        ar_free[r] = start + d
+                        if timeline:
+                            ev(TE(r, lab[k], start, start + d, "comm"))
+                    else:  # STEP
+                        free = ar_free[r]
+                        start = free if free > tr else tr
+                        if timeline:
+                            ev(TE(r, lab[k], tr, start + step_s + push_pull[r]))
+                        tr = start + step_s + push_pull[r]
+                k += 1
+            t[r] = tr
+            busy[r] = br
+            if k != k0:
+                ptr[r] = k
+                progress = True
+    return t, busy, ar_free, ptr, list(prog.peak), events
+
+
+def _run_reference(schedule: Schedule, costs: StageCosts, edge_bytes, grad_edge_bytes,
+                   links: Links, dp: int, ar_bytes: list, servers: bool,
+                   send_cost: Sequence[float], grad_send_cost: Sequence[float],
+                   push_pull: list[float], timeline: bool):
+    """The per-action loop (the definition of the semantics, see the module docstring).
+    Returns ``(t, busy, ar_free, ptr, peak, events)`` as :func:`_run_program`."""
+    n, p = schedule.num_stages, schedule.num_ranks
+    s2r = schedule.stage_to_rank
+    split = schedule.split_backward
 
     def dur(a: Action) -> float:
         s = a.stage
@@ -350,8 +815,7 @@ def simulate(
                         events.append(TimelineEvent(r, action_label(a), t[r], end))
                     t[r] = end
                 elif a.op is Op.ALLREDUCE:
-                    d = 0.0 if server_bytes is not None else links.allreduce_seconds(
-                        ar_bytes[a.stage], dp, r)
+                    d = 0.0 if servers else links.allreduce_seconds(ar_bytes[a.stage], dp, r)
                     start = max(t[r], ar_free[r])
                     ar_free[r] = start + d
                     if timeline:
@@ -365,19 +829,7 @@ def simulate(
                     t[r] = start + costs.step_s + push_pull[r]
                 ptr[r] += 1
                 progress = True
-    stuck = [r for r in range(p) if ptr[r] < len(schedule.actions[r])]
-    if stuck:
-        raise ScheduleError(
-            "deadlock in simulation: "
-            + "; ".join(f"rank {r} waits at {schedule.actions[r][ptr[r]]}" for r in stuck)
-            + "; validate the schedule (fxpipe.schedule.validate.validate) for details"
-        )
-    step = max([*t, *ar_free, 0.0])
-    idle = [1.0 - b / step if step > 0 else 0.0 for b in busy]
-    act = costs.activation_bytes or [0] * n
-    static = costs.static_bytes or [0] * n
-    mem = [int(peak[s] * act[s] + static[s]) for s in range(n)]
-    return SimResult(step, busy, idle, sum(idle) / p, peak, mem, events)
+    return t, busy, ar_free, ptr, peak, events
 
 
 # ----------------------------------------------------------------------------- from a Plan
