@@ -91,6 +91,40 @@ def build(name: str) -> nn.Module:
     return ResNet()
 
 
+_PLANS: dict[tuple, dict] = {}  # configuration -> plan.to_dict()
+
+
+def plan(name: str, pipeline: int, data: int, microbatches: int, schedule: str = "1f1b",
+         **over):
+    """``fxpipe.plan`` of ``name`` built on the meta device, from :func:`spec_for` with the
+    fields ``over`` (``section__field=value``) changed and the first sample of batch 0 as the
+    example inputs.
+
+    The planner is deterministic, so each configuration is planned once per test process
+    (test_real_models and test_real_model_inputs ask for several of the same): the first call
+    returns the plan itself, later ones a copy through its JSON form (what plan.json and the
+    workers get)."""
+    import copy
+
+    import fxpipe
+    from fxpipe.plans.plan import Plan
+
+    key = (name, pipeline, data, microbatches, schedule, tuple(sorted(over.items())))
+    if key in _PLANS:
+        return Plan.from_dict(_PLANS[key])
+    spec = spec_for(name, pipeline, data, microbatches, schedule)
+    for k, value in over.items():
+        section, field = k.split("__")
+        spec[section][field] = value
+    with torch.device("meta"):
+        model = build(name)
+    args, kwargs, _ = batch(name, 0)
+    made = fxpipe.plan(model, spec, tuple(a[:1] for a in args),
+                       {k: v[:1] for k, v in kwargs.items()})
+    _PLANS[key] = copy.deepcopy(made.to_dict())
+    return made
+
+
 def spec_for(name: str, pipeline: int, data: int, microbatches: int, schedule: str) -> dict:
     """A spec dict for ``name`` (transformers models by ``model.hf``; the others by factory)."""
     model = hf_spec(name) or {"factory": f"real_models:{name}"}

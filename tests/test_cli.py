@@ -13,9 +13,9 @@ from fxpipe.examples.gpt import CharGPT
 from fxpipe.training.checkpoint import load_into_model
 
 try:
-    from cli_helpers import fxpipe_cli
+    from cli_helpers import fxpipe_cli, fxpipe_in_process
 except ImportError:  # collected as a package
-    from tests.cli_helpers import fxpipe_cli
+    from tests.cli_helpers import fxpipe_cli, fxpipe_in_process
 
 
 TINY = """
@@ -35,7 +35,7 @@ output: {dir: tiny-run}
 def test_bad_spec_exits_2_with_file_line_and_no_traceback(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text(TINY.replace("microbatches: 2", "microbatchs: 2"))
-    r = fxpipe_cli("plan", str(bad))
+    r = fxpipe_in_process("plan", str(bad))
     assert r.returncode == 2
     assert "Traceback" not in r.stderr
     assert f"{bad}:" in r.stderr and "did you mean 'microbatches'" in r.stderr
@@ -44,7 +44,7 @@ def test_bad_spec_exits_2_with_file_line_and_no_traceback(tmp_path):
 def test_batch_that_does_not_split_is_rejected(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text(TINY.replace("batch_size: 8", "batch_size: 6"))
-    r = fxpipe_cli("plan", str(bad))
+    r = fxpipe_in_process("plan", str(bad))
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "data.batch_size" in r.stderr and "divisible" in r.stderr
 
@@ -65,10 +65,10 @@ def test_launch_errors_leave_no_output_folder(tmp_path):
                         (["--rdzv-endpoint", "127.0.0.1:notaport"], "HOST:PORT"),
                         (["--steps", "0"], "--steps")):
         out = tmp_path / "never"
-        r = fxpipe_cli("run", str(spec), "--out", str(out), *args)
+        r = fxpipe_in_process("run", str(spec), "--out", str(out), *args)
         assert r.returncode == 2 and "Traceback" not in r.stderr and words in r.stderr
         assert not out.exists(), "a run that fails before training must not create its folder"
-    r = fxpipe_cli("run", str(spec), "--out", str(spec / "sub"))
+    r = fxpipe_in_process("run", str(spec), "--out", str(spec / "sub"))
     assert r.returncode == 2 and "Traceback" not in r.stderr and "Not a directory" in r.stderr
 
 
@@ -76,7 +76,7 @@ def test_loss_that_does_not_fit_is_caught_before_launch(tmp_path):
     spec = tmp_path / "mse.yaml"
     spec.write_text(TINY.replace("optimizer: adamw", "loss: mse, optimizer: adamw"))
     out = tmp_path / "never"
-    r = fxpipe_cli("run", str(spec), "--out", str(out))
+    r = fxpipe_in_process("run", str(spec), "--out", str(out))
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "train.loss 'mse' cannot take the model output" in r.stderr
     assert not out.exists()
@@ -86,7 +86,7 @@ def test_loss_that_does_not_fit_is_caught_before_launch(tmp_path):
 def test_plan_then_show(tmp_path):
     spec = tmp_path / "tiny.yaml"
     spec.write_text(TINY)
-    r = fxpipe_cli("plan", str(spec), "--out", str(tmp_path / "p"))
+    r = fxpipe_in_process("plan", str(spec), "--out", str(tmp_path / "p"))
     assert r.returncode == 0, r.stderr
     for f in ("plan.json", "partition.dot", "summary.txt", "partition.png", "partition.svg"):
         assert (tmp_path / "p" / f).exists()
@@ -101,7 +101,7 @@ def test_plan_then_show(tmp_path):
 def test_simulate_prints_every_schedule(tmp_path):
     spec = tmp_path / "tiny.yaml"
     spec.write_text(TINY)
-    r = fxpipe_cli("simulate", str(spec), "--out", str(tmp_path / "sim"))
+    r = fxpipe_in_process("simulate", str(spec), "--out", str(tmp_path / "sim"))
     assert r.returncode == 0, r.stderr
     for name in ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"):
         assert name in r.stdout
@@ -113,17 +113,17 @@ def test_simulate_prints_every_schedule(tmp_path):
 
 
 @pytest.mark.distributed
-def test_run_end_to_end_and_never_overwrites(tmp_path):
-    spec = tmp_path / "tiny.yaml"
-    spec.write_text(TINY)
-    out = tmp_path / "run"
-    r = fxpipe_cli("run", str(spec), "--out", str(out))
+def test_run_end_to_end_and_never_overwrites(tiny_run):
+    """The run of conftest.tiny_run (shared with test_reports): conftest.TINY_RUN_SPEC has the
+    training knobs of TINY above, over 6 steps with a log line every 2 and 2 held-out batches."""
+    spec, out, r = tiny_run
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "tokens/s" in r.stdout
     # the training knobs of the spec: 2 batches per optimizer step, clipping, warm-up + cosine
+    # (the full rate at step 0, min_lr at the last step, 5)
     assert "grad norm" in r.stdout and "lr 1.00e-03" in r.stdout and "lr 5.00e-04" in r.stdout
     rows = list(csv.DictReader(open(out / "losses.csv")))
-    assert [int(x["step"]) for x in rows] == [0, 1, 2]
+    assert [int(x["step"]) for x in rows] == list(range(6))
     assert (out / "timeline.json").exists() and (out / "plan.json").exists()
     figures = json.loads((out / "eval.json").read_text())
     assert figures["val_loss_final"] < figures["val_loss_initial"]
@@ -136,12 +136,12 @@ def test_run_end_to_end_and_never_overwrites(tmp_path):
     assert not torch.equal(before, model.h[0].fc.weight)
     # a second run into the same folder refuses and keeps the first run's files
     stamp = (out / "losses.csv").read_text()
-    r2 = fxpipe_cli("run", str(spec), "--out", str(out))
+    r2 = fxpipe_in_process("run", str(spec), "--out", str(out))
     assert r2.returncode == 2 and "Traceback" not in r2.stderr
     assert "--overwrite" in r2.stderr
     assert (out / "losses.csv").read_text() == stamp
     # nor may `fxpipe plan --out` replace the plan that run's checkpoints belong to
     plan_stamp = (out / "plan.json").read_text()
-    r3 = fxpipe_cli("plan", str(spec), "--out", str(out))
+    r3 = fxpipe_in_process("plan", str(spec), "--out", str(out))
     assert r3.returncode == 2 and "Traceback" not in r3.stderr
     assert (out / "plan.json").read_text() == plan_stamp

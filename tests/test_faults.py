@@ -6,8 +6,12 @@ single-node runs listening on the loopback only."""
 from __future__ import annotations
 
 import json
+import math
 import socket
+import subprocess
+import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -16,9 +20,9 @@ from fxpipe.errors import SpecError
 from fxpipe.specs.loader import build_model, load_spec
 
 try:
-    from cli_helpers import fxpipe_cli
+    from cli_helpers import REPO, cli_env, fxpipe_cli, fxpipe_in_process
 except ImportError:  # collected as a package
-    from tests.cli_helpers import fxpipe_cli
+    from tests.cli_helpers import REPO, cli_env, fxpipe_cli, fxpipe_in_process
 
 SPEC = """model:
   factory: "fxpipe.examples.gpt:CharGPT"
@@ -119,15 +123,22 @@ def test_factory_that_exits_is_a_spec_error(tmp_path):
 
 
 # ------------------------------------------------------------------------- hostile plan files
+@pytest.fixture(scope="module")
+def plan_json(tmp_path_factory) -> str:
+    """The text of the plan.json `fxpipe plan` writes for SPEC (planned once for the module)."""
+    tmp = tmp_path_factory.mktemp("plan")
+    r = fxpipe_in_process("plan", spec_file(tmp), "--out", tmp / "p")
+    assert r.returncode == 0, r.stderr
+    return (tmp / "p" / "plan.json").read_text()
+
+
 @pytest.mark.parametrize("mutate, words", [
     (lambda d: d.update(num_stages=d["num_stages"] + 1), "num_stages"),
     (lambda d: d.update(microbatches=0), "microbatches"),
     (lambda d: d["stages"].pop(), "num_stages"),
 ])
-def test_inconsistent_plan_json_is_refused(tmp_path, mutate, words):
-    r = fxpipe_cli("plan", spec_file(tmp_path), "--out", tmp_path / "p")
-    assert r.returncode == 0, r.stderr
-    data = json.loads((tmp_path / "p" / "plan.json").read_text())
+def test_inconsistent_plan_json_is_refused(tmp_path, plan_json, mutate, words):
+    data = json.loads(plan_json)
     mutate(data)
     (tmp_path / "bad.json").write_text(json.dumps(data))
     clean_failure(fxpipe_cli("show", tmp_path / "bad.json"), words, "bad.json")
@@ -143,7 +154,7 @@ def test_out_dot_is_refused(tmp_path):
     spec = spec_file(tmp_path)
     (tmp_path / "keep.txt").write_text("mine")
     for args in (["--out", "."], ["--out", ".", "--overwrite"], ["--out", ".."]):
-        clean_failure(fxpipe_cli("run", spec, *args, cwd=tmp_path), "current folder")
+        clean_failure(fxpipe_in_process("run", spec, *args, cwd=tmp_path), "current folder")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["keep.txt", "spec.yaml"]
 
 
@@ -153,12 +164,12 @@ def test_blocked_checkpoint_folder_fails_before_training(tmp_path):
     out = tmp_path / "run"
     out.mkdir()
     (out / "ckpt").write_text("a file in the way")
-    clean_failure(fxpipe_cli("run", spec, "--out", out), "cannot write checkpoints to")
+    clean_failure(fxpipe_in_process("run", spec, "--out", out), "cannot write checkpoints to")
     assert not (out / "losses.csv").exists()  # nothing trained, nothing thrown away
     assert (out / "ckpt").read_text() == "a file in the way"
     spec = spec_file(tmp_path, SPEC.replace("eval_batches: 0",
                                             "eval_batches: 0, checkpoint: {dir: ckpt}"))
-    clean_failure(fxpipe_cli("run", spec, "--out", out), "is a file")
+    clean_failure(fxpipe_in_process("run", spec, "--out", out), "is a file")
 
 
 @pytest.mark.distributed
@@ -206,36 +217,75 @@ class Squatter:
             c.close()
 
 
-def test_single_node_endpoint_on_a_taken_port(tmp_path):
-    squat = Squatter("silent")
+@pytest.fixture(scope="module")
+def held_port_runs(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, float, int]]:
+    """``fxpipe run`` against a rendezvous port another program holds, three ways: a single
+    node whose --rdzv-endpoint is taken (a silent holder), and two-node runs whose endpoint is
+    held by a program that never answers (``silent``) or closes every connection (``close``).
+
+    Each run is a child process (a hang is killed at its deadline) that spends most of its time
+    waiting on the port, so the three start together and overlap; each is timed from its own
+    start to its own exit. Returns, per case, (the finished process, those seconds, the port).
+    """
+    tmp = tmp_path_factory.mktemp("held-ports")
+    single = spec_file(tmp, name="single.yaml")
+    multi = spec_file(tmp, SPEC.replace("cluster: {devices_per_node: 2",
+                                        "cluster: {nodes: 2, devices_per_node: 1").replace(
+        "timeout_s: 20", "timeout_s: 5"), name="multi.yaml")
+    cases = {"taken": ("silent", single, []),
+             "silent": ("silent", multi, ["--nnodes", "2"]),
+             "close": ("close", multi, ["--nnodes", "2"])}
+    started = {}
     try:
-        r = fxpipe_cli("run", spec_file(tmp_path), "--out", tmp_path / "run",
-                       "--rdzv-endpoint", f"127.0.0.1:{squat.port}", timeout=120)
+        for case, (mode, spec, extra) in cases.items():
+            squat = Squatter(mode)
+            logs = [open(tmp / f"{case}.{s}", "w+") for s in ("out", "err")]
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "fxpipe", "run", str(spec), "--out", str(tmp / case),
+                 *extra, "--rdzv-endpoint", f"127.0.0.1:{squat.port}"],
+                stdout=logs[0], stderr=logs[1], text=True, cwd=REPO, env=cli_env())
+            started[case] = (proc, time.monotonic(), squat, logs)
+        took: dict[str, float] = {}
+        deadline = time.monotonic() + 120
+        while len(took) < len(started) and time.monotonic() < deadline:
+            for case, (proc, t0, _, _) in started.items():
+                if case not in took and proc.poll() is not None:
+                    took[case] = time.monotonic() - t0
+            time.sleep(0.02)
     finally:
-        squat.close()
-    clean_failure(r, f"port {squat.port} is taken")
+        for proc, _, squat, _ in started.values():
+            if proc.poll() is None:  # past the deadline: the test of that case fails
+                proc.kill()
+                proc.wait()
+            squat.close()
+    runs = {}
+    for case, (proc, t0, squat, logs) in started.items():
+        for f in logs:
+            f.seek(0)
+        out, err = (f.read() for f in logs)
+        for f in logs:
+            f.close()
+        if case not in took:
+            err += "\n(test: killed, not finished within 120 s)"
+        runs[case] = (subprocess.CompletedProcess(proc.args, proc.returncode, out, err),
+                      took.get(case, math.inf), squat.port)
+    return runs
+
+
+def test_single_node_endpoint_on_a_taken_port(held_port_runs):
+    r, _, port = held_port_runs["taken"]
+    clean_failure(r, f"port {port} is taken")
 
 
 @pytest.mark.parametrize("mode, words", [
     ("silent", "did not answer within 5 s"),
     ("close", "is not reachable or is not an fxpipe/torch store"),
 ])
-def test_multi_node_endpoint_held_by_another_program_ends_in_bounded_time(tmp_path, mode,
+def test_multi_node_endpoint_held_by_another_program_ends_in_bounded_time(held_port_runs, mode,
                                                                             words):
-    import time
-
-    spec = spec_file(tmp_path, SPEC.replace("cluster: {devices_per_node: 2",
-                                            "cluster: {nodes: 2, devices_per_node: 1").replace(
-        "timeout_s: 20", "timeout_s: 5"))
-    squat = Squatter(mode)
-    t0 = time.monotonic()
-    try:
-        r = fxpipe_cli("run", spec, "--out", tmp_path / "run", "--nnodes", "2",
-                       "--rdzv-endpoint", f"127.0.0.1:{squat.port}", timeout=120)
-    finally:
-        squat.close()
+    r, took, _ = held_port_runs[mode]
     clean_failure(r, words)
-    assert time.monotonic() - t0 < 60  # train.timeout_s + the stated probe margin + planning
+    assert took < 60  # train.timeout_s + the stated probe margin + planning
 
 
 def test_comm_errors_lose_their_cpp_locations_and_say_the_peer_went_away():

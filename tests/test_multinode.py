@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import os
 import signal
 import socket
@@ -52,11 +53,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launcher(spec_path: Path, out: Path, endpoint: str, *extra: str, prefix=()):
+def launcher(spec_path: Path, out: Path, endpoint: str, *extra: str, prefix=(),
+             stdout=subprocess.PIPE):
     """Start one node's ``fxpipe run`` (its own process group, so a test can kill the node)."""
     return subprocess.Popen([*prefix, sys.executable, "-m", "fxpipe", "run", str(spec_path),
                              "--out", str(out), "--nnodes", "2", "--rdzv-endpoint", endpoint,
-                             *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             *extra], stdout=stdout, stderr=subprocess.STDOUT,
                             text=True, env=cli_env(), start_new_session=True)
 
 
@@ -105,39 +107,84 @@ def test_two_nodes_train_like_one(tmp_path, single_node):
     assert "launching 2 x 1 worker" in out0 and "launching 2 x 1 worker" in out1
 
 
-def test_nodes_with_different_specs_refuse_to_train(tmp_path):
-    endpoint = f"127.0.0.1:{free_port()}"
-    t0 = time.monotonic()
-    n0 = launcher(spec(tmp_path / "a.yaml"), tmp_path / "n0", endpoint)
-    n1 = launcher(spec(tmp_path / "b.yaml", lr="2.0e-3"), tmp_path / "n1", endpoint)
-    results = finish(n0, n1)
+@pytest.fixture(scope="module")
+def failed_starts(tmp_path_factory) -> dict[str, tuple[list[tuple[int | None, str]], float,
+                                                         list[Path]]]:
+    """Launchers that must end in a clear error before training, started together (each spends
+    most of its time waiting on its peer, so they overlap): ``different_specs``, two nodes
+    whose specs differ in train.lr; ``never_joins``, node 0 of a two-node run whose node 1 is
+    never started; ``wrong_endpoint``, node 1 pointed at a port where nothing listens (the last
+    two with train.timeout_s = 5 s). Each case is timed from its start to the exit of its last
+    launcher; a launcher still running after 240 s is killed (its whole process group).
+    Returns, per case, ([(exit code, output) per launcher], those seconds, [--out folder per
+    launcher])."""
+    tmp = tmp_path_factory.mktemp("failed-starts")
+    ports: set[int] = set()
+    while len(ports) < 3:  # one endpoint per case, none shared by two cases
+        ports.add(free_port())
+    shared, never, wrong = (f"127.0.0.1:{p}" for p in ports)
+    cases = {
+        "different_specs": [(spec(tmp / "a.yaml"), tmp / "a-n0", shared, ()),
+                            (spec(tmp / "b.yaml", lr="2.0e-3"), tmp / "b-n1", shared, ())],
+        "never_joins": [(spec(tmp / "never.yaml", timeout=5), tmp / "never-n0", never, ())],
+        "wrong_endpoint": [(spec(tmp / "wrong.yaml", timeout=5), tmp / "wrong-n1", wrong,
+                            ("--node-rank", "1"))],
+    }
+    started = {}
+    try:
+        for case, nodes in cases.items():
+            logs = [open(tmp / f"{out.name}.log", "w+") for _, out, _, _ in nodes]
+            procs = [launcher(s, out, endpoint, *extra, stdout=log)
+                     for (s, out, endpoint, extra), log in zip(nodes, logs)]
+            started[case] = (procs, time.monotonic(), logs)
+        took: dict[str, float] = {}
+        deadline = time.monotonic() + 240
+        while len(took) < len(started) and time.monotonic() < deadline:
+            for case, (procs, t0, _) in started.items():
+                if case not in took and all(p.poll() is not None for p in procs):
+                    took[case] = time.monotonic() - t0
+            time.sleep(0.02)
+    finally:
+        for procs, _, _ in started.values():
+            for p in procs:
+                if p.poll() is None:  # past the deadline: the test of that case fails
+                    os.killpg(p.pid, signal.SIGKILL)
+                    p.wait()
+    result = {}
+    for case, (procs, _, logs) in started.items():
+        outs = []
+        for p, log in zip(procs, logs):
+            log.seek(0)
+            outs.append((p.returncode, log.read() + ("" if case in took else
+                                                     "\n(test: killed after 240 s)")))
+            log.close()
+        result[case] = (outs, took.get(case, math.inf), [out for _, out, _, _ in cases[case]])
+    return result
+
+
+def test_nodes_with_different_specs_refuse_to_train(failed_starts):
+    results, took, (out0, _) = failed_starts["different_specs"]
     for rc, out in results:
         assert rc == 2, out[-3000:]
         assert "differ: spec.train.lr: 0.002 vs 0.001" in out or \
             "differ: spec.train.lr: 0.001 vs 0.002" in out, out[-3000:]
         assert "Traceback" not in out and "frame #" not in out
-    assert time.monotonic() - t0 < 120
-    assert not (tmp_path / "n0" / "losses.csv").exists()
+    assert took < 120
+    assert not (out0 / "losses.csv").exists()
 
 
-def test_node_that_never_joins(tmp_path):
-    t0 = time.monotonic()
-    p = launcher(spec(tmp_path / "spec.yaml", timeout=5), tmp_path / "n0",
-                 f"127.0.0.1:{free_port()}")
-    ((rc, out),) = finish(p)
+def test_node_that_never_joins(failed_starts):
+    ((rc, out),), took, _ = failed_starts["never_joins"]
     assert rc == 2 and "1 of 2 nodes joined within 5 s" in out, out[-3000:]
     assert "Traceback" not in out and "frame #" not in out
-    assert time.monotonic() - t0 < 60  # planning + train.timeout_s
+    assert took < 60  # planning + train.timeout_s
 
 
-def test_wrong_endpoint(tmp_path):
+def test_wrong_endpoint(failed_starts):
     """Node 1 pointed at a port where nothing listens: a clear error after train.timeout_s."""
-    t0 = time.monotonic()
-    p = launcher(spec(tmp_path / "spec.yaml", timeout=5), tmp_path / "n1",
-                 f"127.0.0.1:{free_port()}", "--node-rank", "1")
-    ((rc, out),) = finish(p)
+    ((rc, out),), took, _ = failed_starts["wrong_endpoint"]
     assert rc == 2 and "is not reachable" in out and "Traceback" not in out, out[-3000:]
-    assert time.monotonic() - t0 < 60
+    assert took < 60
 
 
 def test_node_dying_mid_run_ends_the_other_in_bounded_time(tmp_path):

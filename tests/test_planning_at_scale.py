@@ -6,11 +6,7 @@ gives slower nodes less work."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,7 +16,10 @@ import fxpipe
 from fxpipe.errors import PlanError
 from fxpipe.examples.gpt import CharGPT
 
-REPO = Path(__file__).resolve().parents[1]
+try:
+    from cli_helpers import fxpipe_in_process
+except ImportError:  # collected as a package
+    from tests.cli_helpers import fxpipe_in_process
 
 
 class Probe(nn.Module):
@@ -62,23 +61,20 @@ def test_ops_without_flops_are_priced_by_their_bytes_and_launches():
 
 
 def test_profile_measures_caches_and_the_planner_uses_it(tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(REPO), FXPIPE_CACHE_DIR=str(tmp_path),
-               OMP_NUM_THREADS="1")
+    # `fxpipe profile` and `fxpipe plan` start no workers: run in this process (one thread)
     spec = tmp_path / "spec.yaml"
     spec.write_text("model: {factory: 'fxpipe.examples.gpt:CharGPT', args: {vocab_size: 256, "
                     "block_size: 16, n_layer: 2, n_head: 2, n_embd: 32}}\n"
                     "data: {batch_size: 8, seq_len: 16}\n"
                     "parallel: {pipeline: 2, data: 1, microbatches: 4}\n"
                     "cluster: {devices_per_node: 2, costs: measured}\n")
-    r = subprocess.run([sys.executable, "-m", "fxpipe", "profile", str(spec), "--repeats", "3"],
-                       capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
+    r = fxpipe_in_process("profile", spec, "--repeats", "3", FXPIPE_CACHE_DIR=str(tmp_path))
     assert r.returncode == 0, r.stderr[-2000:]
     assert "total" in r.stdout and "send cost on the sending rank" in r.stdout
     assert "loss cross_entropy on the model output" in r.stdout
     cached = list((tmp_path / "profiles").glob("*.json"))
     assert len(cached) == 3  # the node times, the loss and the send cost
-    r = subprocess.run([sys.executable, "-m", "fxpipe", "plan", str(spec)], capture_output=True,
-                       text=True, env=env, timeout=300, cwd=REPO)
+    r = fxpipe_in_process("plan", spec, FXPIPE_CACHE_DIR=str(tmp_path))
     assert r.returncode == 0, r.stderr[-2000:]
     files = [f.name for f in (tmp_path / "profiles").glob("*.json")]
     # planned from the cache, and the planned stages timed whole (cluster.measure_stages)

@@ -38,14 +38,9 @@ def _run(*args, pythonpath=(), timeout=300):
 
 
 def _plan(name: str, pipeline: int = 2, data: int = 2, microbatches: int = 2, **over):
-    spec = zoo.spec_for(name, pipeline, data, microbatches, "1f1b")
-    for key, value in over.items():
-        section, field = key.split("__")
-        spec[section][field] = value
-    with torch.device("meta"):
-        model = zoo.build(name)
-    args, kwargs, _ = zoo.batch(name, 0)
-    return fxpipe.plan(model, spec, tuple(a[:1] for a in args), {k: v[:1] for k, v in kwargs.items()})
+    """fxpipe's plan under 1F1B, ``over``: ``section__field=value`` spec changes (planned once
+    per configuration: real_models.plan)."""
+    return zoo.plan(name, pipeline, data, microbatches, "1f1b", **over)
 
 
 # ------------------------------------------------------------------ models named in YAML

@@ -14,14 +14,11 @@ import csv
 import io
 import json
 import logging
-import os
 import re
 import shutil
 import subprocess
-import sys
 import tempfile
 from html.parser import HTMLParser
-from pathlib import Path
 
 import pytest
 import torch
@@ -39,7 +36,10 @@ from fxpipe.reports.training_picture import read_training_log, training_figure
 from fxpipe.schedule.timeline import TimelineEvent, event_kind, split_steps
 from fxpipe.units import human_bytes, ms
 
-REPO = Path(__file__).resolve().parents[1]
+try:
+    from cli_helpers import fxpipe_in_process
+except ImportError:  # collected as a package
+    from tests.cli_helpers import fxpipe_in_process
 
 
 def _spec(pipeline: int, layers: int = 4, microbatches: int = 4) -> dict:
@@ -246,34 +246,11 @@ def test_planning_phases_on_a_spinner_line():
 
 
 # ----------------------------------------------------------------------------- one small run
-TINY = """
-model:
-  factory: "fxpipe.examples.gpt:CharGPT"
-  args: {vocab_size: 256, block_size: 32, n_layer: 2, n_head: 2, n_embd: 32}
-data: {batch_size: 8, seq_len: 32}
-parallel: {pipeline: 2, data: 2, microbatches: 2, schedule: 1f1b}
-cluster: {devices_per_node: 4, memory_gb: 2}
-train: {steps: 6, optimizer: adamw, lr: 1.0e-3, seed: 0, log_every: 2, timeout_s: 60,
-        eval_batches: 2}
-output: {dir: tiny-run}
-"""
-
-
-def _cli(*args, timeout=300):
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    env.pop("FXPIPE_DEBUG", None)
-    env.pop("FXPIPE_PROGRESS", None)
-    return subprocess.run([sys.executable, "-m", "fxpipe", *args], capture_output=True,
-                          text=True, cwd=REPO, env=env, timeout=timeout)
-
-
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("reports")
-    spec = tmp / "tiny.yaml"
-    spec.write_text(TINY)
-    out = tmp / "run"
-    r = _cli("run", str(spec), "--out", str(out))
+def run_dir(tiny_run):
+    """The run of conftest.tiny_run (shared with test_cli): 2 stages x 2 replicas, 1F1B, 6
+    steps, a log line every 2 steps, 2 held-out batches."""
+    _, out, r = tiny_run
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return out, r
 
@@ -336,7 +313,7 @@ def test_run_writes_pictures_and_an_offline_report(run_dir):
     # fxpipe report writes it again from the files
     (out / "report.html").unlink()
     (out / "training.svg").unlink()
-    rep = _cli("report", str(out))
+    rep = fxpipe_in_process("report", str(out))
     assert rep.returncode == 0, rep.stderr
     assert (out / "report.html").exists() and (out / "training.svg").exists()
 

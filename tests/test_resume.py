@@ -19,9 +19,9 @@ import torch
 from fxpipe.examples.gpt import CharGPT
 
 try:
-    from cli_helpers import cli_env, fxpipe_cli
+    from cli_helpers import cli_env, fxpipe_cli, fxpipe_in_process
 except ImportError:  # collected as a package
-    from tests.cli_helpers import cli_env, fxpipe_cli
+    from tests.cli_helpers import cli_env, fxpipe_cli, fxpipe_in_process
 
 pytestmark = pytest.mark.distributed
 
@@ -112,7 +112,7 @@ def test_resume_under_another_plan(reference, tmp_path, parallel, devices):
 
 def test_export_loads_into_the_plain_model_strictly(reference, tmp_path):
     _, ref_run, _ = reference
-    r = fxpipe_cli("export", ref_run, tmp_path / "model.pt")
+    r = fxpipe_in_process("export", ref_run, tmp_path / "model.pt")
     assert r.returncode == 0, r.stderr
     assert f"after step {STEPS}" in r.stdout
     state = torch.load(tmp_path / "model.pt", weights_only=True)
@@ -125,20 +125,20 @@ def test_export_loads_into_the_plain_model_strictly(reference, tmp_path):
     for (n, p), (_, q) in zip(model.state_dict().items(), same.state_dict().items()):
         assert torch.equal(p, q), n
     # errors: no run folder, a damaged checkpoint, a folder as the output
-    assert "no plan.json" in fxpipe_cli("export", tmp_path, tmp_path / "x.pt").stderr
-    r = fxpipe_cli("export", ref_run, tmp_path)
+    assert "no plan.json" in fxpipe_in_process("export", tmp_path, tmp_path / "x.pt").stderr
+    r = fxpipe_in_process("export", ref_run, tmp_path)
     assert r.returncode == 2 and "is a folder" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_resume_errors_are_clean(reference, tmp_path):
     spec, ref_run, _ = reference
-    r = fxpipe_cli("run", spec, "--resume", ref_run)  # already at train.steps
+    r = fxpipe_in_process("run", spec, "--resume", ref_run)  # already at train.steps
     assert r.returncode == 2 and "nothing left to train" in r.stderr and "Traceback" not in r.stderr
     empty = tmp_path / "empty"
     empty.mkdir()
-    r = fxpipe_cli("run", spec, "--resume", empty)
+    r = fxpipe_in_process("run", spec, "--resume", empty)
     assert r.returncode == 2 and "holds no checkpoint" in r.stderr
-    r = fxpipe_cli("run", spec, "--resume", ref_run, "--out", tmp_path / "elsewhere")
+    r = fxpipe_in_process("run", spec, "--resume", ref_run, "--out", tmp_path / "elsewhere")
     assert r.returncode == 2 and "drop --out" in r.stderr
 
 
