@@ -307,3 +307,17 @@ def test_slower_nodes_get_less_work():
     assert _norms_per_stage(plan)[1] < _norms_per_stage(same)[1]
     note = next(e for e in plan.explain if e.startswith("placement"))
     assert "sit on nodes 0, 1" in note and "node speeds 0.02, 0.005 TFLOP/s" in note
+
+
+def test_a_pin_that_cannot_hold_is_not_blamed_on_memory():
+    """Pinning the first layer to the last stage fails for the pin, not for memory: the answer
+    says so and gives no memory advice (it said 'nothing fits device memory')."""
+    model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)])
+    fxpipe.annotate(model[0], stage=1)
+    spec = {"model": {"factory": "x:y"}, "data": {"batch_size": 8},
+            "parallel": {"pipeline": 2, "data": 1, "microbatches": 2, "schedule": "1f1b"},
+            "cluster": {"devices_per_node": 2}}
+    with pytest.raises(PlanError) as e:
+        fxpipe.plan(model, spec, (torch.randn(4, 64),))
+    text = str(e.value)
+    assert "pinned to stage 1" in text and "memory" not in text and "what would fit" not in text

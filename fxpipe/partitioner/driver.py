@@ -855,6 +855,9 @@ def _nothing_fits(pr: Priced, spec: ParallelSpec, failed: list) -> PlanError:
                                   held, scale * pr.batch, False)
                 text += f" ({note})"
             lines.append(f"{c.label()}: {text}")
+    if not any(w in line for line in lines for w in ("memory", "device has", "device's")):
+        # a pin, a pipe_split() marker or the number of units: memory is not what failed
+        return PlanError("no feasible plan:\n  " + "\n  ".join(lines))
     need = sum(pr.table.params) * OPTIMIZER_STATE_FACTOR[spec.train.optimizer]
     cap = spec.cluster.memory_gb * 1e9
     stages = int(np.ceil(need / cap))
