@@ -321,3 +321,45 @@ def test_a_pin_that_cannot_hold_is_not_blamed_on_memory():
         fxpipe.plan(model, spec, (torch.randn(4, 64),))
     text = str(e.value)
     assert "pinned to stage 1" in text and "memory" not in text and "what would fit" not in text
+
+
+class _Marked(nn.Module):
+    """10 identical blocks; ``pipe_split()`` after block ``after``, or (None) a head and the
+    marker after it."""
+
+    def __init__(self, after):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(64, 64) for _ in range(10))
+        self.head = nn.Linear(64, 8)
+        self.after = after
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            x = torch.relu(layer(x))
+            if i == self.after:
+                fxpipe.pipe_split()
+        if self.after is None:
+            x = self.head(x)
+            fxpipe.pipe_split()
+        return x
+
+
+@pytest.mark.parametrize("after", [1, None])
+def test_the_two_block_trace_warns_only_about_the_model(after):
+    """A marker after block 1 is 'after the last computation' of the two blocks traced to fold
+    the run, not of the model: no warning (there was one, and the marker was honoured). A
+    marker after the model's last computation is still said to be ignored."""
+    import warnings
+    spec = {"model": {"factory": "x:y"}, "data": {"batch_size": 8},
+            "parallel": {"pipeline": 2, "data": 1, "microbatches": 2, "schedule": "1f1b"},
+            "cluster": {"devices_per_node": 2}}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan = fxpipe.plan(_Marked(after), spec, (torch.randn(4, 64),))
+    said = [str(w.message) for w in caught if "after the last computation" in str(w.message)]
+    if after == 1:
+        assert said == [] and "honoured 1 pipe_split() marker" in " ".join(plan.explain)
+        assert plan.stages[0].params == ["layers.0.weight", "layers.0.bias",
+                                         "layers.1.weight", "layers.1.bias"]
+    else:
+        assert said, "the ignored marker after the head is not reported"

@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import logging
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -892,6 +893,12 @@ def _check_compression_rank(model: nn.Module, spec: ParallelSpec) -> None:
 REFINE_BUDGET_S = 60.0
 
 
+def _warn_again(caught: list) -> None:
+    """Issue again the warnings that ``warnings.catch_warnings(record=True)`` held back."""
+    for w in caught:
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+
+
 def _loss_unit(pr: Priced) -> int | None:
     """The unit of ``pr.table`` whose times include the loss's, or None."""
     if pr.loss_at is None or pr.loss.total_s <= 0:
@@ -1144,13 +1151,22 @@ def _plan_with_graph(model: nn.Module, spec: ParallelSpec, example_inputs: Any,
             _progress.info("pricing %d nodes", len(traced.gm.graph.nodes))
             costs = price(traced)
             times, loss = _node_times(traced, costs, spec, real, _tensor_inputs(a, kw))
-        pg = build_graph(traced, costs)
+        with warnings.catch_warnings(record=True) as held:
+            warnings.simplefilter("always")
+            pg = build_graph(traced, costs)
         pr = Priced(traced, costs, times, pg, _cheap_values(pg, spec), _send_cost(spec), size,
                     loss=loss, loss_at=loss_node(traced, costs) if loss.total_s > 0 else None)
         if short:
             pr.table = fold(pg, run, pr.table.times, pr.cheap)
+            held_back[:] = held  # said only where the fold stands (see priced)
+        else:
+            _warn_again(held)
         return pr
 
+    # the two-block trace's warnings are about the model only where the fold stands (a
+    # pipe_split() after block 1 is "after the last computation" of two blocks); else the full
+    # trace is planned and warns for itself
+    held_back: list = []
     unfolded: list[str] = []  # why a run of identical blocks was not planned as blocks
     checked: list[bool] = []  # the full model ran once and repeats as the fold assumes
 
@@ -1168,6 +1184,7 @@ def _plan_with_graph(model: nn.Module, spec: ParallelSpec, example_inputs: Any,
                                 {k: _resize(v, 1) for k, v in kwargs.items()})
                 checked.append(why is None)
             if why is None:
+                _warn_again(held_back)
                 return pr
             unfolded.append(
                 f"not planned as blocks: {run.count} identical {run.prefix or 'top-level '}* "
