@@ -315,6 +315,9 @@ def test_an_interrupt_during_side_by_side_timing_leaves_no_thread_on_the_model()
     cut = {n: (0 if i < 2 else 1) for i, n in enumerate(names)}
     bn = [b.clone() for b in tr.gm.buffers()]
     alive = threading.active_count()
+    # Ctrl-C raises KeyboardInterrupt here whatever an earlier test in this process left
+    # installed (the full suite's order left a handler that did not raise)
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)
     ctrl_c = threading.Timer(0.4, signal.pthread_kill, (threading.main_thread().ident,
                                                       signal.SIGINT))
     ctrl_c.start()
@@ -326,6 +329,7 @@ def test_an_interrupt_during_side_by_side_timing_leaves_no_thread_on_the_model()
     finally:
         ctrl_c.cancel()
         ctrl_c.join()
+        signal.signal(signal.SIGINT, handler)
     for _ in range(200):  # a stopped thread's last instructions after its work is done
         if threading.active_count() == alive:
             break
