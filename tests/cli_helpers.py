@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -55,6 +56,7 @@ def fxpipe_in_process(*args, cwd=None, **env: str) -> subprocess.CompletedProces
                              "fxpipe_cli (a child process) instead")
 
     saved_env, saved_cwd, threads = dict(os.environ), os.getcwd(), torch.get_num_threads()
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     py_out, py_err = io.StringIO(), io.StringIO()
     with tempfile.TemporaryFile() as fd_out, tempfile.TemporaryFile() as fd_err:
         sys.stdout.flush()
@@ -83,6 +85,9 @@ def fxpipe_in_process(*args, cwd=None, **env: str) -> subprocess.CompletedProces
             os.environ.clear()
             os.environ.update(saved_env)
             torch.set_num_threads(threads)
+            for sig, handler in handlers.items():  # what the command installed goes
+                if handler is not None:
+                    signal.signal(sig, handler)
         fd_out.seek(0)
         fd_err.seek(0)
         out = py_out.getvalue() + fd_out.read().decode(errors="replace")
