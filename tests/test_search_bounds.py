@@ -17,6 +17,11 @@ from fxpipe.schedule.lowering import build_schedule
 from fxpipe.schedule.simulate import Links, StageCosts, simulate
 from fxpipe.specs.loader import load_spec
 
+try:
+    from schedule_reference import list_schedule_definition
+except ImportError:  # collected as a package
+    from tests.schedule_reference import list_schedule_definition
+
 
 def _spec(nodes, per_node, batch, schedule="auto"):
     return load_spec({
@@ -111,60 +116,12 @@ def test_placement_shortcuts_agree_with_every_replica(layout):
                                 x != y for x, y in zip(nodes[a], nodes[b])) else 100)
 
 
-def _list_schedule_reference(p, m, limit, f_s, b_s, w_s):
-    """The ZB-V greedy order, every rank re-examined for each action (the definition)."""
-    from fxpipe.schedule.actions import Action, Op
-    s2r = stage_to_rank("zb-v", p, 2 * p)
-    n = len(s2r)
-    own = [[s for s in range(n) if s2r[s] == r] for r in range(p)]
-    done, t = {}, [0.0] * p
-    nextf, nextb, pendw, held = [0] * n, [0] * n, [[] for _ in range(p)], [0] * p
-    acts = [[] for _ in range(p)]
-    for _ in range(3 * n * m):
-        best = None
-        for r in range(p):
-            cands = []
-            for s in own[r]:
-                i = nextb[s]
-                if i < m and (Op.F, s, i) in done:
-                    dep = done[(Op.F, s, i)] if s == n - 1 else done.get((Op.B, s + 1, i))
-                    if dep is not None:
-                        cands.append((max(t[r], dep), 0, s, Op.B, s, i))
-                i = nextf[s]
-                if i < m and held[r] < limit:
-                    dep = 0.0 if s == 0 else done.get((Op.F, s - 1, i))
-                    if dep is not None:
-                        cands.append((max(t[r], dep), 1, -s, Op.F, s, i))
-            if pendw[r]:
-                s, i = pendw[r][0]
-                cands.append((t[r], 2, -s, Op.W, s, i))
-            if cands:
-                c = min(cands)
-                if best is None or (c[0], r) < (best[1][0], best[0]):
-                    best = (r, c)
-        if best is None:
-            return None
-        r, (start, _, _, op, s, i) = best
-        t[r] = start + {Op.F: f_s, Op.B: b_s, Op.W: w_s}[op]
-        done[(op, s, i)] = t[r]
-        acts[r].append(Action(op, s, i))
-        if op is Op.F:
-            nextf[s] += 1
-            held[r] += 1
-        elif op is Op.B:
-            nextb[s] += 1
-            pendw[r].append((s, i))
-        else:
-            pendw[r].pop(0)
-            held[r] -= 1
-    return acts
-
-
 def test_incremental_list_schedule_gives_the_reference_order():
     for p in (1, 2, 3, 4, 7):
         for m in (1, 2, 5, 9):
             for costs in ((1.0, 1.0, 1.0), (0.5, 1.3, 0.7), (2.0, 1.0, 0.1)):
-                ref = _list_schedule_reference(p, m, 2 * p, *costs)
+                ref = list_schedule_definition(p, m, stage_to_rank("zb-v", p, 2 * p),
+                                               2 * p, *costs)
                 got = _list_schedule("zb-v", p, m, stage_to_rank("zb-v", p, 2 * p), 2 * p,
                                      *costs)
                 assert got.actions == ref, (p, m, costs)
