@@ -13,7 +13,7 @@ picks for the same layout under three cost models:
   ``device_tflops`` and bytes / ``memory_GBps``, plus ``op_overhead_us`` per op), planned
   without any profile in the cache (so the default send cost too);
 * **measured**: ``cluster.costs: measured``: the planner profiles every node of the model on
-  this machine (one thread, as a worker rank runs) and the send cost over two gloo ranks
+  this machine (one thread, as a worker rank runs) and what a send costs two busy gloo ranks
   (:func:`fxpipe.training.profiling.measure_send_cost`), into a cache directory of this run;
   then (``cluster.measure_stages``, the default) it times the planned cut's stages whole,
   moves the cut where they disagree with the per-node sums, and times the near ties (cuts
@@ -826,7 +826,7 @@ def report(results: list[ModelResult], args, note: str, wall: float, cache_note:
         "the pre-issue-9 model), **analytic** (`costs: analytic` with the defaults: roofline "
         "of FLOPs and bytes plus a per-op cost, no profile in the cache) and **measured** "
         "(`costs: measured`: the planner profiles every node on this machine with one thread, "
-        "and the send cost over two gloo ranks; then, `cluster.measure_stages` (the default), "
+        "and what a send costs two busy gloo ranks (sender and receiver, one message per tensor); then, `cluster.measure_stages` (the default), "
         "it times the planned cut's stages whole, side by side (one thread per rank, as the "
         "two ranks share this CPU), moves the cut where they disagree with the per-node "
         "sums, and times up to 3 near ties (cuts moving one boundary that come within 3% of "
@@ -892,8 +892,11 @@ def report(results: list[ModelResult], args, note: str, wall: float, cache_note:
         lines += [f"Predicted (measured costs; analytic beside) vs measured per-stage times of "
                   f"the measured pick `{pick.label}`, ms per micro-batch (F: forward, B: "
                   "backward, each the executor's mean action time in the "
-                  f"{'head-to-head' if pick.final else 'screen'} run; send: one send on the "
-                  "sending rank; F+B plan: the measured-cost plan's own stage times, which "
+                  f"{'head-to-head' if pick.final else 'screen'} run; send pred: what one "
+                  "send action costs in the plan (measured between busy ranks: the sender's "
+                  "staging and the receiver's reading, charged to the sender); send meas: the "
+                  "executor's SEND action alone (the sender's staging, without the receiver's "
+                  "share); F+B plan: the measured-cost plan's own stage times, which "
                   "`cluster.measure_stages` took from its stages timed whole, side by side):",
                   "", stage_table(r, 2), "",
                   f"The measured-cost plan's refinement: {r.refine_notes.get(2) or 'none'}", "",

@@ -70,7 +70,7 @@ def test_profile_measures_caches_and_the_planner_uses_it(tmp_path):
                     "cluster: {devices_per_node: 2, costs: measured}\n")
     r = fxpipe_in_process("profile", spec, "--repeats", "3", FXPIPE_CACHE_DIR=str(tmp_path))
     assert r.returncode == 0, r.stderr[-2000:]
-    assert "total" in r.stdout and "send cost on the sending rank" in r.stdout
+    assert "total" in r.stdout and "what one send costs two busy ranks" in r.stdout
     assert "loss cross_entropy on the model output" in r.stdout
     cached = list((tmp_path / "profiles").glob("*.json"))
     assert len(cached) == 3  # the node times, the loss and the send cost

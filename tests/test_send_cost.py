@@ -1,5 +1,5 @@
-"""What a send costs the sending rank: measured points interpolated (gloo's cost is far from
-linear in the size), and gradient sends priced by the gradients a stage sends back (the last
+"""What a send costs: measured between two busy ranks, points interpolated (gloo's cost is far
+from linear in the size), one message per tensor, and gradient sends priced by the gradients a stage sends back (the last
 stage of a pipeline sends only those), in the simulator, the search and the plan."""
 
 from __future__ import annotations
@@ -56,3 +56,41 @@ def test_plan_prices_the_last_stage_gradient_send(tmp_path, monkeypatch):
     assert costs_from_plan(plan).grad_send_s[1] == last.grad_send_time_s
     again = type(plan).from_dict(plan.to_dict())
     assert again.stages[1].grad_send_time_s == last.grad_send_time_s
+
+
+def test_each_tensor_on_an_edge_is_its_own_message():
+    from fxpipe.partitioner.driver import edge_send_times
+
+    c = SendCost(1e-3, 1e9)  # 1 ms per message plus 1 ns per byte
+    one, two = 1e-3 + 1e-4, 2e-3 + 1e-4
+    # stage 0 sends one 100 kB tensor to stage 1 and two 50 kB ones to stage 2: per SEND action,
+    # the mean over its edges of the summed messages
+    got = edge_send_times({(0, 1): [1e5], (0, 2): [5e4, 5e4], (1, 2): [1e5]}, 3, c)
+    assert got == pytest.approx([(one + two) / 2, one, 0.0])
+
+
+def test_the_cost_of_bigger_messages_never_falls():
+    from fxpipe.training.profiling import _non_decreasing
+
+    assert _non_decreasing([3.0, 1.0, 2.0, 5.0, 4.0]) == pytest.approx([2.0, 2.0, 2.0, 4.5, 4.5])
+    assert _non_decreasing([1.0, 2.0]) == [1.0, 2.0]
+
+
+def test_send_cost_is_measured_between_busy_ranks_and_cached(tmp_path, monkeypatch):
+    from fxpipe.partitioner.profile import SEND_METHOD, load_send_cost, send_cost_path
+    from fxpipe.training.profiling import measure_send_cost
+
+    monkeypatch.setenv("FXPIPE_CACHE_DIR", str(tmp_path))
+    cost = measure_send_cost("cpu", sizes=[4096, 1 << 20], iters=4, rounds=2)
+    ys = [t for _, t in cost.points]
+    assert [b for b, _ in cost.points] == [4096, 1 << 20]
+    assert all(t >= 0 for t in ys) and ys == sorted(ys)
+    back = load_send_cost("cpu")
+    assert back is not None and back.points == cost.points and back.method == SEND_METHOD
+    # a cache measured another way (an older fxpipe's idle ping-pong) is not used
+    import json
+
+    d = json.loads(send_cost_path("cpu").read_text())
+    del d["method"]
+    send_cost_path("cpu").write_text(json.dumps(d))
+    assert load_send_cost("cpu") is None

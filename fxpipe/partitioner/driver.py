@@ -161,8 +161,9 @@ def _node_table(pr: "Priced") -> UnitTable:
 
 
 def _send_cost(spec: ParallelSpec) -> SendCost:
-    """What a send costs the sending rank: measured by ``fxpipe profile`` when cached, else on
-    CPU (gloo copies in the sender's thread) a fixed overhead plus the bytes at memory speed,
+    """What a send costs, charged to the sending rank: measured by ``fxpipe profile`` when
+    cached (sender and receiver on busy ranks), else on CPU (gloo copies in the sender's
+    thread) a fixed overhead plus the bytes at memory speed,
     and nothing on CUDA (NCCL works on the device)."""
     measured = load_send_cost(spec.cluster.device)
     if measured is not None:
@@ -349,8 +350,6 @@ def _assemble(pr: Priced, result: PartitionResult, cand: Candidate, spec: Parall
         tj = sum_times(times, nodes).scaled(scale * slow[j])
         if cand.recompute:  # the backward runs the forward again first
             tj = NodeTimes(tj.fwd_s, tj.fwd_s + tj.bwd_input_s, tj.bwd_weight_s)
-        sends = [scale * bounds.values[o].nbytes for o in sb.outputs
-                 for _ in bounds.values[o].consumers]
         loss_s = (pr.loss.total_s * scale * slow[j] if pr.loss.total_s > 0
                   and j == cand.num_stages - 1 else 0.0)
         stages.append(StagePlan(
@@ -363,7 +362,6 @@ def _assemble(pr: Priced, result: PartitionResult, cand: Candidate, spec: Parall
             time_s=tj.total_s + result.comm_s[j], memory_bytes=int(result.memory_bytes[j]),
             fwd_time_s=tj.fwd_s, bwd_input_time_s=tj.bwd_input_s,
             bwd_weight_time_s=tj.bwd_weight_s,
-            send_time_s=sum(pr.send.seconds(b) for b in sends) / max(1, len(sends)),
             recompute=cand.recompute, loss_time_s=float(loss_s),
         ))
     values = {k: dataclasses.replace(v, nbytes=0 if k in cheap else int(v.nbytes * scale))
@@ -380,7 +378,7 @@ def _assemble(pr: Priced, result: PartitionResult, cand: Candidate, spec: Parall
         explain=list(explain), spec=spec.model_dump(mode="json"), recomputed=recomputed,
         placement=cand.layout,
     )
-    _set_grad_send_times(plan, pr.send)
+    _set_send_times(plan, pr.send)
     plan.predicted = predict(plan)
     return plan
 
@@ -441,22 +439,31 @@ def _unit_prefix(pr: Priced) -> np.ndarray:
     return np.concatenate([np.zeros((3, 1)), np.cumsum(arr, axis=1)], axis=1)
 
 
-def grad_send_times(grad_edges: dict[tuple[int, int], float], num_stages: int,
+def edge_send_times(messages: dict[tuple[int, int], list[float]], num_stages: int,
                     send: SendCost) -> list[float]:
-    """Per stage, what one gradient send (SEND_B) costs its rank: the mean over the edges it
-    sends gradients back on (``{(producer, consumer): bytes}``) of the send cost of their
-    bytes; 0 for a stage that sends none."""
+    """Per stage, what one of its SEND actions costs: the mean over the edges it sends on
+    (``{(sender, receiver): [bytes of each tensor]}``) of the send costs of the edge's tensors,
+    summed (the runtime sends each tensor as its own message); 0 for a stage that sends none."""
     out: list[list[float]] = [[] for _ in range(num_stages)]
-    for (_, cs), nbytes in grad_edges.items():
-        out[cs].append(send.seconds(nbytes))
+    for (s, _), sizes in messages.items():
+        out[s].append(sum(send.seconds(b) for b in sizes))
     return [sum(x) / len(x) if x else 0.0 for x in out]
 
 
-def _set_grad_send_times(plan: Plan, send: SendCost) -> None:
-    """Fill each stage's ``grad_send_time_s`` from the plan's gradient edges."""
-    _, grad = plan.edge_bytes()
-    for st, t in zip(plan.stages, grad_send_times(grad, len(plan.stages), send)):
-        st.grad_send_time_s = t
+def _set_send_times(plan: Plan, send: SendCost) -> None:
+    """Fill each stage's ``send_time_s`` and ``grad_send_time_s`` from the plan's edges (a
+    gradient goes back from the consumer to the producer of a value)."""
+    fwd: dict[tuple[int, int], list[float]] = {}
+    grad: dict[tuple[int, int], list[float]] = {}
+    for (ps, cs), names in plan.stage_edges().items():
+        fwd[(ps, cs)] = [plan.values[n].nbytes for n in names]
+        g = [plan.values[n].nbytes for n in names if plan.values[n].requires_grad]
+        if g:
+            grad[(cs, ps)] = g
+    n = len(plan.stages)
+    for st, f, g in zip(plan.stages, edge_send_times(fwd, n, send),
+                        edge_send_times(grad, n, send)):
+        st.send_time_s, st.grad_send_time_s = f, g
 
 
 @functools.lru_cache(maxsize=4)
@@ -480,32 +487,34 @@ def _simulate_cut(pr: Priced, prefix: np.ndarray, problem: CutProblem,
     if cand.recompute:
         per = [np.array([x[0], x[0] + x[1], x[2]]) for x in per]
     stage_of = result.stage_of()
-    fwd: dict[tuple[int, int], float] = {}
-    grad: dict[tuple[int, int], float] = {}
+    fwd: dict[tuple[int, int], list[float]] = {}
+    grad: dict[tuple[int, int], list[float]] = {}  # keyed by (sender of the gradient, receiver)
     for v in problem.values:
         if v.producer < 0:
             continue
         ps = stage_of[v.producer]
         for cs in sorted({stage_of[u] for u in v.users} - {ps}):
-            fwd[(ps, cs)] = fwd.get((ps, cs), 0.0) + v.nbytes
+            fwd.setdefault((ps, cs), []).append(v.nbytes)
             if v.grad:
-                grad[(ps, cs)] = grad.get((ps, cs), 0.0) + v.nbytes
+                grad.setdefault((cs, ps), []).append(v.nbytes)
     factor = OPTIMIZER_STATE_FACTOR[spec.train.optimizer]
     costs = StageCosts([float(x[0]) for x in per], [float(x[1]) for x in per],
                        [float(x[2]) for x in per],
                        activation_bytes=[int(b) for b in result.saved_bytes],
                        static_bytes=[int(b * factor) for b in result.param_bytes],
-                       send_s=[pr.send.seconds(result.send_bytes[j]) for j in range(len(per))],
-                       grad_send_s=grad_send_times(grad, len(per), pr.send))
+                       send_s=edge_send_times(fwd, len(per), pr.send),
+                       grad_send_s=edge_send_times(grad, len(per), pr.send))
+    fwd_bytes = {e: sum(v) for e, v in fwd.items()}
+    grad_bytes = {(ps, cs): sum(v) for (cs, ps), v in grad.items()}
     sched = _full_schedule(cand.schedule, cand.pipeline, cand.microbatches,
-                           cand.virtual_stages, frozenset(fwd), frozenset(grad))
+                           cand.virtual_stages, frozenset(fwd_bytes), frozenset(grad_bytes))
     cl = spec.cluster
     servers = cl.parameter_servers if spec.train.updates == "async" else 0
     links = Links.from_cluster(cand.pipeline, cand.dp, cl.nodes, cl.devices_per_node,
                                cl.links.intra_node_GBps, cl.links.inter_node_GBps,
                                cl.links.latency_s, cand.layout, servers)
-    return simulate(sched, costs, fwd, links, dp=cand.dp, allreduce_bytes=list(
-        result.param_bytes), grad_edge_bytes=grad, check=False, timeline=False,
+    return simulate(sched, costs, fwd_bytes, links, dp=cand.dp, allreduce_bytes=list(
+        result.param_bytes), grad_edge_bytes=grad_bytes, check=False, timeline=False,
         server_bytes=even_server_bytes(list(result.param_bytes), servers) if servers else None)
 
 
@@ -578,7 +587,6 @@ def _assemble_folded(pr: Priced, result: PartitionResult, cand: Candidate, spec:
             time_s=float(f_s + bi_s + bw_s) + result.comm_s[j],
             memory_bytes=int(result.memory_bytes[j]), fwd_time_s=float(f_s),
             bwd_input_time_s=float(bi_s), bwd_weight_time_s=float(bw_s),
-            send_time_s=pr.send.seconds(result.send_bytes[j]),
             recompute=cand.recompute,
             loss_time_s=float(pr.loss.total_s * slow[j]) if j == cand.num_stages - 1 else 0.0,
         ))
@@ -610,7 +618,7 @@ def _assemble_folded(pr: Priced, result: PartitionResult, cand: Candidate, spec:
         folded=record, placement=cand.layout,
     )
     problem = _cut_problem(pr, spec, cand, 1.0)
-    _set_grad_send_times(plan, pr.send)
+    _set_send_times(plan, pr.send)
     plan.predicted = _simulate_cut(pr, prefix, problem, result, cand, spec, 1.0).predicted()
     return plan
 

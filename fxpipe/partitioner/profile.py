@@ -45,7 +45,7 @@ from fxpipe.runtime.precision import autocast_dtype
 
 __all__ = ["cache_dir", "profile_key", "profile_graph", "load_profile", "save_profile",
            "PROFILE_FORMAT", "profile_loss", "loss_key", "load_loss_profile", "save_loss_profile",
-           "SendCost", "load_send_cost", "send_cost_path", "kept_state",
+           "SEND_METHOD", "SendCost", "load_send_cost", "send_cost_path", "kept_state",
            "like_a_rank"]
 
 
@@ -499,18 +499,24 @@ def profile_loss(loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     return NodeTimes(statistics.median(f), statistics.median(b), 0.0)
 
 
+#: how the cached send cost was measured; a cache written another way is measured again
+SEND_METHOD = "busy-pair-v1"
+
+
 class SendCost:
-    """Sender-side seconds of one point-to-point message: ``overhead_s + nbytes / rate_Bps``,
+    """Seconds one point-to-point message costs the pipeline: ``overhead_s + nbytes / rate_Bps``,
     or, where measured ``points`` (``[(bytes, seconds)]``, ascending bytes) are given, their
     piecewise-linear interpolation (the time of the smallest size below it; beyond the largest,
-    its time plus the extra bytes at ``rate_Bps``). Gloo's sender cost is far from linear
-    (about constant up to a few hundred KiB, then several times steeper): one straight line
-    fitted to 4 KiB .. 16 MiB misprices the small messages a pipeline of small stages sends."""
+    its time plus the extra bytes at ``rate_Bps``). Measured (``fxpipe profile``) it is what the
+    sender staging the bytes and the receiver reading them take from two busy ranks' compute
+    (gloo on CPU), far from linear in the size; the simulator charges it to the send. ``method``:
+    how it was measured (:data:`SEND_METHOD`), None for a default."""
 
     def __init__(self, overhead_s: float, rate_Bps: float,
-                 points: list[tuple[float, float]] | None = None):
+                 points: list[tuple[float, float]] | None = None, method: str | None = None):
         self.overhead_s, self.rate_Bps = float(overhead_s), float(rate_Bps)
         self.points = sorted((float(b), float(t)) for b, t in points) if points else None
+        self.method = method
 
     def seconds(self, nbytes: float) -> float:
         """Sender-side seconds of one message of ``nbytes`` bytes (0 bytes: no message)."""
@@ -528,6 +534,8 @@ class SendCost:
         d: dict = {"overhead_s": self.overhead_s, "rate_Bps": self.rate_Bps}
         if self.points:
             d["points"] = [list(p) for p in self.points]
+        if self.method:
+            d["method"] = self.method
         return d
 
 
@@ -537,9 +545,12 @@ def send_cost_path(device: str) -> Path:
 
 
 def load_send_cost(device: str) -> SendCost | None:
-    """The measured send cost (``fxpipe profile`` writes it), or None."""
+    """The measured send cost (``fxpipe profile`` writes it), or None (also for one measured
+    another way, by an older fxpipe)."""
     try:
         d = json.loads(send_cost_path(device).read_text())
+        if d.get("method") != SEND_METHOD:
+            return None
         (overhead,) = _seconds([d["overhead_s"]])
         rate = float(d["rate_Bps"])
         if not rate > 0:  # inf: a backend whose sender only enqueues
@@ -547,6 +558,6 @@ def load_send_cost(device: str) -> SendCost | None:
         points = [(float(b), *_seconds([t])) for b, t in d.get("points") or []]
         if not all(np.isfinite(b) and b >= 0 for b, _ in points):
             raise ValueError("points are (bytes, seconds)")
-        return SendCost(overhead, rate, points or None)
+        return SendCost(overhead, rate, points or None, SEND_METHOD)
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None

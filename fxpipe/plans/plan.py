@@ -57,8 +57,9 @@ class StagePlan:
             of the micro-batches the schedule keeps in flight on this stage).
         fwd_time_s / bwd_input_time_s / bwd_weight_time_s: predicted seconds per micro-batch of
             the forward, the input gradients (B) and the weight gradients (W).
-        send_time_s: seconds one send of this stage costs the sending rank (gloo on CPU copies
-            in the sender's thread), per send action.
+        send_time_s: seconds one send action of this stage costs, charged to the sending rank:
+            with a measured send cost (gloo on CPU), what the sender staging the bytes and the
+            receiver reading them take from busy ranks, one message per tensor.
         grad_send_time_s: the same per gradient send (SEND_B: the input gradients the stage
             sends back, sized by those gradients); None: ``send_time_s``.
         recompute: activation recomputation: the stage keeps only its inputs per micro-batch in

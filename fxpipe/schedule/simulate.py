@@ -6,8 +6,9 @@ timeline and the measured one have the same actions. Semantics:
 * each rank runs its list in order; F/B/W take the stage's forward / input-gradient /
   weight-gradient seconds (when the backward is not split, B takes input + weight seconds);
 * SEND occupies the sender's own thread for ``StageCosts.send_s[stage]`` seconds (host-side
-  staging: gloo on CPU moves the bytes in the sending rank's thread; about 0 with NCCL, the
-  default when ``send_s`` is None), then returns (non-blocking); the transfer starts after that,
+  staging: gloo on CPU moves the bytes in the sending rank's thread, and the receiver's gloo
+  thread reads them on its CPU, both taken from compute: a measured send cost holds both, charged
+  here to the sender; about 0 with NCCL, the default when ``send_s`` is None), then returns (non-blocking); the transfer starts after that,
   when the link between the two ranks is free, and arrives ``latency + bytes / bandwidth`` later
   (one transfer at a time per directed rank pair);
 * RECV blocks until the matching SEND's data has arrived;
@@ -69,8 +70,9 @@ class StageCosts:
             state (default 0).
         step_s: optimizer-step seconds per rank (default 0).
         send_s: seconds the sending rank's own thread is occupied per SEND_F / SEND_B action of
-            the stage (host-side staging: copying the bytes into gloo's buffers on CPU; about 0
-            with NCCL, where the copy is on the device). None: 0 (sends free for the sender).
+            the stage (host-side staging: copying the bytes into gloo's buffers on CPU, and, in a
+            measured cost, the receiver's share; about 0 with NCCL, where the copy is on the
+            device). None: 0 (sends free for the sender).
             Not counted as compute busy time.
         grad_send_s: the same per SEND_B action (the input gradients a stage sends back to its
             producers, sized by those gradients, not by its forward outputs). None: ``send_s``.

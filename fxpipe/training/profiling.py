@@ -4,8 +4,8 @@ Builds the spec's model with real weights on ``cluster.device``, traces it at th
 micro-batch size, times every node's forward, input-gradient and weight-gradient
 (:func:`fxpipe.partitioner.profile.profile_graph`: warm-up, repeats, median) and the loss on the
 model's output (:mod:`fxpipe.partitioner.loss_cost`), caches the times (keyed by graph, shapes,
-dtype, device, torch version), measures what a send costs the sending
-rank over two local ranks (CPU: gloo), and prints the slowest modules and the totals. Later
+dtype, device, torch version), measures what a send costs two busy local
+ranks (CPU: gloo), and prints the slowest modules and the totals. Later
 plans of the spec with ``cluster.costs: measured`` read the cache.
 """
 
@@ -23,8 +23,8 @@ from fxpipe.data.batches import example_microbatch
 from fxpipe.errors import PlanError
 from fxpipe.partitioner.driver import as_spec, tracing_model
 from fxpipe.partitioner.loss_cost import measured_loss_times
-from fxpipe.partitioner.profile import (SendCost, profile_graph, profile_key, save_profile,
-                                        send_cost_path)
+from fxpipe.partitioner.profile import (SEND_METHOD, SendCost, profile_graph, profile_key,
+                                        save_profile, send_cost_path)
 from fxpipe.partitioner.trace import module_path_of, trace
 from fxpipe.specs.loader import build_model, spec_location
 from fxpipe.units import human_bytes, ms
@@ -32,50 +32,100 @@ from fxpipe.units import human_bytes, ms
 __all__ = ["profile_spec", "measure_send_cost"]
 
 
-def _send_worker(rank: int, sizes: list[int], repeats: int) -> list[float]:
+#: the receives a rank of the send-cost measurement keeps posted ahead, and how many
+#: iterations later it waits for one (so a late peer costs no wait: only the CPU counts)
+_LAG = 3
+
+
+def _busy_compute(a: torch.Tensor) -> torch.Tensor:
+    """About 2 ms of one-thread work: what a rank does between its messages."""
+    x = a
+    for _ in range(24):
+        x = torch.tanh(x @ a)
+    return x
+
+
+def _send_worker(rank: int, sizes: list[int], iters: int, rounds: int) -> list[float]:
+    """Both ranks compute and exchange one message of each size per iteration, as two pipeline
+    ranks do; per size, the median over ``rounds`` of the extra seconds per iteration over the
+    same compute alone (timed just before, so slow drift of the machine cancels)."""
     import torch.distributed as dist
 
-    out = []
+    peer = 1 - rank
+    a = torch.randn(128, 128, generator=torch.Generator().manual_seed(rank))
     warm = torch.zeros(1024, dtype=torch.float32)  # the first send sets the connection up
     for _ in range(3):
-        dist.barrier()
-        if rank == 0:
-            dist.isend(warm, 1).wait()
-        else:
-            dist.recv(warm, 0)
+        r = dist.irecv(torch.empty_like(warm), peer)
+        dist.isend(warm, peer).wait()
+        r.wait()
+    for _ in range(10):
+        _busy_compute(a)
+    out = []
     for n in sizes:
-        buf = torch.zeros(max(1, n // 4), dtype=torch.float32)
-        samples = []
-        for _ in range(repeats):
+        payload = torch.zeros(max(1, n // 4), dtype=torch.float32)
+        ring = [torch.empty_like(payload) for _ in range(_LAG + 2)]
+        extra = []
+        for _ in range(rounds):
             dist.barrier()
-            if rank == 0:
-                t0 = time.perf_counter()
-                dist.isend(buf, 1).wait()
-                samples.append(time.perf_counter() - t0)
-            else:
-                dist.recv(buf, 0)
-        out.append(statistics.median(samples) if samples else 0.0)
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                _busy_compute(a)
+            alone = time.perf_counter() - t0
+            dist.barrier()
+            t0 = time.perf_counter()
+            recvs, sends = [], []
+            for i in range(iters):
+                recvs.append(dist.irecv(ring[i % len(ring)], peer, tag=i))
+                _busy_compute(a)
+                sends.append(dist.isend(payload, peer, tag=i))
+                if i >= _LAG:
+                    recvs[i - _LAG].wait()
+                    sends[i - _LAG].wait()
+            for w in recvs[max(0, iters - _LAG):] + sends[max(0, iters - _LAG):]:
+                w.wait()
+            extra.append((time.perf_counter() - t0 - alone) / iters)
+        out.append(statistics.median(extra))
     return out
 
 
-def measure_send_cost(device: str = "cpu", repeats: int = 7) -> SendCost:
-    """Measure the sender-side cost of a send between two local ranks (gloo on CPU) for
-    4 KiB .. 16 MiB messages (after a warm-up send), keep the measured points (the planner
-    interpolates between them: the cost is far from linear in the size) and, for sizes past
-    them, ``overhead + bytes / rate`` fitted by least squares; cache it. On CUDA (NCCL) the
-    sending thread only enqueues work: cost 0."""
+def _non_decreasing(ys: list[float]) -> list[float]:
+    """The least-squares non-decreasing fit of ``ys`` (pool adjacent violators): a bigger
+    message never costs less; the measured medians wobble by a few tens of microseconds."""
+    blocks: list[list[float]] = []  # [mean, count]
+    for y in ys:
+        blocks.append([y, 1.0])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m1, c1), (m2, c2) = blocks.pop(-2), blocks.pop()
+            blocks.append([(m1 * c1 + m2 * c2) / (c1 + c2), c1 + c2])
+    return [m for m, c in blocks for _ in range(int(c))]
+
+
+SEND_SIZES = [1 << 12, 1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24]
+
+
+def measure_send_cost(device: str = "cpu", sizes: list[int] | None = None, iters: int = 16,
+                      rounds: int = 7) -> SendCost:
+    """Measure what one message costs two busy gloo ranks (CPU): both ranks compute and, every
+    iteration, send the other a message and receive one, as neighbouring pipeline ranks do; the
+    cost of a size is the extra time per iteration over the same compute alone (the sender's
+    thread staging the bytes, the receiver's gloo thread reading them, both taking the CPU from
+    the compute), the mean of the two ranks. Per message it is what one send costs the pipeline
+    (its sender and its receiver together), the figure the simulator charges to each send:
+    a pipeline rank sends and receives the same messages of an edge, so per rank the sum comes
+    out the same. A ping-pong with an idle receiver saw a quarter to a half of it. Measured at
+    4 KiB .. 16 MiB (a non-decreasing fit of the medians; the planner interpolates between the
+    points, beyond the last ``overhead + bytes / rate`` of the last two) and cached. On CUDA
+    (NCCL) the sending thread only enqueues work: cost 0."""
     if device != "cpu":
         return SendCost(0.0, float("inf"))
     from fxpipe.runtime.local_ranks import run_ranks
 
-    sizes = [1 << 12, 1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24]
-    secs = run_ranks(_send_worker, 2, sizes, repeats, timeout_s=120)[0]
-    n = len(sizes)
-    mx, my = sum(sizes) / n, sum(secs) / n
-    slope = (sum((x - mx) * (y - my) for x, y in zip(sizes, secs))
-             / max(1e-30, sum((x - mx) ** 2 for x in sizes)))
-    slope = max(slope, 1e-13)
-    cost = SendCost(max(0.0, my - slope * mx), 1.0 / slope, list(zip(sizes, secs)))
+    sizes = sorted(sizes or SEND_SIZES)
+    per_rank = run_ranks(_send_worker, 2, sizes, iters, rounds, timeout_s=300)
+    secs = _non_decreasing([max(0.0, (x + y) / 2) for x, y in zip(*per_rank)])
+    slope = ((secs[-1] - secs[-2]) / (sizes[-1] - sizes[-2]) if len(sizes) > 1 else 0.0)
+    rate = 1.0 / max(slope, 1e-13)
+    cost = SendCost(secs[0], rate, list(zip(sizes, secs)), method=SEND_METHOD)
     path = send_cost_path(device)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(cost.to_dict()))
@@ -140,8 +190,8 @@ def profile_spec(spec, *, repeats: int = 5, warmup: int = 2, send: bool = True) 
     lines.append(f"cached in {path}")
     if send:
         cost = measure_send_cost(device)
-        lines.append(f"send cost on the sending rank: {cost.overhead_s * 1e6:.1f} us + bytes at "
-                     f"{human_bytes(cost.rate_Bps, decimal=True)}/s (cached in "
-                     f"{send_cost_path(device)})")
+        pts = ", ".join(f"{human_bytes(b)} {ms(t)} ms" for b, t in cost.points or [])
+        lines.append(f"what one send costs two busy ranks (sender and receiver): {pts or 'none'} "
+                     f"(cached in {send_cost_path(device)})")
     lines.append("plans of this spec with cluster.costs: measured use these times")
     return "\n".join(lines)
