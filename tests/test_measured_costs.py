@@ -7,6 +7,7 @@ times combine (a fake timer where a value matters)."""
 from __future__ import annotations
 
 import itertools
+import json
 
 import pytest
 import torch
@@ -327,6 +328,8 @@ def test_measured_plan_prices_the_loss_and_caches_it(tmp_path, monkeypatch):
     assert a.stages[1].compute_time_s > a.stages[1].loss_time_s
     files = sorted(p.name for p in (tmp_path / "profiles").glob("*.json"))
     assert len(files) == 2 and sum(f.startswith("loss-") for f in files) == 1
+    # no send cost measured here: the plan says its sends are priced by the default
+    assert any(line.startswith("send cost: not measured") for line in a.explain)
 
     def no_more(*a, **k):
         raise AssertionError("measured again")
@@ -335,6 +338,13 @@ def test_measured_plan_prices_the_loss_and_caches_it(tmp_path, monkeypatch):
     monkeypatch.setattr(loss_cost, "profile_loss", no_more)
     b = plan_with_graph(model, _spec("cross_entropy", "measured"), (x,), cuts=[0, 2])[0]
     assert [s.loss_time_s for s in b.stages] == [s.loss_time_s for s in a.stages]
+    from fxpipe.partitioner.profile import SEND_METHOD, SendCost, send_cost_path
+
+    send_cost_path("cpu").write_text(json.dumps(SendCost(5e-4, 1e9, [(4096, 5e-4)],
+                                                         SEND_METHOD).to_dict()))
+    c = plan_with_graph(model, _spec("cross_entropy", "measured"), (x,), cuts=[0, 2])[0]
+    assert not any(line.startswith("send cost:") for line in c.explain)
+    assert c.stages[0].send_time_s >= 5e-4 > b.stages[0].send_time_s
 
 
 def test_fake_clock_median_of_sequence_passes(monkeypatch):

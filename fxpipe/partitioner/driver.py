@@ -900,6 +900,11 @@ def _check_compression_rank(model: nn.Module, spec: ParallelSpec) -> None:
 #: (estimated from the profile: one whole forward and backward per round and cut)
 REFINE_BUDGET_S = 60.0
 
+#: rounds of the timing that decides between the visited cuts and their near ties, all side by
+#: side: they are often within a few percent of each other, and a median of 7 rounds moves by
+#: about that much on a shared CPU; more rounds than the timings that only steer the search
+DECIDING_ROUNDS = {"min_rounds": 15, "max_rounds": 61, "min_time_s": 2.0}
+
 
 def _warn_again(caught: list) -> None:
     """Issue again the warnings that ``warnings.catch_warnings(record=True)`` held back."""
@@ -1035,15 +1040,17 @@ def _refine_by_stages(pr: Priced, spec: ParallelSpec, cand: Candidate, result: P
     groups = side_by_side_groups(ranks, nodes) if ranks is not None else None
     store = StageTimes(stage_times_key(profile_key(pr.traced, cl.device, spec.train.precision),
                                        list(pr.table.names),
-                                       f"fuse={fuse};beside={groups}"))
+                                       f"fuse={fuse};beside={groups};"
+                                       f"decide={DECIDING_ROUNDS['min_rounds']}"))
     skip = "cluster.measure_stages: the cut's stages were not timed whole"
     timer: dict = {}
 
-    def time_now(cut_list: list[list[int]]) -> list[list[tuple[float, float]]]:
+    def time_now(cut_list: list[list[int]], rounds: dict) -> list[list[tuple[float, float]]]:
         if "full" not in timer:
             if model is None:
                 raise _NotTimed(f"no model with real weights on {cl.device} here")
-            est = float(raw.sum()) * 9 * (2 * MAX_CUTS + MAX_RIVALS)
+            est = float(raw.sum()) * (9 * MAX_CUTS + (2 + DECIDING_ROUNDS["min_rounds"])
+                                      * (MAX_CUTS + MAX_RIVALS))
             if est > REFINE_BUDGET_S:
                 raise _NotTimed(f"that would take about {est:.0f} s, over "
                                f"{REFINE_BUDGET_S:.0f} s")
@@ -1056,18 +1063,18 @@ def _refine_by_stages(pr: Priced, spec: ParallelSpec, cand: Candidate, result: P
         assigns = [_node_stages(pr, c, full) for c in cut_list]
         return time_stages(full.gm, assigns, cand.num_stages, timer["inputs"], cl.device,
                            rewrite=fuse_weight_grads if fuse else None, ranks=ranks,
-                           nodes=nodes, precision=spec.train.precision)
+                           nodes=nodes, precision=spec.train.precision, **rounds)
 
     def measure(cut_list: list[list[int]]) -> list[list[tuple[float, float]]]:
         if len(cut_list) == 1:  # one cut alone: while refining
             sig = store.sig(cut_list)
             if sig not in store.alone:
-                store.alone[sig] = time_now(cut_list)[0]
+                store.alone[sig] = time_now(cut_list, {})[0]
                 store.save()
             return [store.alone[sig]]
         sig = store.sig(cut_list)  # the cuts visited, side by side: the decision
         if sig not in store.together:
-            store.together[sig] = time_now(cut_list)
+            store.together[sig] = time_now(cut_list, DECIDING_ROUNDS)
             store.save()
         return store.together[sig]
 
@@ -1255,6 +1262,11 @@ def _plan_with_graph(model: nn.Module, spec: ParallelSpec, example_inputs: Any,
             plan.predicted = predict(plan)
     if spec.cluster.nodes > 1:
         plan.explain.append(_placement_note(plan, spec))
+    if (spec.cluster.costs == "measured" and plan.num_stages > 1
+            and pr.send.method is None and torch.device(spec.cluster.device).type == "cpu"):
+        plan.explain.append("send cost: not measured on this machine, so the default (a fixed "
+                            "overhead plus the bytes at cluster.memory_GBps), which prices gloo "
+                            "sends low; `fxpipe profile SPEC` measures it")
     if cand.recompute:
         why = ("train.activation_recompute: on" if spec.train.activation_recompute == "on" else
                "the activations of the micro-batches in flight would not fit cluster.memory_gb")

@@ -15,10 +15,10 @@ code, the input shapes and dtypes, the device, the torch version and :data:`PROF
 a spec is profiled once per machine kind. The loss (:mod:`fxpipe.partitioner.loss_cost`) is
 timed by :func:`profile_loss` and cached next to it.
 
-:class:`SendCost` is what a point-to-point send costs the *sending* rank (gloo on CPU copies the
-bytes in the sender's thread; NCCL hands them to the device): ``seconds = overhead + bytes /
-rate``, measured by ``fxpipe profile`` over two local ranks (:mod:`fxpipe.training.profiling`)
-and cached here; the simulator charges it to every send.
+:class:`SendCost` is what a point-to-point message costs the pipeline (gloo on CPU copies the
+bytes in the sender's thread and in the receiver's, on the CPUs the ranks compute on; NCCL hands
+them to the device): measured by ``fxpipe profile`` between two busy local ranks
+(:mod:`fxpipe.training.profiling`) and cached here; the simulator charges it to every send.
 """
 
 from __future__ import annotations
