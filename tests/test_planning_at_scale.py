@@ -278,6 +278,32 @@ def test_activations_that_do_not_fit_are_recomputed_or_answered_with_what_fits()
         fxpipe.plan(model, dict(spec, train={}), x)
 
 
+def test_recomputation_is_chosen_per_stage():
+    # 1F1B keeps 2 micro-batches in flight on stage 0 and 1 on stage 1: at 0.06 GB only stage 0
+    # must drop its activations; stage 1 keeps them and skips the second forward
+    with torch.device("meta"):
+        model = CharGPT(vocab_size=256, block_size=256, n_layer=4, n_head=4, n_embd=256)
+    x = (torch.zeros(4, 256, dtype=torch.long, device="meta"),)
+    spec = {"model": {"factory": "x:y"}, "data": {"batch_size": 16, "seq_len": 256},
+            "parallel": {"pipeline": 2, "data": 1, "microbatches": 4, "schedule": "1f1b"},
+            "cluster": {"devices_per_node": 2, "memory_gb": 0.06}}
+    plan = fxpipe.plan(model, spec, x)
+    first, last = plan.stages
+    assert first.recompute and not last.recompute
+    assert all(st.memory_bytes <= 0.06e9 for st in plan.stages)
+    assert last.activation_bytes > 0 and first.activation_bytes == 0
+    # priced per stage: only stage 0's backward runs its forward again
+    assert first.bwd_input_time_s > first.fwd_time_s
+    every = fxpipe.plan(model, dict(spec, train={"activation_recompute": "on"}), x)
+    assert all(st.recompute for st in every.stages)
+    assert every.stages[1].bwd_input_time_s > last.bwd_input_time_s
+    assert plan.predicted.step_time_s < every.predicted.step_time_s
+    assert any("activation recomputation on stage 0:" in line for line in plan.explain)
+    # a roomier device: no stage recomputes
+    roomy = fxpipe.plan(model, {**spec, "cluster": {"devices_per_node": 2, "memory_gb": 1}}, x)
+    assert not any(st.recompute for st in roomy.stages)
+
+
 def _two_node_spec(**cluster):
     return {"model": {"factory": "x:y"}, "data": {"batch_size": 32, "seq_len": 64},
             "parallel": {"pipeline": "auto", "data": "auto", "microbatches": "auto",

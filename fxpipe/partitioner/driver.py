@@ -17,7 +17,7 @@ import logging
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import networkx as nx
 import numpy as np
@@ -309,6 +309,27 @@ def _cut_problem(pr: Priced, spec: ParallelSpec, cand: Candidate, scale: float) 
     )
 
 
+def _recompute_stages(pr: Priced, spec: ParallelSpec, cand: Candidate, cuts: Sequence[int],
+                      scale: float) -> tuple[list[bool], PartitionResult | None]:
+    """Which stages of a cut recompute their activations, and (where some stage need not) the
+    cut priced without recomputation. None recomputes in a candidate without it and every stage
+    with ``train.activation_recompute: on``; with ``auto`` only the stages whose activations of
+    the micro-batches in flight do not fit their device without it: the others keep their
+    activations and skip the second forward (the cut was solved with every stage recomputing,
+    so each stage fits either way)."""
+    k = cand.num_stages
+    if not cand.recompute:
+        return [False] * k, None
+    if spec.train.activation_recompute == "on":
+        return [True] * k, None
+    plain = _cut_problem(pr, spec, dataclasses.replace(cand, recompute=False), scale)
+    res = evaluate(plain, list(cuts), method="given")
+    if plain.cap is None:
+        return [False] * k, res
+    flags = [bool(res.memory_bytes[j] > plain.cap[j]) for j in range(k)]
+    return flags, (None if all(flags) else res)
+
+
 def _assemble(pr: Priced, result: PartitionResult, cand: Candidate, spec: ParallelSpec,
               microbatch_size: int, explain: list[str], scale: float = 1.0,
               final: bool = True) -> Plan:
@@ -341,6 +362,7 @@ def _assemble(pr: Priced, result: PartitionResult, cand: Candidate, spec: Parall
                 times[n] = times[n.rsplit("__r", 1)[0]]
     bounds = stage_boundaries(traced.gm, node_stage, cand.num_stages)
     slow = _slowdowns(spec, cand, stage_to_rank(cand.schedule, cand.pipeline, cand.num_stages))
+    rc, plain = _recompute_stages(pr, spec, cand, result.cuts, scale)
     stages = []
     for j, sb in enumerate(bounds.stages):
         nodes = [n for n in sb.nodes if n in costs]
@@ -348,21 +370,22 @@ def _assemble(pr: Priced, result: PartitionResult, cand: Candidate, spec: Parall
         bwd = scale * float(sum(costs[n].bwd_flops for n in nodes))
         bwd_w = scale * float(sum(costs[n].bwd_weight_flops for n in nodes))
         tj = sum_times(times, nodes).scaled(scale * slow[j])
-        if cand.recompute:  # the backward runs the forward again first
+        if rc[j]:  # the backward runs the forward again first
             tj = NodeTimes(tj.fwd_s, tj.fwd_s + tj.bwd_input_s, tj.bwd_weight_s)
+        mem = result if rc[j] or plain is None else plain  # a stage that keeps its activations
         loss_s = (pr.loss.total_s * scale * slow[j] if pr.loss.total_s > 0
                   and j == cand.num_stages - 1 else 0.0)
         stages.append(StagePlan(
             index=j, nodes=list(sb.nodes), params=list(sb.params), buffers=list(sb.buffers),
             inputs=list(sb.inputs), outputs=list(sb.outputs),
             fwd_flops=fwd, bwd_flops=bwd, bwd_weight_flops=bwd_w,
-            param_bytes=int(result.param_bytes[j]), activation_bytes=int(result.saved_bytes[j]),
+            param_bytes=int(result.param_bytes[j]), activation_bytes=int(mem.saved_bytes[j]),
             recv_bytes=int(result.recv_bytes[j]), send_bytes=int(result.send_bytes[j]),
             compute_time_s=tj.total_s, comm_time_s=result.comm_s[j],
-            time_s=tj.total_s + result.comm_s[j], memory_bytes=int(result.memory_bytes[j]),
+            time_s=tj.total_s + result.comm_s[j], memory_bytes=int(mem.memory_bytes[j]),
             fwd_time_s=tj.fwd_s, bwd_input_time_s=tj.bwd_input_s,
             bwd_weight_time_s=tj.bwd_weight_s,
-            recompute=cand.recompute, loss_time_s=float(loss_s),
+            recompute=rc[j], loss_time_s=float(loss_s),
         ))
     values = {k: dataclasses.replace(v, nbytes=0 if k in cheap else int(v.nbytes * scale))
               for k, v in bounds.values.items()}
@@ -478,14 +501,16 @@ def _full_schedule(name: str, p: int, m: int, v: int, edges: frozenset, grad_edg
 
 def _simulate_cut(pr: Priced, prefix: np.ndarray, problem: CutProblem,
                   result: PartitionResult, cand: Candidate, spec: ParallelSpec,
-                  scale: float) -> SimResult:
+                  scale: float, recompute: list[bool] | None = None) -> SimResult:
     """Simulate one step of a candidate's partition straight from the cut (no Plan built):
-    per-stage F/B/W from the unit prefix sums, edge bytes from the values crossing the cuts."""
+    per-stage F/B/W from the unit prefix sums, edge bytes from the values crossing the cuts.
+    ``recompute``: the stages that recompute (None: :func:`_recompute_stages`)."""
     cuts = list(result.cuts) + [problem.n]
+    if recompute is None:
+        recompute = _recompute_stages(pr, spec, cand, result.cuts, scale)[0]
     per = [(prefix[:, b] - prefix[:, a]) * scale * problem.slow[j]
            for j, (a, b) in enumerate(zip(cuts[:-1], cuts[1:]))]
-    if cand.recompute:
-        per = [np.array([x[0], x[0] + x[1], x[2]]) for x in per]
+    per = [np.array([x[0], x[0] + x[1], x[2]]) if rc else x for x, rc in zip(per, recompute)]
     stage_of = result.stage_of()
     fwd: dict[tuple[int, int], list[float]] = {}
     grad: dict[tuple[int, int], list[float]] = {}  # keyed by (sender of the gradient, receiver)
@@ -560,6 +585,7 @@ def _assemble_folded(pr: Priced, result: PartitionResult, cand: Candidate, spec:
     fl = np.concatenate([np.zeros((3, 1)), np.cumsum(np.asarray(tb.flops, dtype=np.float64).T
                                                       .reshape(3, -1), axis=1)], axis=1)
     slow = _slowdowns(spec, cand, stage_to_rank(cand.schedule, cand.pipeline, cand.num_stages))
+    rc, plain = _recompute_stages(pr, spec, cand, result.cuts, 1.0)
     stages = []
     for j, (a, b) in enumerate(zip(cuts[:-1], cuts[1:])):
         params: list[str] = []
@@ -574,20 +600,21 @@ def _assemble_folded(pr: Priced, result: PartitionResult, cand: Candidate, spec:
                 params += [run.full_name(f) for f in g.nodes[pg.order[pos]]["params"]]
                 buffers += [run.full_name(f) for f in g.nodes[pg.order[pos]]["buffers"]]
         f_s, bi_s, bw_s = (prefix[:, b] - prefix[:, a]) * slow[j]
-        if cand.recompute:  # the backward runs the forward again first
+        if rc[j]:  # the backward runs the forward again first
             bi_s = bi_s + f_s
+        mem = result if rc[j] or plain is None else plain  # a stage that keeps its activations
         ff, bf, wf = (fl[:, b] - fl[:, a])
         stages.append(StagePlan(
             index=j, nodes=[], params=list(dict.fromkeys(params)),
             buffers=list(dict.fromkeys(buffers)), inputs=[], outputs=[],
             fwd_flops=float(ff), bwd_flops=float(bf), bwd_weight_flops=float(wf),
-            param_bytes=int(result.param_bytes[j]), activation_bytes=int(result.saved_bytes[j]),
+            param_bytes=int(result.param_bytes[j]), activation_bytes=int(mem.saved_bytes[j]),
             recv_bytes=int(result.recv_bytes[j]), send_bytes=int(result.send_bytes[j]),
             compute_time_s=float(f_s + bi_s + bw_s), comm_time_s=result.comm_s[j],
             time_s=float(f_s + bi_s + bw_s) + result.comm_s[j],
-            memory_bytes=int(result.memory_bytes[j]), fwd_time_s=float(f_s),
+            memory_bytes=int(mem.memory_bytes[j]), fwd_time_s=float(f_s),
             bwd_input_time_s=float(bi_s), bwd_weight_time_s=float(bw_s),
-            recompute=cand.recompute,
+            recompute=rc[j],
             loss_time_s=float(pr.loss.total_s * slow[j]) if j == cand.num_stages - 1 else 0.0,
         ))
     # shapes of the model's inputs and output (their names hold in the full graph too, but
@@ -686,7 +713,7 @@ _SPLIT_BACKWARD = frozenset({"zb-h1", "zb-v"})
 
 
 def _cut_bound(prefix: np.ndarray, result: PartitionResult, cand: Candidate, spec: ParallelSpec,
-               scale: float, slow: np.ndarray) -> float:
+               scale: float, slow: np.ndarray, recompute: list[bool]) -> float:
     """A lower bound on the simulated step time of a cut, whatever the schedule does.
 
     For every rank ``r`` whose lowest stage is ``s0``: nothing runs on ``r`` before micro-batch
@@ -702,7 +729,7 @@ def _cut_bound(prefix: np.ndarray, result: PartitionResult, cand: Candidate, spe
     for j, (a, e) in enumerate(zip(cuts[:-1], cuts[1:])):
         x = (prefix[:, e] - prefix[:, a]) * scale * slow[j]
         f.append(float(x[0]))
-        b.append(float(x[1] + (x[0] if cand.recompute else 0.0)))
+        b.append(float(x[1] + (x[0] if recompute[j] else 0.0)))
         w.append(float(x[2]))
     ranks = stage_to_rank(cand.schedule, cand.pipeline, cand.num_stages)
     work = [0.0] * cand.pipeline
@@ -826,14 +853,15 @@ def _search(pr: Priced, spec: ParallelSpec, prune: bool = True
             failed.append((lb, cand, scale))
             continue
         cand, problem, result = found
+        rc = _recompute_stages(pr, spec, cand, result.cuts, scale)[0]
         if prune and best is not None and _cut_bound(prefix, result, cand, spec, scale,
-                                                     problem.slow) > best.step_s:
+                                                     problem.slow, rc) > best.step_s:
             pruned += 1
             continue
         if len(bounds) == 1:
             return cand, result, mbs, []
-        r = _Ranked(_simulate_cut(pr, prefix, problem, result, cand, spec, scale).step_time_s,
-                    cand.label(), cand, result, mbs)
+        r = _Ranked(_simulate_cut(pr, prefix, problem, result, cand, spec, scale,
+                                  rc).step_time_s, cand.label(), cand, result, mbs)
         ranked.append(r)
         best = r if best is None or r < best else best
     if best is None:
@@ -1267,10 +1295,15 @@ def _plan_with_graph(model: nn.Module, spec: ParallelSpec, example_inputs: Any,
         plan.explain.append("send cost: not measured on this machine, so the default (a fixed "
                             "overhead plus the bytes at cluster.memory_GBps), which prices gloo "
                             "sends low; `fxpipe profile SPEC` measures it")
-    if cand.recompute:
+    rc_stages = [st.index for st in plan.stages if st.recompute]
+    if rc_stages:
+        every = len(rc_stages) == plan.num_stages
         why = ("train.activation_recompute: on" if spec.train.activation_recompute == "on" else
-               "the activations of the micro-batches in flight would not fit cluster.memory_gb")
-        plan.explain.append("activation recomputation: each stage keeps only its inputs per "
+               f"the activations of the micro-batches in flight would not fit cluster.memory_gb"
+               f"{'' if every else '; the other stages keep theirs and skip the second forward'}")
+        where = ("every stage" if every else
+                 f"stage{'s' if len(rc_stages) > 1 else ''} {', '.join(map(str, rc_stages))}")
+        plan.explain.append(f"activation recomputation on {where}: each keeps only its inputs per "
                             "micro-batch in flight and runs its forward again in the backward "
                             f"({why})")
     if plan.recomputed:

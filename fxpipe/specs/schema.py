@@ -297,8 +297,8 @@ class TrainSpec(_Section):
     ``embedding`` nodes go into ``.grad`` in place over the micro-batches (default true;
     :mod:`fxpipe.runtime.grad_fusion`); false keeps autograd's fresh buffer per micro-batch.
     ``activation_recompute``: keep only each stage's inputs per micro-batch in flight and
-    recompute the stage's forward in its backward (``on``), never (``off``), or where the
-    activations would not fit otherwise (``auto``, default); exact either way.
+    recompute the stage's forward in its backward (``on``: every stage), never (``off``), or on
+    the stages whose activations would not fit otherwise (``auto``, default); exact either way.
     ``nan_policy``: on a non-finite loss, ``stop`` the run with a message (default) or ``skip``
     that step's update. ``max_restarts``: torchrun elastic restarts after a failed worker (a
     killed rank); the workers resume from the latest checkpoint (``checkpoint.every``)."""
