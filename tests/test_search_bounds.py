@@ -50,9 +50,11 @@ def test_pruned_search_picks_what_exhaustive_search_picks(priced, monkeypatch, n
     spec = _spec(nodes, per_node, batch, schedule)
     sims, real = [], D._simulate_cut
 
-    def sim(pr, prefix, problem, result, cand, spec_, scale):
-        res = real(pr, prefix, problem, result, cand, spec_, scale)
-        sims.append((D._cut_bound(prefix, result, cand, spec_, scale, problem.slow),
+    def sim(pr, prefix, problem, result, cand, spec_, scale, recompute=None):
+        res = real(pr, prefix, problem, result, cand, spec_, scale, recompute)
+        rc = D._recompute_stages(pr, spec_, cand, result.cuts, scale)[0]
+        assert recompute is None or recompute == rc
+        sims.append((D._cut_bound(prefix, result, cand, spec_, scale, problem.slow, rc),
                      res.step_time_s, cand.label()))
         return res
 
