@@ -221,7 +221,9 @@ def run(configs: list[Config], shape: dict, repeats: int, log=print, max_busy: f
 
 
 def _layout(plan) -> str:
-    rc = " recompute" if any(s.recompute for s in plan.stages) else ""
+    n_rc = sum(s.recompute for s in plan.stages)
+    rc = ("" if not n_rc else " recompute" if n_rc == len(plan.stages)
+          else f" recompute on {n_rc} of {len(plan.stages)} stages")
     v = f" v={plan.virtual_stages}" if plan.schedule == "interleaved" else ""
     return (f"pp={plan.pipeline} dp={plan.dp} m={plan.microbatches} {plan.schedule}{v}{rc}, "
             f"micro-batch {plan.microbatch_size}, {plan.placement}")
