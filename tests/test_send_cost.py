@@ -94,3 +94,52 @@ def test_send_cost_is_measured_between_busy_ranks_and_cached(tmp_path, monkeypat
     del d["method"]
     send_cost_path("cpu").write_text(json.dumps(d))
     assert load_send_cost("cpu") is None
+
+
+@pytest.mark.parametrize("damage", [
+    lambda d: "[" * 100_000 + "]" * 100_000,  # nested past the recursion limit
+    lambda d: {**d, "points": d["points"] + [[1 << 30, 3600.0]]},  # an hour per message
+    lambda d: {**d, "points": d["points"] + [[d["points"][0][0], 5.0]]},  # a size twice
+    lambda d: {**d, "points": [[4096, 2e-3], [1 << 20, 1e-3]]},  # bigger costs less
+    lambda d: {**d, "rate_Bps": True},
+    lambda d: {**d, "rate_Bps": 1e-300},
+])
+def test_a_damaged_send_cost_cache_is_not_planned_with(tmp_path, monkeypatch, damage):
+    import json
+
+    import fxpipe.partitioner.driver as D
+    from fxpipe.partitioner.profile import SEND_METHOD, load_send_cost, send_cost_path
+    from fxpipe.specs.loader import load_spec
+
+    monkeypatch.setenv("FXPIPE_CACHE_DIR", str(tmp_path))
+    good = SendCost(5e-4, 2e9, [(4096, 5e-4), (1 << 20, 1.5e-3)], SEND_METHOD).to_dict()
+    path = send_cost_path("cpu")
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(good))
+    assert load_send_cost("cpu") is not None
+    bad = damage(good)
+    path.write_text(bad if isinstance(bad, str) else json.dumps(bad))
+    assert load_send_cost("cpu") is None
+    spec = load_spec({"model": {"factory": "x:y"}, "data": {"batch_size": 8},
+                      "parallel": {"pipeline": 2, "data": 1, "microbatches": 2},
+                      "cluster": {"devices_per_node": 2, "costs": "measured"}})
+    assert D._send_cost(spec).method is None  # the default, not a traceback
+
+
+def test_analytic_plans_do_not_read_the_measured_send_cost(tmp_path, monkeypatch):
+    import json
+
+    import fxpipe.partitioner.driver as D
+    from fxpipe.partitioner.profile import SEND_METHOD, send_cost_path
+    from fxpipe.specs.loader import load_spec
+
+    monkeypatch.setenv("FXPIPE_CACHE_DIR", str(tmp_path))
+    path = send_cost_path("cpu")
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(SendCost(5e-4, 2e9, [(4096, 5e-4)], SEND_METHOD).to_dict()))
+    spec = {"model": {"factory": "x:y"}, "data": {"batch_size": 8},
+            "parallel": {"pipeline": 2, "data": 1, "microbatches": 2},
+            "cluster": {"devices_per_node": 2}}
+    assert D._send_cost(load_spec(spec)).method is None
+    spec["cluster"]["costs"] = "measured"
+    assert D._send_cost(load_spec(spec)).method == SEND_METHOD

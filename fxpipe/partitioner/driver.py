@@ -36,7 +36,7 @@ from fxpipe.partitioner.loss_cost import (analytic_loss_times, loss_node, measur
                                           output_bytes, with_loss)
 from fxpipe.partitioner.problem import CutProblem, PartitionResult, Value, evaluate
 from fxpipe.partitioner.profile import (SendCost, load_profile, load_send_cost, profile_graph,
-                                        profile_key, save_profile)
+                                        profile_key, save_profile, send_cost_path)
 from fxpipe.partitioner.recompute import apply_recompute, cheap_values, is_clone
 from fxpipe.partitioner.refine import MAX_CUTS, MAX_RIVALS, NEAR, refine_cuts
 from fxpipe.partitioner.servers import assign_servers, even_server_bytes
@@ -161,11 +161,11 @@ def _node_table(pr: "Priced") -> UnitTable:
 
 
 def _send_cost(spec: ParallelSpec) -> SendCost:
-    """What a send costs, charged to the sending rank: measured by ``fxpipe profile`` when
-    cached (sender and receiver on busy ranks), else on CPU (gloo copies in the sender's
-    thread) a fixed overhead plus the bytes at memory speed,
-    and nothing on CUDA (NCCL works on the device)."""
-    measured = load_send_cost(spec.cluster.device)
+    """What a send costs, charged to the sending rank: with ``cluster.costs: measured`` what
+    ``fxpipe profile`` measured (sender and receiver on busy ranks) when cached, else on CPU
+    (gloo copies in the sender's thread) a fixed overhead plus the bytes at memory speed, and
+    nothing on CUDA (NCCL works on the device)."""
+    measured = load_send_cost(spec.cluster.device) if spec.cluster.costs == "measured" else None
     if measured is not None:
         return measured
     if spec.cluster.device == "cpu":
@@ -1292,9 +1292,12 @@ def _plan_with_graph(model: nn.Module, spec: ParallelSpec, example_inputs: Any,
         plan.explain.append(_placement_note(plan, spec))
     if (spec.cluster.costs == "measured" and plan.num_stages > 1
             and pr.send.method is None and torch.device(spec.cluster.device).type == "cpu"):
-        plan.explain.append("send cost: not measured on this machine, so the default (a fixed "
-                            "overhead plus the bytes at cluster.memory_GBps), which prices gloo "
-                            "sends low; `fxpipe profile SPEC` measures it")
+        cached = send_cost_path(spec.cluster.device)
+        why = (f"its cache {cached} is damaged or from an older fxpipe" if cached.exists()
+               else "not measured on this machine")
+        plan.explain.append(f"send cost: {why}, so the default (a fixed overhead plus the "
+                            "bytes at cluster.memory_GBps), which prices gloo sends low; "
+                            "`fxpipe profile SPEC` measures it")
     rc_stages = [st.index for st in plan.stages if st.recompute]
     if rc_stages:
         every = len(rc_stages) == plan.num_stages

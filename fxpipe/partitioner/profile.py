@@ -104,7 +104,7 @@ def load_profile(key: str) -> dict[str, NodeTimes] | None:
     try:
         data = json.loads(path.read_text())
         return {k: NodeTimes(*_seconds(v)) for k, v in data["nodes"].items()}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
         return None
 
 
@@ -457,7 +457,7 @@ def load_loss_profile(key: str) -> NodeTimes | None:
     try:
         data = json.loads(_loss_path(key).read_text())
         return NodeTimes(*_seconds([data["fwd_s"], data["bwd_s"]]), 0.0)
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
         return None
 
 
@@ -501,6 +501,10 @@ def profile_loss(loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
 
 #: how the cached send cost was measured; a cache written another way is measured again
 SEND_METHOD = "busy-pair-v1"
+#: a cached send cost past these is damaged: no measured message (16 MiB at most) takes 10 s,
+#: and none moves slower than 1 kB/s
+MAX_SEND_S = 10.0
+MIN_SEND_RATE_BPS = 1e3
 
 
 class SendCost:
@@ -552,12 +556,21 @@ def load_send_cost(device: str) -> SendCost | None:
         if d.get("method") != SEND_METHOD:
             return None
         (overhead,) = _seconds([d["overhead_s"]])
+        if isinstance(d["rate_Bps"], bool):
+            raise ValueError("rate_Bps is a number")
         rate = float(d["rate_Bps"])
-        if not rate > 0:  # inf: a backend whose sender only enqueues
-            raise ValueError("rate_Bps must be > 0")
-        points = [(float(b), *_seconds([t])) for b, t in d.get("points") or []]
+        if not rate >= MIN_SEND_RATE_BPS:  # inf: a backend whose sender only enqueues
+            raise ValueError(f"rate_Bps must be >= {MIN_SEND_RATE_BPS:g}")
+        points = sorted((float(b), *_seconds([t])) for b, t in d.get("points") or [])
         if not all(np.isfinite(b) and b >= 0 for b, _ in points):
             raise ValueError("points are (bytes, seconds)")
+        times = [overhead] + [t for _, t in points]
+        if max(times) > MAX_SEND_S or any(b1 <= b0 for (b0, _), (b1, _) in
+                                          zip(points, points[1:])):
+            raise ValueError("a send time past MAX_SEND_S, or a size measured twice")
+        if any(t1 < t0 for (_, t0), (_, t1) in zip(points, points[1:])):
+            raise ValueError("a bigger message that costs less (the profiler writes a "
+                             "non-decreasing fit)")
         return SendCost(overhead, rate, points or None, SEND_METHOD)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
         return None

@@ -354,7 +354,7 @@ class StageTimes:
         self.together: dict[str, list[list[tuple[float, float]]]] = {}
         try:
             data = json.loads(_path(key).read_text())
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError):  # damaged (even nested past the limit)
             return
         if not isinstance(data, dict) or data.get("format") != STAGE_TIMING_FORMAT:
             return
