@@ -304,6 +304,31 @@ def test_recomputation_is_chosen_per_stage():
     assert not any(st.recompute for st in roomy.stages)
 
 
+@pytest.mark.parametrize("schedule, pipeline, memory_gb", [
+    ("interleaved", 2, 0.06), ("interleaved", 4, 0.1), ("zb-v", 3, 0.1), ("interleaved", 2, 0.04)])
+def test_a_rank_that_holds_several_stages_holds_them_all(schedule, pipeline, memory_gb):
+    # interleaved and ZB-V put two stages on each rank: the rank's device holds both
+    with torch.device("meta"):
+        model = CharGPT(vocab_size=256, block_size=256, n_layer=8, n_head=4, n_embd=256)
+    x = (torch.zeros(4, 256, dtype=torch.long, device="meta"),)
+    par = {"pipeline": pipeline, "data": 1, "microbatches": 8, "schedule": schedule}
+    if schedule == "interleaved":
+        par["virtual_stages"] = 2
+    spec = {"model": {"factory": "x:y"}, "data": {"batch_size": 32, "seq_len": 256},
+            "parallel": par, "cluster": {"devices_per_node": pipeline, "memory_gb": memory_gb}}
+    try:
+        plan = fxpipe.plan(model, spec, x)
+    except PlanError as e:  # the parameters of two stages alone fill a 40 MB device
+        assert memory_gb == 0.04 and "holds stages 0, 2, which need" in str(e)
+        return
+    from fxpipe.partitioner.search import stage_to_rank
+
+    ranks = stage_to_rank(schedule, pipeline, plan.num_stages)
+    for r in range(pipeline):
+        mine = [st.memory_bytes for st in plan.stages if ranks[st.index] == r]
+        assert len(mine) == 2 and sum(mine) <= memory_gb * 1e9, (r, mine)
+
+
 def _two_node_spec(**cluster):
     return {"model": {"factory": "x:y"}, "data": {"batch_size": 32, "seq_len": 64},
             "parallel": {"pipeline": "auto", "data": "auto", "microbatches": "auto",

@@ -53,7 +53,7 @@ def test_pruned_search_picks_what_exhaustive_search_picks(priced, monkeypatch, n
     def sim(pr, prefix, problem, result, cand, spec_, scale, recompute=None):
         res = real(pr, prefix, problem, result, cand, spec_, scale, recompute)
         rc = D._recompute_stages(pr, spec_, cand, result.cuts, scale)[0]
-        assert recompute is None or recompute == rc
+        assert recompute is None or recompute[0] == rc
         sims.append((D._cut_bound(prefix, result, cand, spec_, scale, problem.slow, rc),
                      res.step_time_s, cand.label()))
         return res

@@ -276,15 +276,17 @@ def _held_note(capacity: float, inflight: int, held: float, mbs: float, whole: b
             f"less the stage inputs kept for recomputation, {keep}")
 
 
-def _cut_problem(pr: Priced, spec: ParallelSpec, cand: Candidate, scale: float) -> CutProblem:
+def _cut_problem(pr: Priced, spec: ParallelSpec, cand: Candidate, scale: float,
+                 share: int = 1) -> CutProblem:
     """The cut problem of one candidate layout at ``scale`` x the traced micro-batch, over the
     priced units (node-level, or blocks when the model folds); cheap values are not in it
-    (each stage rebuilds them)."""
+    (each stage rebuilds them). ``share``: each stage may use 1/share of its device (a rank
+    that holds several stages)."""
     tb = pr.table
     values = [Value(v.producer, v.users, v.nbytes * scale, v.grad, v.name) for v in tb.values]
     inflight, stage_to_rank = stage_inflight(cand)
     k = cand.num_stages
-    capacity: float | list[float] = spec.cluster.memory_gb * 1e9
+    capacity: float | list[float] = spec.cluster.memory_gb * 1e9 / share
     if cand.recompute:  # keep each stage's input per micro-batch, run the forward again
         compute = [(2 * f + bi + bw) * scale for f, bi, bw in tb.times]
         saved = [0.0] * len(tb.saved)
@@ -313,10 +315,10 @@ def _recompute_stages(pr: Priced, spec: ParallelSpec, cand: Candidate, cuts: Seq
                       scale: float) -> tuple[list[bool], PartitionResult | None]:
     """Which stages of a cut recompute their activations, and (where some stage need not) the
     cut priced without recomputation. None recomputes in a candidate without it and every stage
-    with ``train.activation_recompute: on``; with ``auto`` only the stages whose activations of
-    the micro-batches in flight do not fit their device without it: the others keep their
-    activations and skip the second forward (the cut was solved with every stage recomputing,
-    so each stage fits either way)."""
+    with ``train.activation_recompute: on``; with ``auto`` a stage keeps its activations (and
+    skips the second forward) where its rank's device still holds all the rank's stages: the
+    cut was solved with every stage recomputing, and stages drop it rank by rank, the one
+    saving the most time first."""
     k = cand.num_stages
     if not cand.recompute:
         return [False] * k, None
@@ -326,8 +328,94 @@ def _recompute_stages(pr: Priced, spec: ParallelSpec, cand: Candidate, cuts: Seq
     res = evaluate(plain, list(cuts), method="given")
     if plain.cap is None:
         return [False] * k, res
-    flags = [bool(res.memory_bytes[j] > plain.cap[j]) for j in range(k)]
+    inflight, s2r = stage_inflight(cand)
+    held = _recompute_held(plain.values)
+    rc_problem = _cut_problem(pr, spec, cand, scale)
+    with_rc = evaluate(rc_problem, list(cuts), method="given")
+    mem_rc = [float(with_rc.memory_bytes[j]) + inflight[j] * held for j in range(k)]
+    device = spec.cluster.memory_gb * 1e9
+    flags = [True] * k
+    for r in sorted(set(s2r)):
+        mine = [j for j in range(k) if s2r[j] == r]
+        used = sum(mem_rc[j] for j in mine)
+        for j in sorted(mine, key=lambda j: (res.compute_s[j] - with_rc.compute_s[j], j)):
+            more = float(res.memory_bytes[j]) - mem_rc[j]
+            if used + more <= device:
+                flags[j], used = False, used + more
     return flags, (None if all(flags) else res)
+
+
+def _rank_memory(pr: Priced, spec: ParallelSpec, cand: Candidate, result: PartitionResult,
+                 scale: float) -> str | None:
+    """Why the ranks' devices cannot hold the cut's stages (each fits alone, but a rank that
+    holds several holds them all), or None when every rank's stages fit."""
+    inflight, s2r = stage_inflight(cand)
+    if len(set(s2r)) == len(s2r):
+        return None
+    rc, plain = _recompute_stages(pr, spec, cand, result.cuts, scale)
+    held = 0.0
+    if any(rc):
+        held = _recompute_held(_cut_problem(pr, spec, dataclasses.replace(cand, recompute=False),
+                                            scale).values)
+    if cand.recompute:  # the stages' memory as the rank holds it (the cut may be solved on a share)
+        result = evaluate(_cut_problem(pr, spec, cand, scale), list(result.cuts), method="given")
+    mem = [float(result.memory_bytes[j]) + inflight[j] * held if rc[j]
+           else float((plain or result).memory_bytes[j]) for j in range(len(s2r))]
+    device = spec.cluster.memory_gb * 1e9
+    for r in sorted(set(s2r)):
+        mine = [j for j in range(len(s2r)) if s2r[j] == r]
+        if sum(mem[j] for j in mine) > device:
+            return (f"rank {r} holds stages {', '.join(map(str, mine))}, which need "
+                    f"{human_bytes(sum(mem[j] for j in mine), True)} together but the device "
+                    f"has {human_bytes(device, True)}")
+    return None
+
+
+def _solve_fitting(pr: Priced, spec: ParallelSpec, cand: Candidate, scale: float,
+                   solved: dict | None = None) -> tuple[CutProblem, PartitionResult]:
+    """The candidate's optimal cut, such that every rank's device holds all of its stages: the
+    solver bounds each stage by the device; where a rank holds several (interleaved, ZB-V) and
+    they do not fit together, the cut is solved again with each stage bounded by its share of
+    the device (the device / stages per rank).
+
+    Raises:
+        PlanError: no cut fits.
+    """
+    def solve(problem: CutProblem) -> PartitionResult:
+        return _solve_cached(problem, solved) if solved is not None else optimal_partition(problem)
+
+    problem = _cut_problem(pr, spec, cand, scale)
+    result = solve(problem)
+    over = _rank_memory(pr, spec, cand, result, scale)
+    if over is None:
+        return problem, result
+    share = cand.num_stages // cand.pipeline
+    try:
+        problem = _cut_problem(pr, spec, cand, scale, share)
+        result = solve(problem)
+    except PlanError as e:
+        raise PlanError(f"{over}; with each stage held to 1/{share} of the device: {e}") from None
+    again = _rank_memory(pr, spec, cand, result, scale)
+    if again is not None:
+        raise PlanError(again)
+    return problem, result
+
+
+def _slowest(stages: list[StagePlan], result: PartitionResult) -> int:
+    """The bottleneck stage as planned: the solver's, unless some stages dropped
+    recomputation after the solve (:func:`_recompute_stages`) and another is now slower."""
+    times = [st.time_s for st in stages]
+    return result.bottleneck if times[result.bottleneck] >= max(times) else times.index(max(times))
+
+
+def _lower_bound(stages: list[StagePlan], result: PartitionResult) -> float:
+    """Total compute per micro-batch over the stages (no cut can beat it), with the stages'
+    recomputation as planned (the solver's figure counts every stage recomputing)."""
+    if all(st.recompute for st in stages) or not any(st.recompute for st in stages):
+        return result.lower_bound_s
+    now = sum(st.compute_time_s for st in stages)
+    solved = now + sum(st.fwd_time_s for st in stages if not st.recompute)
+    return result.lower_bound_s * now / solved if solved > 0 else result.lower_bound_s
 
 
 def _assemble(pr: Priced, result: PartitionResult, cand: Candidate, spec: ParallelSpec,
@@ -397,7 +485,7 @@ def _assemble(pr: Priced, result: PartitionResult, cand: Candidate, spec: Parall
         microbatch_size=microbatch_size, stages=stages, values=values,
         model_inputs=list(bounds.model_inputs), model_output=bounds.model_outputs[0],
         shared_params=dict(bounds.shared_params), param_aliases=dict(bounds.param_aliases),
-        bottleneck_stage=result.bottleneck, lower_bound_s=result.lower_bound_s,
+        bottleneck_stage=_slowest(stages, result), lower_bound_s=_lower_bound(stages, result),
         explain=list(explain), spec=spec.model_dump(mode="json"), recomputed=recomputed,
         placement=cand.layout,
     )
@@ -501,13 +589,14 @@ def _full_schedule(name: str, p: int, m: int, v: int, edges: frozenset, grad_edg
 
 def _simulate_cut(pr: Priced, prefix: np.ndarray, problem: CutProblem,
                   result: PartitionResult, cand: Candidate, spec: ParallelSpec,
-                  scale: float, recompute: list[bool] | None = None) -> SimResult:
+                  scale: float,
+                  recompute: tuple[list[bool], PartitionResult | None] | None = None
+                  ) -> SimResult:
     """Simulate one step of a candidate's partition straight from the cut (no Plan built):
     per-stage F/B/W from the unit prefix sums, edge bytes from the values crossing the cuts.
-    ``recompute``: the stages that recompute (None: :func:`_recompute_stages`)."""
+    ``recompute``: :func:`_recompute_stages` of the cut (None: worked out here)."""
     cuts = list(result.cuts) + [problem.n]
-    if recompute is None:
-        recompute = _recompute_stages(pr, spec, cand, result.cuts, scale)[0]
+    recompute, plain = recompute or _recompute_stages(pr, spec, cand, result.cuts, scale)
     per = [(prefix[:, b] - prefix[:, a]) * scale * problem.slow[j]
            for j, (a, b) in enumerate(zip(cuts[:-1], cuts[1:]))]
     per = [np.array([x[0], x[0] + x[1], x[2]]) if rc else x for x, rc in zip(per, recompute)]
@@ -525,7 +614,8 @@ def _simulate_cut(pr: Priced, prefix: np.ndarray, problem: CutProblem,
     factor = OPTIMIZER_STATE_FACTOR[spec.train.optimizer]
     costs = StageCosts([float(x[0]) for x in per], [float(x[1]) for x in per],
                        [float(x[2]) for x in per],
-                       activation_bytes=[int(b) for b in result.saved_bytes],
+                       activation_bytes=[int((result if rc or plain is None else plain)
+                                             .saved_bytes[j]) for j, rc in enumerate(recompute)],
                        static_bytes=[int(b * factor) for b in result.param_bytes],
                        send_s=edge_send_times(fwd, len(per), pr.send),
                        grad_send_s=edge_send_times(grad, len(per), pr.send))
@@ -640,8 +730,8 @@ def _assemble_folded(pr: Priced, result: PartitionResult, cand: Candidate, spec:
         model_inputs=list(one.model_inputs), model_output=one.model_outputs[0],
         shared_params={k: v for k, v in users.items() if len(v) > 1},
         param_aliases={run.full_name(a): run.full_name(c) for a, c in one.param_aliases.items()},
-        bottleneck_stage=result.bottleneck,
-        lower_bound_s=result.lower_bound_s, explain=explain, spec=spec.model_dump(mode="json"),
+        bottleneck_stage=_slowest(stages, result),
+        lower_bound_s=_lower_bound(stages, result), explain=explain, spec=spec.model_dump(mode="json"),
         folded=record, placement=cand.layout,
     )
     problem = _cut_problem(pr, spec, cand, 1.0)
@@ -844,8 +934,7 @@ def _search(pr: Priced, spec: ParallelSpec, prune: bool = True
         for rc in ((False,) if mode == "off" else (True,) if mode == "on" else (False, True)):
             c = dataclasses.replace(cand, recompute=rc)
             try:
-                problem = _cut_problem(pr, spec, c, scale)
-                found = (c, problem, _solve_cached(problem, solved))
+                found = (c, *_solve_fitting(pr, spec, c, scale, solved))
                 break
             except PlanError:
                 continue
@@ -853,9 +942,9 @@ def _search(pr: Priced, spec: ParallelSpec, prune: bool = True
             failed.append((lb, cand, scale))
             continue
         cand, problem, result = found
-        rc = _recompute_stages(pr, spec, cand, result.cuts, scale)[0]
+        rc = _recompute_stages(pr, spec, cand, result.cuts, scale)
         if prune and best is not None and _cut_bound(prefix, result, cand, spec, scale,
-                                                     problem.slow, rc) > best.step_s:
+                                                     problem.slow, rc[0]) > best.step_s:
             pruned += 1
             continue
         if len(bounds) == 1:
@@ -882,7 +971,7 @@ def _nothing_fits(pr: Priced, spec: ParallelSpec, failed: list) -> PlanError:
     for lb, cand, scale in failed[:3]:
         c = dataclasses.replace(cand, recompute=spec.train.activation_recompute != "off")
         try:
-            optimal_partition(_cut_problem(pr, spec, c, scale))
+            _solve_fitting(pr, spec, c, scale)
         except PlanError as e:
             text = str(e)
             if c.recompute and "but the device has" in text:  # its capacity less the inputs
@@ -1254,7 +1343,7 @@ def _plan_with_graph(model: nn.Module, spec: ParallelSpec, example_inputs: Any,
         cand, result, mbs, explain = _search(pr, spec)
     if mbs != pr.batch:  # re-trace at the real micro-batch size so the plan's shapes are exact
         pr = priced(mbs)
-        result = optimal_partition(_cut_problem(pr, spec, cand, 1.0))
+        result = _solve_fitting(pr, spec, cand, 1.0)[1]
     if (cuts is None and spec.cluster.costs == "measured" and spec.cluster.measure_stages
             and cand.num_stages > 1):
         m, args_, kwargs_, on = tracing(False)
