@@ -329,6 +329,18 @@ def test_a_rank_that_holds_several_stages_holds_them_all(schedule, pipeline, mem
         assert len(mine) == 2 and sum(mine) <= memory_gb * 1e9, (r, mine)
 
 
+def test_what_would_fit_asks_for_more_stages_than_were_tried():
+    with torch.device("meta"):
+        model = CharGPT(vocab_size=256, block_size=256, n_layer=8, n_head=4, n_embd=256)
+    spec = {"model": {"factory": "x:y"}, "data": {"batch_size": 32, "seq_len": 256},
+            "parallel": {"pipeline": 3, "data": 1, "microbatches": 8, "schedule": "gpipe"},
+            "cluster": {"devices_per_node": 3, "memory_gb": 0.04}}
+    with pytest.raises(PlanError) as e:  # 3 x 40 MB hold the 103 MB of state, not the units
+        fxpipe.plan(model, spec, (torch.zeros(4, 256, dtype=torch.long, device="meta"),))
+    assert "more than 3 pipeline stages" in str(e.value)
+    assert "at least 3 pipeline stages" not in str(e.value)
+
+
 def _two_node_spec(**cluster):
     return {"model": {"factory": "x:y"}, "data": {"batch_size": 32, "seq_len": 64},
             "parallel": {"pipeline": "auto", "data": "auto", "microbatches": "auto",

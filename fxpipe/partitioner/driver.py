@@ -987,8 +987,14 @@ def _nothing_fits(pr: Priced, spec: ParallelSpec, failed: list) -> PlanError:
     need = sum(pr.table.params) * OPTIMIZER_STATE_FACTOR[spec.train.optimizer]
     cap = spec.cluster.memory_gb * 1e9
     stages = int(np.ceil(need / cap))
+    tried = max((c.pipeline for _, c, _ in failed), default=0)
     fix = (f"parameters, gradients and optimizer state alone need {human_bytes(need, True)}: at "
            f"least {plural(stages, 'pipeline stage')} of {human_bytes(cap, True)} devices")
+    if tried >= stages:  # that many did not do: units cannot be split, and activations count
+        fix = (f"parameters, gradients and optimizer state alone need {human_bytes(need, True)} "
+               f"({plural(stages, 'device')} of {human_bytes(cap, True)} at the very least), "
+               f"but {plural(tried, 'pipeline stage')} did not fit (a stage holds whole "
+               f"planning units, and activations too): more than {tried} pipeline stages")
     if spec.train.activation_recompute == "off":
         fix += "; allow activation recomputation (train.activation_recompute: auto)"
     return PlanError("no feasible plan (nothing fits device memory):\n  " + "\n  ".join(lines)
