@@ -54,6 +54,7 @@ def test_plan_prices_the_last_stage_gradient_send(tmp_path, monkeypatch):
     assert last.grad_send_time_s and last.grad_send_time_s > 0
     assert not first.grad_send_time_s  # stage 0 sends no gradient back
     assert costs_from_plan(plan).grad_send_s[1] == last.grad_send_time_s
+    assert "sends ms" in plan.summary() and "sends ms: one forward send" in plan.summary()
     again = type(plan).from_dict(plan.to_dict())
     assert again.stages[1].grad_send_time_s == last.grad_send_time_s
 

@@ -48,7 +48,8 @@ def summary_table(plan: "Plan") -> str:
     bpos = bottleneck_position(plan)
     headers = [
         "stage", "rank", "nodes", "params", "fwd FLOPs", "bwd FLOPs",
-        "recv/mb", "send/mb", "compute ms", "comm ms", "total ms", "memory", "slowest",
+        "recv/mb", "send/mb", "compute ms", "comm ms", "sends ms", "total ms", "memory",
+        "slowest",
     ]
     rows: list[list[str]] = []
     for pos, st in enumerate(plan.stages):
@@ -63,6 +64,7 @@ def summary_table(plan: "Plan") -> str:
             human_bytes(st.send_bytes),
             ms(st.compute_time_s),
             ms(st.comm_time_s),
+            ms(st.send_time_s + (st.grad_send_time_s or 0.0)),
             ms(st.time_s),
             human_bytes(st.memory_bytes),
             "*" if pos == bpos else "",
@@ -81,6 +83,10 @@ def summary_table(plan: "Plan") -> str:
              + f"  |  schedule {plan.schedule}")
     lines = [title, fmt(headers), fmt(["-" * w for w in widths])]
     lines += [fmt(r) for r in rows]
+    if any(st.send_time_s or st.grad_send_time_s for st in plan.stages):
+        lines.append("sends ms: one forward send and one gradient send of the stage, what they "
+                     "cost its rank (gloo on CPU: the bytes copied on both sides); the predicted "
+                     "step charges them, total ms does not")
     lines.append("")
 
     if bpos >= 0:
