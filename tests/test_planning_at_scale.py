@@ -90,6 +90,11 @@ def test_measured_costs_of_a_meta_model_need_a_profile(tmp_path, monkeypatch):
         model = Probe()
     with pytest.raises(PlanError, match="fxpipe profile SPEC"):
         fxpipe.plan(model, _spec(costs="measured"), (torch.randn(16, 256, device="meta"),))
+    if not torch.cuda.is_available():  # a CUDA spec on this machine: profile where its devices are
+        spec = _spec(costs="measured")
+        spec["cluster"]["device"] = "cuda"
+        with pytest.raises(PlanError, match="on a machine with the spec's devices and copy"):
+            fxpipe.plan(model, spec, (torch.randn(16, 256, device="meta"),))
 
 
 def _all_auto_on_gpus(data: dict, nodes: int) -> dict:

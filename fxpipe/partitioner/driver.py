@@ -35,8 +35,9 @@ from fxpipe.partitioner.graph import PricedGraph, build_graph
 from fxpipe.partitioner.loss_cost import (analytic_loss_times, loss_node, measured_loss_times,
                                           output_bytes, with_loss)
 from fxpipe.partitioner.problem import CutProblem, PartitionResult, Value, evaluate
-from fxpipe.partitioner.profile import (SendCost, load_profile, load_send_cost, profile_graph,
-                                        profile_key, save_profile, send_cost_path)
+from fxpipe.partitioner.profile import (SendCost, cache_dir, load_profile, load_send_cost,
+                                        profile_graph, profile_key, save_profile,
+                                        send_cost_path)
 from fxpipe.partitioner.recompute import apply_recompute, cheap_values, is_clone
 from fxpipe.partitioner.refine import MAX_CUTS, MAX_RIVALS, NEAR, refine_cuts
 from fxpipe.partitioner.servers import assign_servers, even_server_bytes
@@ -197,6 +198,12 @@ def _node_times(traced: TracedModel, costs: dict[str, NodeCost], spec: ParallelS
     key = profile_key(traced, cl.device, precision)
     times = load_profile(key)
     if times is None:
+        if torch.device(cl.device).type == "cuda" and not torch.cuda.is_available():
+            raise PlanError(
+                "cluster.costs is 'measured' but this model's costs have not been measured on "
+                f"{cl.device}, and this machine has no CUDA device to measure them: run "
+                "`fxpipe profile SPEC` on a machine with the spec's devices and copy its "
+                f"{cache_dir() / 'profiles'} here, or plan with cluster.costs: analytic")
         if profile_model is None:
             raise PlanError(
                 "cluster.costs is 'measured' but this model's costs have not been measured on "
