@@ -104,6 +104,8 @@ def test_send_cost_is_measured_between_busy_ranks_and_cached(tmp_path, monkeypat
     lambda d: {**d, "points": [[4096, 2e-3], [1 << 20, 1e-3]]},  # bigger costs less
     lambda d: {**d, "rate_Bps": True},
     lambda d: {**d, "rate_Bps": 1e-300},
+    lambda d: {**d, "rate_Bps": 10 ** 400},  # past a float
+    lambda d: {**d, "points": [[10 ** 400, 1e-3]]},
 ])
 def test_a_damaged_send_cost_cache_is_not_planned_with(tmp_path, monkeypatch, damage):
     import json

@@ -104,7 +104,8 @@ def load_profile(key: str) -> dict[str, NodeTimes] | None:
     try:
         data = json.loads(path.read_text())
         return {k: NodeTimes(*_seconds(v)) for k, v in data["nodes"].items()}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError,
+            OverflowError):
         return None
 
 
@@ -457,7 +458,7 @@ def load_loss_profile(key: str) -> NodeTimes | None:
     try:
         data = json.loads(_loss_path(key).read_text())
         return NodeTimes(*_seconds([data["fwd_s"], data["bwd_s"]]), 0.0)
-    except (OSError, ValueError, KeyError, TypeError, RecursionError):
+    except (OSError, ValueError, KeyError, TypeError, RecursionError, OverflowError):
         return None
 
 
@@ -572,5 +573,6 @@ def load_send_cost(device: str) -> SendCost | None:
             raise ValueError("a bigger message that costs less (the profiler writes a "
                              "non-decreasing fit)")
         return SendCost(overhead, rate, points or None, SEND_METHOD)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError,
+            OverflowError):
         return None

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import statistics
 import threading
@@ -330,9 +331,10 @@ def _times(v: Any, cut: Any) -> list[tuple[float, float]] | None:
     try:
         out = [(float(f), float(b)) for f, b in v]
         k = len(cut)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         return None
-    return out if len(out) == k and all(f >= 0 and b >= 0 for f, b in out) else None
+    return out if len(out) == k and all(0 <= f < math.inf and 0 <= b < math.inf
+                                        for f, b in out) else None
 
 
 def _cuts(sig: str) -> list[list[int]] | None:
