@@ -264,10 +264,15 @@ def test_profiling_for_cuda_without_cuda_is_one_clean_error():
         profile_spec(spec, send=False)
 
 
-def test_activations_that_do_not_fit_are_recomputed_or_answered_with_what_fits():
+def _meta_gpt(n_layer: int) -> tuple[nn.Module, tuple]:
+    """A CharGPT of width 256 on the meta device and a micro-batch of 4 x 256 tokens."""
     with torch.device("meta"):
-        model = CharGPT(vocab_size=256, block_size=256, n_layer=4, n_head=4, n_embd=256)
-    x = (torch.zeros(4, 256, dtype=torch.long, device="meta"),)
+        model = CharGPT(vocab_size=256, block_size=256, n_layer=n_layer, n_head=4, n_embd=256)
+    return model, (torch.zeros(4, 256, dtype=torch.long, device="meta"),)
+
+
+def test_activations_that_do_not_fit_are_recomputed_or_answered_with_what_fits():
+    model, x = _meta_gpt(4)
     spec = {"model": {"factory": "x:y"}, "data": {"batch_size": 16, "seq_len": 256},
             "parallel": {"pipeline": 2, "data": 1, "microbatches": 4, "schedule": "gpipe"},
             "cluster": {"devices_per_node": 2, "memory_gb": 0.15}}
@@ -286,9 +291,7 @@ def test_activations_that_do_not_fit_are_recomputed_or_answered_with_what_fits()
 def test_recomputation_is_chosen_per_stage():
     # 1F1B keeps 2 micro-batches in flight on stage 0 and 1 on stage 1: at 0.06 GB only stage 0
     # must drop its activations; stage 1 keeps them and skips the second forward
-    with torch.device("meta"):
-        model = CharGPT(vocab_size=256, block_size=256, n_layer=4, n_head=4, n_embd=256)
-    x = (torch.zeros(4, 256, dtype=torch.long, device="meta"),)
+    model, x = _meta_gpt(4)
     spec = {"model": {"factory": "x:y"}, "data": {"batch_size": 16, "seq_len": 256},
             "parallel": {"pipeline": 2, "data": 1, "microbatches": 4, "schedule": "1f1b"},
             "cluster": {"devices_per_node": 2, "memory_gb": 0.06}}
@@ -313,9 +316,7 @@ def test_recomputation_is_chosen_per_stage():
     ("interleaved", 2, 0.06), ("interleaved", 4, 0.1), ("zb-v", 3, 0.1), ("interleaved", 2, 0.04)])
 def test_a_rank_that_holds_several_stages_holds_them_all(schedule, pipeline, memory_gb):
     # interleaved and ZB-V put two stages on each rank: the rank's device holds both
-    with torch.device("meta"):
-        model = CharGPT(vocab_size=256, block_size=256, n_layer=8, n_head=4, n_embd=256)
-    x = (torch.zeros(4, 256, dtype=torch.long, device="meta"),)
+    model, x = _meta_gpt(8)
     par = {"pipeline": pipeline, "data": 1, "microbatches": 8, "schedule": schedule}
     if schedule == "interleaved":
         par["virtual_stages"] = 2
@@ -335,13 +336,12 @@ def test_a_rank_that_holds_several_stages_holds_them_all(schedule, pipeline, mem
 
 
 def test_what_would_fit_asks_for_more_stages_than_were_tried():
-    with torch.device("meta"):
-        model = CharGPT(vocab_size=256, block_size=256, n_layer=8, n_head=4, n_embd=256)
+    model, x = _meta_gpt(8)
     spec = {"model": {"factory": "x:y"}, "data": {"batch_size": 32, "seq_len": 256},
             "parallel": {"pipeline": 3, "data": 1, "microbatches": 8, "schedule": "gpipe"},
             "cluster": {"devices_per_node": 3, "memory_gb": 0.04}}
     with pytest.raises(PlanError) as e:  # 3 x 40 MB hold the 103 MB of state, not the units
-        fxpipe.plan(model, spec, (torch.zeros(4, 256, dtype=torch.long, device="meta"),))
+        fxpipe.plan(model, spec, x)
     assert "more than 3 pipeline stages" in str(e.value)
     assert "at least 3 pipeline stages" not in str(e.value)
 

@@ -17,7 +17,7 @@ import logging
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import networkx as nx
 import numpy as np
@@ -318,60 +318,64 @@ def _cut_problem(pr: Priced, spec: ParallelSpec, cand: Candidate, scale: float,
     )
 
 
+class _Recompute(NamedTuple):
+    """Activation recomputation of one cut, stage by stage (:func:`_recompute_stages`).
+
+    Attributes:
+        flags: per stage, whether it recomputes.
+        plain: the cut priced without recomputation, where some stage of a recomputing
+            candidate keeps its activations (its activation and memory bytes); else None.
+        memory: per stage, the bytes its rank holds for it as planned (a recomputing stage's
+            inputs kept per micro-batch in flight included); None without recomputation (the
+            solver's figures are those bytes).
+    """
+
+    flags: list[bool]
+    plain: PartitionResult | None
+    memory: list[float] | None
+
+
 def _recompute_stages(pr: Priced, spec: ParallelSpec, cand: Candidate, cuts: Sequence[int],
-                      scale: float) -> tuple[list[bool], PartitionResult | None]:
-    """Which stages of a cut recompute their activations, and (where some stage need not) the
-    cut priced without recomputation. None recomputes in a candidate without it and every stage
-    with ``train.activation_recompute: on``; with ``auto`` a stage keeps its activations (and
-    skips the second forward) where its rank's device still holds all the rank's stages: the
-    cut was solved with every stage recomputing, and stages drop it rank by rank, the one
-    saving the most time first."""
+                      scale: float) -> _Recompute:
+    """Which stages of a cut recompute their activations. None in a candidate without
+    recomputation and every stage with ``train.activation_recompute: on``; with ``auto`` a
+    stage keeps its activations (and skips the second forward) where its rank's device still
+    holds all the rank's stages: the cut was solved with every stage recomputing, and stages
+    drop it rank by rank, the one saving the most time first."""
     k = cand.num_stages
     if not cand.recompute:
-        return [False] * k, None
-    if spec.train.activation_recompute == "on":
-        return [True] * k, None
-    plain = _cut_problem(pr, spec, dataclasses.replace(cand, recompute=False), scale)
-    res = evaluate(plain, list(cuts), method="given")
-    if plain.cap is None:
-        return [False] * k, res
+        return _Recompute([False] * k, None, None)
     inflight, s2r = stage_inflight(cand)
-    held = _recompute_held(plain.values)
     rc_problem = _cut_problem(pr, spec, cand, scale)
     with_rc = evaluate(rc_problem, list(cuts), method="given")
-    mem_rc = [float(with_rc.memory_bytes[j]) + inflight[j] * held for j in range(k)]
+    held = _recompute_held(rc_problem.values)
+    memory = [float(with_rc.memory_bytes[j]) + inflight[j] * held for j in range(k)]
+    if spec.train.activation_recompute == "on":
+        return _Recompute([True] * k, None, memory)
+    plain = evaluate(_cut_problem(pr, spec, dataclasses.replace(cand, recompute=False), scale),
+                     list(cuts), method="given")
     device = spec.cluster.memory_gb * 1e9
     flags = [True] * k
     for r in sorted(set(s2r)):
         mine = [j for j in range(k) if s2r[j] == r]
-        used = sum(mem_rc[j] for j in mine)
-        for j in sorted(mine, key=lambda j: (res.compute_s[j] - with_rc.compute_s[j], j)):
-            more = float(res.memory_bytes[j]) - mem_rc[j]
-            if used + more <= device:
-                flags[j], used = False, used + more
-    return flags, (None if all(flags) else res)
+        used = sum(memory[j] for j in mine)
+        for j in sorted(mine, key=lambda j: (plain.compute_s[j] - with_rc.compute_s[j], j)):
+            keep = float(plain.memory_bytes[j])
+            if used - memory[j] + keep <= device:
+                flags[j], used, memory[j] = False, used - memory[j] + keep, keep
+    return _Recompute(flags, None if all(flags) else plain, memory)
 
 
-def _rank_memory(pr: Priced, spec: ParallelSpec, cand: Candidate, result: PartitionResult,
-                 scale: float) -> str | None:
+def _rank_memory(spec: ParallelSpec, cand: Candidate, result: PartitionResult,
+                 rc: _Recompute) -> str | None:
     """Why the ranks' devices cannot hold the cut's stages (each fits alone, but a rank that
     holds several holds them all), or None when every rank's stages fit."""
-    inflight, s2r = stage_inflight(cand)
-    if len(set(s2r)) == len(s2r):
-        return None
-    rc, plain = _recompute_stages(pr, spec, cand, result.cuts, scale)
-    held = 0.0
-    if any(rc):
-        held = _recompute_held(_cut_problem(pr, spec, dataclasses.replace(cand, recompute=False),
-                                            scale).values)
-    if cand.recompute:  # the stages' memory as the rank holds it (the cut may be solved on a share)
-        result = evaluate(_cut_problem(pr, spec, cand, scale), list(result.cuts), method="given")
-    mem = [float(result.memory_bytes[j]) + inflight[j] * held if rc[j]
-           else float((plain or result).memory_bytes[j]) for j in range(len(s2r))]
+    s2r = stage_inflight(cand)[1]
+    mem = rc.memory if rc.memory is not None else [float(b) for b in result.memory_bytes]
     device = spec.cluster.memory_gb * 1e9
     for r in sorted(set(s2r)):
         mine = [j for j in range(len(s2r)) if s2r[j] == r]
-        if sum(mem[j] for j in mine) > device:
+        if len(mine) > 1 and sum(mem[j] for j in mine) > device:
             return (f"rank {r} holds stages {', '.join(map(str, mine))}, which need "
                     f"{human_bytes(sum(mem[j] for j in mine), True)} together but the device "
                     f"has {human_bytes(device, True)}")
@@ -379,33 +383,34 @@ def _rank_memory(pr: Priced, spec: ParallelSpec, cand: Candidate, result: Partit
 
 
 def _solve_fitting(pr: Priced, spec: ParallelSpec, cand: Candidate, scale: float,
-                   solved: dict | None = None) -> tuple[CutProblem, PartitionResult]:
-    """The candidate's optimal cut, such that every rank's device holds all of its stages: the
-    solver bounds each stage by the device; where a rank holds several (interleaved, ZB-V) and
-    they do not fit together, the cut is solved again with each stage bounded by its share of
-    the device (the device / stages per rank).
+                   solved: dict | None = None
+                   ) -> tuple[CutProblem, PartitionResult, _Recompute]:
+    """The candidate's optimal cut and its recomputation, such that every rank's device holds
+    all of its stages: the solver bounds each stage by the device; where a rank holds several
+    (interleaved, ZB-V) and they do not fit together, the cut is solved again with each stage
+    bounded by its share of the device (the device / stages per rank).
 
     Raises:
         PlanError: no cut fits.
     """
-    def solve(problem: CutProblem) -> PartitionResult:
-        return _solve_cached(problem, solved) if solved is not None else optimal_partition(problem)
+    def solve(problem: CutProblem) -> tuple[CutProblem, PartitionResult, _Recompute]:
+        result = (_solve_cached(problem, solved) if solved is not None
+                  else optimal_partition(problem))
+        return problem, result, _recompute_stages(pr, spec, cand, result.cuts, scale)
 
-    problem = _cut_problem(pr, spec, cand, scale)
-    result = solve(problem)
-    over = _rank_memory(pr, spec, cand, result, scale)
+    first = solve(_cut_problem(pr, spec, cand, scale))
+    over = _rank_memory(spec, cand, first[1], first[2])
     if over is None:
-        return problem, result
+        return first
     share = cand.num_stages // cand.pipeline
     try:
-        problem = _cut_problem(pr, spec, cand, scale, share)
-        result = solve(problem)
+        again = solve(_cut_problem(pr, spec, cand, scale, share))
     except PlanError as e:
         raise PlanError(f"{over}; with each stage held to 1/{share} of the device: {e}") from None
-    again = _rank_memory(pr, spec, cand, result, scale)
-    if again is not None:
-        raise PlanError(again)
-    return problem, result
+    still = _rank_memory(spec, cand, again[1], again[2])
+    if still is not None:
+        raise PlanError(still)
+    return again
 
 
 def _slowest(stages: list[StagePlan], result: PartitionResult) -> int:
@@ -457,7 +462,7 @@ def _assemble(pr: Priced, result: PartitionResult, cand: Candidate, spec: Parall
                 times[n] = times[n.rsplit("__r", 1)[0]]
     bounds = stage_boundaries(traced.gm, node_stage, cand.num_stages)
     slow = _slowdowns(spec, cand, stage_to_rank(cand.schedule, cand.pipeline, cand.num_stages))
-    rc, plain = _recompute_stages(pr, spec, cand, result.cuts, scale)
+    rc, plain, _ = _recompute_stages(pr, spec, cand, result.cuts, scale)
     stages = []
     for j, sb in enumerate(bounds.stages):
         nodes = [n for n in sb.nodes if n in costs]
@@ -597,13 +602,13 @@ def _full_schedule(name: str, p: int, m: int, v: int, edges: frozenset, grad_edg
 def _simulate_cut(pr: Priced, prefix: np.ndarray, problem: CutProblem,
                   result: PartitionResult, cand: Candidate, spec: ParallelSpec,
                   scale: float,
-                  recompute: tuple[list[bool], PartitionResult | None] | None = None
+                  recompute: _Recompute | None = None
                   ) -> SimResult:
     """Simulate one step of a candidate's partition straight from the cut (no Plan built):
     per-stage F/B/W from the unit prefix sums, edge bytes from the values crossing the cuts.
     ``recompute``: :func:`_recompute_stages` of the cut (None: worked out here)."""
     cuts = list(result.cuts) + [problem.n]
-    recompute, plain = recompute or _recompute_stages(pr, spec, cand, result.cuts, scale)
+    recompute, plain, _ = recompute or _recompute_stages(pr, spec, cand, result.cuts, scale)
     per = [(prefix[:, b] - prefix[:, a]) * scale * problem.slow[j]
            for j, (a, b) in enumerate(zip(cuts[:-1], cuts[1:]))]
     per = [np.array([x[0], x[0] + x[1], x[2]]) if rc else x for x, rc in zip(per, recompute)]
@@ -682,7 +687,7 @@ def _assemble_folded(pr: Priced, result: PartitionResult, cand: Candidate, spec:
     fl = np.concatenate([np.zeros((3, 1)), np.cumsum(np.asarray(tb.flops, dtype=np.float64).T
                                                       .reshape(3, -1), axis=1)], axis=1)
     slow = _slowdowns(spec, cand, stage_to_rank(cand.schedule, cand.pipeline, cand.num_stages))
-    rc, plain = _recompute_stages(pr, spec, cand, result.cuts, 1.0)
+    rc, plain, _ = _recompute_stages(pr, spec, cand, result.cuts, 1.0)
     stages = []
     for j, (a, b) in enumerate(zip(cuts[:-1], cuts[1:])):
         params: list[str] = []
@@ -948,10 +953,9 @@ def _search(pr: Priced, spec: ParallelSpec, prune: bool = True
         if found is None:
             failed.append((lb, cand, scale))
             continue
-        cand, problem, result = found
-        rc = _recompute_stages(pr, spec, cand, result.cuts, scale)
+        cand, problem, result, rc = found
         if prune and best is not None and _cut_bound(prefix, result, cand, spec, scale,
-                                                     problem.slow, rc[0]) > best.step_s:
+                                                     problem.slow, rc.flags) > best.step_s:
             pruned += 1
             continue
         if len(bounds) == 1:
