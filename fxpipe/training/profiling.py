@@ -100,6 +100,7 @@ def _non_decreasing(ys: list[float]) -> list[float]:
     return [m for m, c in blocks for _ in range(int(c))]
 
 
+#: message sizes the send cost is measured at, bytes (4 KiB .. 16 MiB)
 SEND_SIZES = [1 << 12, 1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24]
 
 
@@ -115,7 +116,15 @@ def measure_send_cost(device: str = "cpu", sizes: list[int] | None = None, iters
     out the same. A ping-pong with an idle receiver saw a quarter to a half of it. Measured at
     4 KiB .. 16 MiB (a non-decreasing fit of the medians; the planner interpolates between the
     points, beyond the last ``overhead + bytes / rate`` of the last two) and cached. On CUDA
-    (NCCL) the sending thread only enqueues work: cost 0."""
+    (NCCL) the sending thread only enqueues work: cost 0.
+
+    Args:
+        device: ``cluster.device``; sizes: message bytes (default :data:`SEND_SIZES`); iters:
+            messages per round; rounds: rounds per size (the median is kept).
+
+    Raises:
+        RuntimeFailure: the two ranks failed or did not finish within 300 s.
+    """
     if device != "cpu":
         return SendCost(0.0, float("inf"))
     from fxpipe.runtime.local_ranks import run_ranks
