@@ -191,6 +191,7 @@ class CompareRow:
         pair_ratios: fxpipe / torch per round (adjacent blocks).
         loss_diff: largest |fxpipe loss - torch loss| over the steps both ran.
         steps: steps compared.
+        loss_scale: largest |fxpipe loss| over those steps (what the difference compares to).
         profile: rank -> {"fx": (text, s), "torch": (text, s)} (when profiled).
     """
 
@@ -203,6 +204,7 @@ class CompareRow:
     loss_diff: float
     steps: int
     profile: dict
+    loss_scale: float = float("nan")
 
     @property
     def ratio(self) -> float:
@@ -237,7 +239,9 @@ def measure(cfg: StackConfig = DEFAULT, ps=(2, 4), schedules=("gpipe", "1f1b"), 
                        default=float("nan"))
             rows.append(CompareRow(name, p, m, statistics.median(fx), statistics.median(th),
                                    [a / b for a, b in zip(fx, th)], diff, n,
-                                   {r: per_rank[r]["profile"] for r in range(p)}))
+                                   {r: per_rank[r]["profile"] for r in range(p)},
+                                   max((abs(x) for x in last["fx_losses"][:n]),
+                                       default=float("nan"))))
     return rows
 
 

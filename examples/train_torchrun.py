@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from pathlib import Path
 
 import torch
@@ -52,7 +53,7 @@ def main() -> None:
     ap.add_argument("--stop-after", type=int, default=None,
                     help="save a checkpoint and stop after this many steps (resume with --resume)")
     args = ap.parse_args()
-    torch.set_num_threads(1)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))  # torchrun: 1
 
     torch.manual_seed(0)
     model = CharGPT(vocab_size=256, block_size=SEQ, n_layer=4, n_head=4, n_embd=64)

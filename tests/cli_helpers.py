@@ -15,12 +15,16 @@ from pathlib import Path
 from unittest import mock
 
 REPO = Path(__file__).resolve().parents[1]
+#: threads per rank of the commands the tests run: 1, or OMP_NUM_THREADS when the test run sets
+#: it (the exactness matrix, .ci/exactness_matrix.sh, runs with 1 and 2)
+THREADS = os.environ.get("OMP_NUM_THREADS", "1")
 
 
 def cli_env(**extra: str) -> dict[str, str]:
-    """The environment a child ``fxpipe`` runs in: this checkout first on the path, one thread,
-    tracebacks off (FXPIPE_DEBUG unset)."""
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", **extra)
+    """The environment a child ``fxpipe`` runs in: this checkout first on the path, one thread
+    per rank (or ``OMP_NUM_THREADS`` when the test run sets it), tracebacks off (FXPIPE_DEBUG
+    unset)."""
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS=THREADS, **extra)
     env.pop("FXPIPE_DEBUG", None)
     return env
 
@@ -64,7 +68,7 @@ def fxpipe_in_process(*args, cwd=None, **env: str) -> subprocess.CompletedProces
         kept = os.dup(1), os.dup(2)
         try:
             os.environ.pop("FXPIPE_DEBUG", None)
-            os.environ.update(OMP_NUM_THREADS="1", **env)
+            os.environ.update(OMP_NUM_THREADS=THREADS, **env)
             os.chdir(cwd or REPO)
             os.dup2(fd_out.fileno(), 1)
             os.dup2(fd_err.fileno(), 2)

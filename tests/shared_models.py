@@ -8,9 +8,13 @@ from fxpipe.examples.cnn import SkipCNN
 from fxpipe.examples.gpt import CharGPT
 from fxpipe.partitioner.annotations import pipe_split
 
+try:
+    from tolerances import adamw_param_bound, bound, max_abs
+except ImportError:  # tests/ collected as a package
+    from tests.tolerances import adamw_param_bound, bound, max_abs
+
 # Sizes shared by the multi-process equivalence tests (tests/test_executor.py,
 # tests/test_schedules_execute.py).
-TOL = 1e-5       # max |pipelined - single-process| for losses and parameters, fp32
 MBS = 2          # samples per micro-batch
 M = 4            # micro-batches per step per replica
 STEPS = 3
@@ -40,3 +44,23 @@ class SplitGPT(CharGPT):
             if i == 0:
                 pipe_split()
         return self.head(self.ln_f(x))
+
+
+def exact_bounds(ref_losses: list[float], init: dict[str, torch.Tensor],
+                 final: dict[str, torch.Tensor], global_batch: int, steps: int,
+                 dtype: torch.dtype = torch.float32,
+                 adamw: tuple[float, float] | None = None) -> tuple[float, float]:
+    """``(loss bound, parameter bound)`` on ``|pipelined - single-process|`` after ``steps``
+    steps of ``global_batch`` samples (tests/tolerances.py): the losses' sums reordered over the
+    batch's samples; each parameter's own rounding plus that of the updates that moved it from
+    ``init`` to ``final`` (a gradient reordered over the samples moves an SGD update by as much,
+    relatively; momentum and weight decay only add updates up). ``adamw=(sum of the learning
+    rates, largest gradient entry)``: AdamW's bound instead (its steepest slope, 1/eps, at a zero
+    gradient), meant for float64."""
+    loss = bound(max(abs(x) for x in ref_losses), global_batch, steps, dtype)
+    size = max_abs(final.values())
+    if adamw is not None:
+        lr_sum, grad = adamw
+        return loss, adamw_param_bound(lr_sum, grad, size, global_batch, steps, dtype=dtype)
+    moved = max(float((final[k] - init[k]).abs().max()) for k in final)
+    return loss, bound(size, 1, steps, dtype) + bound(moved, global_batch, steps, dtype)

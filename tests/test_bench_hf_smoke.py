@@ -24,6 +24,11 @@ pytest.importorskip("transformers")
 from benchmarks import _report  # noqa: E402
 from benchmarks import bench_hf_vs_torch_pipelining as bh  # noqa: E402
 
+try:
+    from tolerances import bound  # noqa: E402
+except ImportError:  # tests/ collected as a package
+    from tests.tolerances import bound  # noqa: E402
+
 
 def test_layer_split_is_torchtitans_rule():
     assert bh.layer_split(4, 2) == [[0, 1], [2, 3]]
@@ -52,7 +57,10 @@ def test_hf_benchmark_tiny(tmp_path):
         assert len(fx) == len(th) == 1 + r.attempts  # 1 warm-up + 1 step per round run
         assert all(math.isfinite(x) for x in fx + th)
         assert fx[0] == pytest.approx(math.log(bh.TINY.vocab), abs=0.5)  # untrained: ~ln(V)
-        assert max(r.loss_diff.values()) < 1e-4, r.loss_diff  # the same math on both runtimes
+        # the same math on both runtimes, summed in each one's order: float32 rounding over
+        # the tokens of a step (2 micro-batches of 1 x 16), growing with the steps
+        tol = bound(max(abs(x) for x in fx), 2 * bh.TINY.seq, len(fx))
+        assert max(r.loss_diff.values()) < tol, (r.loss_diff, tol)
         for key in ("fx", "equal"):
             assert len(r.splits[key]) == len(r.predicted_ms[key]) == r.p
         assert r.splits["fx"][-1].endswith("loss") and r.splits["equal"][0].startswith("emb")

@@ -31,22 +31,28 @@ from fxpipe.schedule.lowering import add_communication, schedule_for_plan
 from fxpipe.training.losses import cross_entropy
 
 try:
-    from shared_models import MBS, SEQ, STEPS, TOL, VOCAB, M, tiny_cnn, tiny_gpt
+    from shared_models import MBS, SEQ, STEPS, VOCAB, M, exact_bounds, tiny_cnn, tiny_gpt
+    from tolerances import bound
 except ImportError:  # tests/ collected as a package
-    from tests.shared_models import MBS, SEQ, STEPS, TOL, VOCAB, M, tiny_cnn, tiny_gpt
+    from tests.shared_models import (MBS, SEQ, STEPS, VOCAB, M, exact_bounds, tiny_cnn,
+                                     tiny_gpt)
+    from tests.tolerances import bound
 
 
 # ----------------------------------------------------------------------------- models and plans
+#: AdamW trains in float64: in float32 it magnifies the rounding of a zero gradient to the
+#: learning rate (tests/tolerances.py), SGD does not
+ADAMW_LR = 1e-2
 MODELS = {
     # name: (factory, example-input maker, batch maker, loss, optimizer factory)
     "gpt": (tiny_gpt, lambda b: (torch.randint(0, VOCAB, (b, SEQ)),),
             lambda g, b: (torch.randint(0, VOCAB, (b, SEQ), generator=g),
                           torch.randint(0, VOCAB, (b, SEQ), generator=g)),
             cross_entropy, lambda ps: torch.optim.SGD(ps, lr=0.5, momentum=0.9)),
-    "cnn": (tiny_cnn, lambda b: (torch.randn(b, 1, 8, 8),),
-            lambda g, b: (torch.randn(b, 1, 8, 8, generator=g),
+    "cnn": (lambda: tiny_cnn().double(), lambda b: (torch.randn(b, 1, 8, 8, dtype=torch.float64),),
+            lambda g, b: (torch.randn(b, 1, 8, 8, generator=g, dtype=torch.float64),
                           torch.randint(0, 10, (b,), generator=g)),
-            F.cross_entropy, lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1)),
+            F.cross_entropy, lambda ps: torch.optim.AdamW(ps, lr=ADAMW_LR, weight_decay=0.1)),
 }
 BLOCK = re.compile(r"^(?:h|blocks)\.(\d+)$")
 
@@ -100,21 +106,28 @@ class Case:
         return [self.batch(g, global_batch)] * STEPS
 
     def reference(self, global_batch: int):
-        """Single-process training on the whole global batch: losses and final parameters."""
+        """Single-process training on the whole global batch: losses, final parameters and
+        the ``(loss, parameter)`` bounds on a pipelined run's difference from them
+        (:func:`shared_models.exact_bounds`)."""
         if global_batch not in self._refs:
             ref = MODELS[self.name][0]()
             ref.load_state_dict(self.init)
+            init = {k: v.detach().clone() for k, v in ref.named_parameters(remove_duplicate=False)}
             opt = self.opt(ref.parameters())
-            losses = []
+            losses, grad = [], 0.0
             for x, y in self.batches(global_batch):
                 loss = self.loss_fn(ref(x), y)
                 loss.backward()
+                grad = max([grad] + [float(p.grad.abs().max()) for p in ref.parameters()])
                 opt.step()
                 opt.zero_grad()
                 losses.append(loss.item())
             params = {k: v.detach().clone()
                       for k, v in ref.named_parameters(remove_duplicate=False)}
-            self._refs[global_batch] = (losses, params)
+            dtype = next(ref.parameters()).dtype
+            adamw = (ADAMW_LR * STEPS, grad) if isinstance(opt, torch.optim.AdamW) else None
+            self._refs[global_batch] = (losses, params, exact_bounds(
+                losses, init, params, global_batch, STEPS, dtype, adamw))
         return self._refs[global_batch]
 
     def split(self, num_stages: int, first_alone: bool = False):
@@ -134,7 +147,7 @@ def run_pipeline(case: Case, mesh, plan: Plan, schedule: Schedule, modules, time
     for x, y in case.batches(gb):
         sl = slice(mesh.dp_rank * per, (mesh.dp_rank + 1) * per)
         losses.append(ex.step({plan.model_inputs[0]: x[sl]}, y[sl]))
-    ref_losses, ref_params = case.reference(gb)
+    ref_losses, ref_params, _ = case.reference(gb)
     err = 0.0
     for mod in local.values():
         for name, p in mod.named_parameters(remove_duplicate=False):
@@ -188,7 +201,8 @@ def _equivalence_worker(rank: int, meshes, models, schedules):
                 losses, loss_err, param_err, ex = run_pipeline(case, mesh, plan, schedule, modules)
                 out.append(dict(model=name, schedule=sched, p=p, dp=dp, rank=rank,
                                 pipe_rank=mesh.pipe_rank, losses=losses, loss_err=loss_err,
-                                param_err=param_err, peak=ex.peak_inflight,
+                                param_err=param_err, tol=case.reference(MBS * M * dp)[2],
+                                peak=ex.peak_inflight,
                                 n_events=len(ex.events), fused=sum(ex.fused_nodes.values()),
                                 n_actions=len(schedule.actions[mesh.pipe_rank]),
                                 shared=sorted(plan.shared_params),
@@ -210,7 +224,10 @@ def test_equivalence_with_single_process(world):
         for r in per_rank:
             if "compression" in r:  # 16-bit all-reduce payloads: close, not exact
                 errs = r["compression"]
-                assert errs["none"] < 1e-6 and errs["fp16"] < 2e-3 and errs["bf16"] < 2e-2, errs
+                # fp32: the mean of 2 replicas' entries of size <= 1.5, summed in another
+                # order (tests/tolerances.py); 16-bit: the format's rounding (2^-11, 2^-8)
+                assert errs["none"] < bound(1.5, 2), errs
+                assert errs["fp16"] < 2e-3 and errs["bf16"] < 2e-2, errs
     for r in rows:
         tag = f"{r['model']} {r['schedule']} p={r['p']} dp={r['dp']} rank {r['rank']}"
         # weight gradients accumulate in place on a full backward (every GPT stage has a
@@ -219,8 +236,9 @@ def test_equivalence_with_single_process(world):
             assert r["fused"] == 0, tag
         elif r["model"] == "gpt":
             assert r["fused"] > 0, tag
-        assert r["loss_err"] < TOL, tag
-        assert r["param_err"] < TOL, tag
+        loss_tol, param_tol = r["tol"]
+        assert r["loss_err"] < loss_tol, (tag, r["loss_err"], loss_tol)
+        assert r["param_err"] < param_tol, (tag, r["param_err"], param_tol)
         assert r["losses"][-1] < r["losses"][0], tag  # it trained
         assert r["n_events"] == STEPS * r["n_actions"], tag
         (stage, peak), = r["peak"].items()
@@ -301,7 +319,9 @@ def test_stages_on_one_rank_hand_over_and_split_backward(name, split):
         assert plan.shared_params
     losses, loss_err, param_err, ex = run_pipeline(case, Mesh(1, 1), plan,
                                                    _local_schedule(k, M, split), modules)
-    assert loss_err < TOL and param_err < TOL, (loss_err, param_err)
+    loss_tol, param_tol = case.reference(M * MBS)[2]
+    assert loss_err < loss_tol and param_err < param_tol, (loss_err, param_err, loss_tol,
+                                                           param_tol)
     assert ex.peak_inflight == {s: M for s in range(k)}
 
 

@@ -14,6 +14,15 @@ from fxpipe.partitioner.trace import trace
 from fxpipe.runtime.grad_fusion import (fuse_weight_grads, fused_addmm, fused_embedding,
                                         fused_linear)
 
+try:
+    from tolerances import bound
+except ImportError:  # tests/ collected as a package
+    from tests.tolerances import bound
+
+#: the fused copy and autograd add the same per-token terms in another order: float32 rounding
+#: over at most 3 batches x 2 x 9 tokens (tests/tolerances.py), relative to the gradient's size
+REL = bound(1.0, 3 * 2 * 9)
+
 FUSED = {fused_linear, fused_addmm, fused_embedding}
 
 
@@ -75,7 +84,7 @@ def test_fused_copy_gives_autograds_gradients(tie):
     assert set(got) == set(ref)
     for name, g in ref.items():
         err = (got[name] - g).abs().max().item() / max(g.abs().max().item(), 1e-12)
-        assert err < 1e-6, (name, err)
+        assert err < REL, (name, err)
     emb = dict(fused.named_parameters())["emb.weight"]
     if not tie:
         assert emb.grad[3].abs().max() == 0, "no gradient into the padding row"
@@ -83,7 +92,7 @@ def test_fused_copy_gives_autograds_gradients(tie):
     start = {id(p): torch.randn_like(p) for p in gm.parameters()}
     ref2, got2 = _grads(gm, batches, start), _grads(fused, batches, start)
     for name, g in ref2.items():
-        assert torch.allclose(got2[name], g, rtol=1e-6, atol=1e-6), name
+        assert torch.allclose(got2[name], g, rtol=REL, atol=REL), name
 
 
 @pytest.mark.filterwarnings("ignore:grad and param do not obey")
@@ -99,7 +108,7 @@ def test_grad_that_cannot_take_it_in_place_goes_through_autograd():
     for ids, y in batches:
         F.cross_entropy(fused(ids).flatten(0, 1), y.flatten()).backward()
     for name, p in fused.named_parameters():
-        assert torch.allclose(p.grad, ref[name], rtol=1e-6, atol=1e-6), name
+        assert torch.allclose(p.grad, ref[name], rtol=REL, atol=REL), name
 
 
 def test_what_is_not_fused():
@@ -145,7 +154,7 @@ def test_what_is_not_fused():
         fused4(ids).sum().backward()
         ref4(ids).sum().backward()
     assert len(got) == 2 and all(g is not None for g in got) and len(ref_seen) == 2
-    assert torch.allclose(model4.head.weight.grad, ref4.head.weight.grad, rtol=1e-6, atol=1e-6)
+    assert torch.allclose(model4.head.weight.grad, ref4.head.weight.grad, rtol=REL, atol=REL)
 
     gm2 = _stage(FreqEmb(), torch.randint(0, 10, (3,)))
     assert fuse_weight_grads(gm2) == (gm2, 0)
@@ -175,6 +184,6 @@ def test_fused_copy_keeps_a_stage_modules_calling_convention():
     ref_inp = inp.detach().clone().requires_grad_()
     ref = copy.deepcopy(lin)
     ref(ref_inp).sum().backward()
-    assert torch.allclose(inp.grad, ref_inp.grad, atol=1e-6)
-    assert torch.allclose(lin.weight.grad, ref.weight.grad, atol=1e-6)
-    assert torch.allclose(lin.bias.grad, ref.bias.grad, atol=1e-6)
+    assert torch.allclose(inp.grad, ref_inp.grad, rtol=REL, atol=REL)
+    assert torch.allclose(lin.weight.grad, ref.weight.grad, rtol=REL, atol=REL)
+    assert torch.allclose(lin.bias.grad, ref.bias.grad, rtol=REL, atol=REL)

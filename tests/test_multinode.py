@@ -101,7 +101,9 @@ def test_two_nodes_train_like_one(tmp_path, single_node):
     assert (tmp_path / "n0" / "losses.csv").exists() and not (tmp_path / "n1" / "losses.csv").exists()
     got = losses(tmp_path / "n0")
     assert len(got) == len(single_node)
-    assert max(abs(a - b) for a, b in zip(got, single_node)) < 1e-5
+    # the same cut (the plans agree) and the same arithmetic on every rank: the same bits
+    # (a 2-rank sum is commutative, so which node adds first does not matter)
+    assert got == single_node
     plan = json.loads((tmp_path / "n0" / "plan.json").read_text())
     assert plan["pipeline"] == 2 and "1 x 2" not in out0  # one worker per node
     assert "launching 2 x 1 worker" in out0 and "launching 2 x 1 worker" in out1

@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def _run(*args, pythonpath=(), timeout=300):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), *map(str, pythonpath)]),
-               OMP_NUM_THREADS="1")
+               OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     env.pop("FXPIPE_DEBUG", None)
     return subprocess.run([sys.executable, "-m", "fxpipe", *args], capture_output=True,
                           text=True, cwd=REPO, env=env, timeout=timeout)

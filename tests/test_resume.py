@@ -20,8 +20,10 @@ from fxpipe.examples.gpt import CharGPT
 
 try:
     from cli_helpers import cli_env, fxpipe_cli, fxpipe_in_process
+    from tolerances import bound
 except ImportError:  # collected as a package
     from tests.cli_helpers import cli_env, fxpipe_cli, fxpipe_in_process
+    from tests.tolerances import bound
 
 pytestmark = pytest.mark.distributed
 
@@ -106,8 +108,11 @@ def test_resume_under_another_plan(reference, tmp_path, parallel, devices):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     got = losses(run)
     assert [s for s, _ in got] == list(range(STEPS))
-    for (_, want), (_, have) in zip(ref, got):  # the same training, another summation order
-        assert abs(float(want) - float(have)) < 1e-5
+    # the same training, another summation order: float32 rounding of sums reordered over the
+    # 2 x 8 samples of an optimizer step, growing with the steps (tests/tolerances.py)
+    tol = bound(max(float(w) for _, w in ref), 2 * 8, len(ref))
+    for (_, want), (_, have) in zip(ref, got):
+        assert abs(float(want) - float(have)) < tol, (want, have, tol)
 
 
 def test_export_loads_into_the_plain_model_strictly(reference, tmp_path):

@@ -25,6 +25,11 @@ from benchmarks import _report  # noqa: E402
 from benchmarks import _runtime_bench as rb  # noqa: E402
 from fxpipe.schedule.lowering import schedule_for_plan  # noqa: E402
 
+try:
+    from tolerances import bound  # noqa: E402
+except ImportError:  # tests/ collected as a package
+    from tests.tolerances import bound  # noqa: E402
+
 TINY = ["--width", "32", "--mbs", "4", "--blocks", "2", "--warmup", "1"]
 TINY_CFG = rb.StackConfig(width=32, mbs=4, blocks_per_rank=2)
 
@@ -132,7 +137,9 @@ def test_vs_torch_benchmark_tiny(tmp_path):
         assert len(r.pair_ratios) == 2
         # identical copies trained on identical data: both runtimes report the same losses
         assert r.steps == 4, r.steps  # 1 warm-up + 2 rounds x 1 step + 1 profiled step
-        assert r.loss_diff <= 1e-5, r.loss_diff
+        # the same micro-batches, summed in each runtime's order: float32 rounding over the
+        # m x mbs = 16 samples of a step, growing with the steps (tests/tolerances.py)
+        assert r.loss_diff <= bound(r.loss_scale, 4 * 4, r.steps), (r.loss_diff, r.loss_scale)
         assert r.own_python_s("fx") > 0 and r.own_python_s("torch") > 0  # profiled
     body = _report.read_section(bt.SECTION, md)
     assert body is not None and "fxpipe / torch" in body and "| 1f1b | 2 | 4 |" in body

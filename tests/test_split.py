@@ -19,10 +19,27 @@ from fxpipe.partitioner.boundaries import compute_nodes, stage_boundaries
 from fxpipe.partitioner.split import build_stage_module, split_graph
 from fxpipe.plans.values import MODEL_INPUT
 
+try:
+    from tolerances import bound
+except ImportError:  # tests/ collected as a package
+    from tests.tolerances import bound
+
 torch.set_num_threads(1)
+
+#: a split graph runs the same ops on the same shapes as the whole one; only the sums of a
+#: value's gradient over its consumer stages and of a tied weight's over its holders change
+#: order: at most this many terms (4 stages, each adding one)
+TERMS = 4
 
 
 # ------------------------------------------------------------------------------------- helpers
+def assert_near(got: torch.Tensor, want: torch.Tensor) -> None:
+    """``got == want`` up to float32 rounding of sums of :data:`TERMS` terms reordered
+    (tests/tolerances.py)."""
+    scale = float(want.detach().abs().max()) if want.numel() else 0.0
+    torch.testing.assert_close(got, want, rtol=0, atol=bound(scale, TERMS))
+
+
 def _is_tensor_value(node: fx.Node) -> bool:
     if isinstance(node.meta.get("val"), torch.Tensor):
         return True
@@ -190,13 +207,13 @@ def test_gpt_stages_reproduce_output_and_gradients(gpt, k):
     got = grads_of(model)
     assert set(got) == set(ref_grads)  # every parameter, incl. the tied head/wte weight
     for name, g in ref_grads.items():
-        torch.testing.assert_close(got[name], g, rtol=0, atol=1e-6)
+        assert_near(got[name], g)
 
     out = run_pipelined_backward(b, mods, args)
-    torch.testing.assert_close(out[0], ref_out[0], rtol=0, atol=1e-6)
+    assert_near(out[0], ref_out[0])
     got = grads_of(model)
     for name, g in ref_grads.items():
-        torch.testing.assert_close(got[name], g, rtol=1e-5, atol=1e-6)
+        assert_near(got[name], g)
 
 
 def test_gpt_parameters_keep_original_fqns_and_objects(gpt):
@@ -269,11 +286,11 @@ def test_cnn_long_skip_goes_directly_to_last_stage(cnn, k):
     assert v.shape == [2, 8, 8, 8] and v.nbytes == 2 * 8 * 8 * 8 * 4
 
     out = run_pipelined_backward(b, mods, args)
-    torch.testing.assert_close(out[0], ref_out[0], rtol=0, atol=1e-6)
+    assert_near(out[0], ref_out[0])
     got = grads_of(model)
     assert set(got) == set(ref_grads)
     for name, g in ref_grads.items():
-        torch.testing.assert_close(got[name], g, rtol=1e-5, atol=1e-6)
+        assert_near(got[name], g)
 
 
 @pytest.mark.parametrize("k", [1, 2, 3])
@@ -295,11 +312,11 @@ def test_multi_input_output_buffers_and_constants(multi, k):
     assert consts and all(c not in dict(gm.named_buffers()) for c in consts)
     out = run_pipelined_backward(b, mods, args)
     for o, r in zip(out, ref_out):
-        torch.testing.assert_close(o, r, rtol=1e-6, atol=1e-6)
+        assert_near(o, r)
     got = grads_of(model)
     assert set(got) == set(ref_grads)
     for name, g in ref_grads.items():
-        torch.testing.assert_close(got[name], g, rtol=1e-5, atol=1e-6)
+        assert_near(got[name], g)
 
 
 def test_tuple_separated_from_getitem_raises(gpt):
@@ -353,10 +370,10 @@ def test_symbolic_trace_needs_shape_propagation_then_matches():
             for fqn, p in mod.named_parameters():
                 assert p is model.get_parameter(fqn) and fqn in sb.params
         out = run_pipelined_backward(b, mods, args)
-        torch.testing.assert_close(out[0], ref_out[0], rtol=0, atol=1e-6)
+        assert_near(out[0], ref_out[0])
         got = grads_of(model)
         for name, g in ref_grads.items():
-            torch.testing.assert_close(got[name], g, rtol=1e-5, atol=1e-6)
+            assert_near(got[name], g)
 
 
 def test_symbolic_trace_tied_module_maps_alias_to_canonical():
@@ -374,9 +391,9 @@ def test_symbolic_trace_tied_module_maps_alias_to_canonical():
     assert mods[1].get_parameter("head.weight") is mods[0].get_parameter("emb.weight")
     ref_out, ref_grads = reference(model, args)
     out = run_pipelined_backward(b, mods, args)
-    torch.testing.assert_close(out[0], ref_out[0], rtol=0, atol=1e-6)
+    assert_near(out[0], ref_out[0])
     got = grads_of(model)
-    torch.testing.assert_close(got["emb.weight"], ref_grads["emb.weight"], rtol=1e-5, atol=1e-6)
+    assert_near(got["emb.weight"], ref_grads["emb.weight"])
 
 
 class _IntCross(nn.Module):

@@ -5,7 +5,8 @@ deadline, for tests, benchmarks and trying a pipeline without torchrun.
 ``forkserver``: children fork from a clean server process that imported torch and fxpipe once but
 never ran an op, so no fork of a parent whose OpenMP pool is live, and no per-child import cost
 of about 2 s CPU), sets torchrun's environment (RANK,
-WORLD_SIZE, LOCAL_RANK, MASTER_ADDR=127.0.0.1, a free MASTER_PORT), limits each to one thread,
+WORLD_SIZE, LOCAL_RANK, MASTER_ADDR=127.0.0.1, a free MASTER_PORT), gives each
+:func:`fxpipe.runtime.threads.rank_threads` threads (1 unless ``OMP_NUM_THREADS`` says),
 joins the default gloo group, calls ``fn(rank, *args)`` and sends its (picklable) return value
 back. The parent kills every child still alive at the deadline and raises, so a hang can never
 outlive ``timeout_s``. A rank that exits with status 0 without returning gives ``None``.
@@ -41,11 +42,12 @@ def _child(fn: Callable, rank: int, world_size: int, port: int, dist_timeout_s: 
            args: tuple, results) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    import torch
+                      MASTER_PORT=str(port))
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
+    from fxpipe.runtime.threads import set_rank_threads
+
+    set_rank_threads()
     try:
         from fxpipe.runtime.mesh import init_distributed
 

@@ -127,7 +127,7 @@ class StageWork:
             with self._autocast():
                 loss = loss_fn(outs[self.loss_input], target)
             if loss is not None:
-                shown = loss.detach().float()
+                shown = loss.detach().to(torch.promote_types(loss.dtype, torch.float32))
                 if scale is not None:  # the backward starts from the scaled loss
                     loss = loss.float() * scale
         self._mb[i] = _Microbatch(leaves, outs, loss, {}, {})

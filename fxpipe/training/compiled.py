@@ -291,7 +291,8 @@ class CompiledPipeline:
         norm ``max_norm``, as ``torch.nn.utils.clip_grad_norm_`` does on the unsplit model
         (replicas hold the same all-reduced gradients). Collective: every rank calls it.
 
-        Returns the total norm before clipping (a float32 tensor, the same on every rank).
+        Returns the total norm before clipping (a tensor in the gradients' dtype, the same on
+        every rank).
         """
         norm_type = float(norm_type)
         grads = [p.grad for p in self._norm_params if p.grad is not None]
@@ -309,7 +310,8 @@ class CompiledPipeline:
             op = dist.ReduceOp.MAX if norm_type == float("inf") else dist.ReduceOp.SUM
             dist.all_reduce(local, op=op, group=self.mesh.pipe_group)
         total = local[0] if norm_type == float("inf") else local[0] ** (1.0 / norm_type)
-        total = total.to(torch.float32)
+        # in the gradients' dtype, as torch's clip_grad_norm_ (its clipping factor too)
+        total = total.to(self._grad_params[0].dtype if self._grad_params else torch.float32)
         if error_if_nonfinite and not bool(torch.isfinite(total)):
             raise RuntimeError(f"the total norm of order {norm_type} of the gradients is "
                                f"{float(total)}, so they cannot be clipped; set "

@@ -22,6 +22,7 @@ import torch
 from fxpipe.data.batches import example_microbatch
 from fxpipe.errors import PlanError
 from fxpipe.partitioner.driver import as_spec, tracing_model
+from fxpipe.runtime.threads import set_rank_threads
 from fxpipe.partitioner.loss_cost import measured_loss_times
 from fxpipe.partitioner.profile import (SEND_METHOD, SendCost, profile_graph, profile_key,
                                         save_profile, send_cost_path)
@@ -153,7 +154,7 @@ def profile_spec(spec, *, repeats: int = 5, warmup: int = 2, send: bool = True) 
             f"{'' if torch.version.cuda else ', built without CUDA'}): profile where the spec's "
             "devices are (the cache is keyed by the device), or set cluster.device: cpu to "
             "measure this machine")
-    torch.set_num_threads(1)  # as on a worker rank
+    set_rank_threads()  # as on a worker rank
     model = build_model(spec)
     batch = example_microbatch(spec)
     model, args, kwargs, _ = tracing_model(model, batch.args, batch.kwargs, device)

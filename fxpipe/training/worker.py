@@ -162,6 +162,7 @@ def train(plan_path: Path, out: Path, resume: bool = False) -> None:
     from fxpipe.data.batches import get_batch, make_batches
     from fxpipe.plans.plan import Plan
     from fxpipe.runtime.mesh import init_distributed
+    from fxpipe.runtime.threads import set_rank_threads
     from fxpipe.schedule.timeline import write_chrome_trace
     from fxpipe.specs.loader import build_model, load_spec
     from fxpipe.training.checkpoint import (clean_partial, latest_checkpoint, load_checkpoint,
@@ -173,7 +174,7 @@ def train(plan_path: Path, out: Path, resume: bool = False) -> None:
     plan = Plan.load(plan_path)
     spec = load_spec(plan.spec)
     t = spec.train
-    torch.set_num_threads(1)
+    set_rank_threads()  # 1, or OMP_NUM_THREADS
     init_distributed(spec.cluster.device, t.timeout_s)
     rank = dist.get_rank()
     restarts = restart_count()
