@@ -119,6 +119,29 @@ def test_deep_model_plans_as_blocks_in_seconds():
     assert took < 30, took  # 96 layers x 12288 on 1024 devices: BENCHMARKS.md, plan-scale
 
 
+def test_a_trillion_parameters_plan_with_tensor_parallelism():
+    """The 1T GPT of Narayanan et al. (128 layers x 25,600, 160 heads, vocabulary 51,200,
+    sequence 2,048) on 384 nodes of 8 A100-80GB, every field auto: without tensor parallelism
+    nothing fits (AdamW's state alone needs 16 TB); with it the search splits each layer over
+    the 8 devices of a node, within the README's 30 s."""
+    with torch.device("meta"):
+        model = CharGPT(vocab_size=51200, block_size=2048, n_layer=128, n_head=160,
+                        n_embd=25600)
+    spec = _all_auto_on_gpus({"batch_size": 3072, "seq_len": 2048}, nodes=384)
+    spec["parallel"]["tensor"] = "auto"
+    spec["cluster"].update(device_tflops=312, links={"intra_node_GBps": 300,
+                                                     "inter_node_GBps": 25})
+    spec["train"] = {"optimizer": "adamw", "precision": "bf16"}
+    t0 = time.perf_counter()
+    plan = fxpipe.plan(model, spec, (torch.zeros(1, 2048, dtype=torch.long, device="meta"),))
+    took = time.perf_counter() - t0
+    assert plan.tensor == 8 and plan.pipeline * plan.dp * plan.tensor == 3072
+    assert plan.tensor_params["h.77.attn.qkv.weight"] == "S(0,3)"
+    assert any("tensor 8 chosen" in e for e in plan.explain), plan.explain
+    assert max(st.memory_bytes for st in plan.stages) <= 80e9
+    assert took < 30, took
+
+
 class _Residual(nn.Module):
     def __init__(self, d: int, hidden: int):
         super().__init__()

@@ -23,11 +23,11 @@ except ImportError:  # collected as a package
     from tests.schedule_reference import list_schedule_definition
 
 
-def _spec(nodes, per_node, batch, schedule="auto"):
+def _spec(nodes, per_node, batch, schedule="auto", tensor=1):
     return load_spec({
         "model": {"factory": "x:y"}, "data": {"batch_size": batch, "seq_len": 64},
         "parallel": {"pipeline": "auto", "data": "auto", "microbatches": "auto",
-                     "schedule": schedule},
+                     "schedule": schedule, "tensor": tensor},
         "cluster": {"nodes": nodes, "devices_per_node": per_node, "device": "cuda",
                     "memory_gb": 80, "device_tflops": 1,
                     "links": {"intra_node_GBps": 100, "inter_node_GBps": 1}},
@@ -43,11 +43,13 @@ def priced():
     return D.plan_with_graph(model, spec, x, units_only=True)[0]
 
 
-@pytest.mark.parametrize("nodes,per_node,batch,schedule", [
-    (2, 4, 32, "auto"), (1, 8, 32, "auto"), (4, 2, 16, "auto"), (2, 4, 64, "zb-h1")])
+@pytest.mark.parametrize("nodes,per_node,batch,schedule,tensor", [
+    (2, 4, 32, "auto", 1), (1, 8, 32, "auto", 1), (4, 2, 16, "auto", 1), (2, 4, 64, "zb-h1", 1),
+    (2, 4, 32, "auto", "auto")])
 def test_pruned_search_picks_what_exhaustive_search_picks(priced, monkeypatch, nodes, per_node,
-                                                          batch, schedule):
-    spec = _spec(nodes, per_node, batch, schedule)
+                                                          batch, schedule, tensor):
+    """Also over the tensor degrees (tensor: auto): every degree's units priced."""
+    spec = _spec(nodes, per_node, batch, schedule, tensor)
     sims, real = [], D._simulate_cut
 
     def sim(pr, prefix, problem, result, cand, spec_, scale, recompute=None):
@@ -59,10 +61,15 @@ def test_pruned_search_picks_what_exhaustive_search_picks(priced, monkeypatch, n
         return res
 
     monkeypatch.setattr(D, "_simulate_cut", sim)
-    every = D._search(priced, spec, prune=False)
+    at = {}
+
+    def priced_at(t):
+        return at.setdefault(t, D.at_degree(priced, spec, t))
+
+    every = D._search(priced_at, spec, prune=False)
     assert sims and all(lb <= t * (1 + 1e-12) for lb, t, _ in sims), \
         [s for s in sims if s[0] > s[1]]  # every candidate that fits was simulated
-    pruned = D._search(priced, spec)
+    pruned = D._search(priced_at, spec)
     assert (pruned[0], pruned[1].cuts, pruned[2]) == (every[0], every[1].cuts, every[2])
     assert "pruned by a lower bound" in pruned[3][0]
 

@@ -17,7 +17,7 @@ import logging
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import networkx as nx
 import numpy as np
@@ -26,7 +26,7 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensor
 
 from fxpipe.data.batches import example_microbatch
-from fxpipe.errors import PlanError, SpecError, TraceError
+from fxpipe.errors import FxpipeError, PlanError, SpecError, TraceError
 from fxpipe.partitioner.blocks import (KEEP, UnitTable, check_run, find_block_run, fold,
                                        reduced, resolve_folded)
 from fxpipe.partitioner.boundaries import GUARDS_FN, stage_boundaries
@@ -41,20 +41,24 @@ from fxpipe.partitioner.profile import (SendCost, cache_dir, load_profile, load_
 from fxpipe.partitioner.recompute import apply_recompute, cheap_values, is_clone
 from fxpipe.partitioner.refine import MAX_CUTS, MAX_RIVALS, NEAR, refine_cuts
 from fxpipe.partitioner.servers import assign_servers, even_server_bytes
-from fxpipe.partitioner.search import Candidate, candidates, stage_inflight
-from fxpipe.partitioner.solvers import optimal_partition
+from fxpipe.partitioner.search import Candidate, candidates, stage_inflight, tensor_degrees
+from fxpipe.partitioner.solvers import chain_bottleneck, optimal_partition
 from fxpipe.partitioner.stage_timing import (StageTimes, side_by_side_groups, stage_times_key,
                                              time_stages)
+from fxpipe.partitioner.tensor_costs import (TensorPricing, expand_blocks, scaled_costs,
+                                             scaled_times, tensor_pricing, with_comm)
 from fxpipe.partitioner.timing import NodeTimes, analytic_times, sum_times
 from fxpipe.partitioner.trace import TracedModel, fake_on_device, trace
 from fxpipe.plans.plan import Plan, StagePlan
 from fxpipe.plans.values import needs_grad
 from fxpipe.runtime.grad_fusion import fuse_weight_grads
-from fxpipe.plans.placement import (global_rank, node_of, nodes_of_stage_rank, pair_crosses_nodes,
-                                    ring_crosses_nodes, stage_to_rank)
+from fxpipe.plans.placement import (global_rank, grid_slots_per_node, node_of,
+                                    nodes_of_stage_rank, pair_crosses_nodes, ring_crosses_nodes,
+                                    stage_to_rank)
 from fxpipe.schedule.lowering import compute_schedule
 from fxpipe.schedule.simulate import (Links, LoweredSchedule, SimResult, StageCosts, predict,
                                       simulate)
+from fxpipe.tensor.choose import DegreeError
 from fxpipe.specs.loader import build_model, load_spec, spec_location
 from fxpipe.specs.schema import (OPTIMIZER_STATE_FACTOR, ParallelSpec,
                                  compression_rank_problems, stages_per_rank)
@@ -79,7 +83,8 @@ def _boundary_bandwidths(spec: ParallelSpec, cand: Candidate, stage_to_rank: lis
                          ) -> list[float]:
     """Bytes/s of the link between stage j and j+1 (inter-node when any replica's pair spans
     two nodes). Stages on one rank exchange values in memory (infinite bandwidth)."""
-    links, dpn = spec.cluster.links, spec.cluster.devices_per_node
+    links = spec.cluster.links
+    dpn = grid_slots_per_node(spec.cluster.devices_per_node, cand.tensor)
     out = []
     for a, b in zip(stage_to_rank[:-1], stage_to_rank[1:]):
         if a == b:
@@ -120,6 +125,8 @@ class Priced:
         batch: the micro-batch size traced.
         loss: the loss's seconds (already in ``times``, on the node producing the model output).
         loss_at: the node whose times include the loss's (None when nothing was added).
+        tensor: at a tensor-parallel degree above 1, the sharding and its costs (the costs
+            and times above are then one rank's: :mod:`fxpipe.partitioner.tensor_costs`).
     """
 
     traced: TracedModel
@@ -132,6 +139,12 @@ class Priced:
     table: UnitTable | None = None
     loss: NodeTimes = dataclasses.field(default_factory=NodeTimes)
     loss_at: str | None = None
+    tensor: TensorPricing | None = None
+
+    @property
+    def degree(self) -> int:
+        """The tensor-parallel degree these costs are for."""
+        return self.tensor.t if self.tensor is not None else 1
 
     def __post_init__(self) -> None:
         if self.table is None:
@@ -232,6 +245,45 @@ def _node_times(traced: TracedModel, costs: dict[str, NodeCost], spec: ParallelS
     return with_loss(times, node, loss), loss
 
 
+def at_degree(pr: Priced, spec: ParallelSpec, t: int) -> Priced:
+    """``pr``'s costs for one rank of a tensor group of ``t`` ranks
+    (:mod:`fxpipe.partitioner.tensor_costs`): per-node work, bytes and parameters shared where
+    sharded, the tensor group's collectives added; ``pr`` itself at degree 1.
+
+    Raises:
+        DegreeError: the model's heads or vocabulary do not divide by ``t``.
+    """
+    if t <= 1:
+        return pr
+    cl, traced = spec.cluster, pr.traced
+    trainable = {k for k, fqn in traced.param_fqns.items() if fqn not in traced.buffer_fqns}
+    tp = tensor_pricing(traced.gm, t, sequence_parallel=spec.parallel.sequence_parallel,
+                        output_loss=None if spec.train.loss == MODEL_LOSS else spec.train.loss,
+                        trainable=trainable, intra_node_GBps=cl.links.intra_node_GBps,
+                        latency_s=cl.links.latency_s, strict=spec.parallel.tensor != "auto")
+    costs = scaled_costs(pr.costs, tp)
+    loss = (pr.loss.scaled(tp.fraction.get(pr.loss_at, 1.0)) if pr.loss_at is not None
+            else pr.loss)
+    if cl.costs == "analytic":
+        times = with_comm(with_loss(analytic_times(costs, cl.device_tflops * 1e12,
+                                                   cl.memory_Bps, cl.op_overhead_s),
+                                    pr.loss_at, loss), tp)
+    else:
+        times = scaled_times(pr.times, tp)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the degree-1 graph said what there is to say
+        pg = build_graph(traced, costs)
+    out = Priced(traced, costs, times, pg, pr.cheap, pr.send, pr.batch, loss=loss,
+                 loss_at=pr.loss_at, tensor=tp)
+    if pr.table.folding is not None:
+        folded = fold(pg, pr.table.folding.run, out.table.times, pr.cheap)
+        if folded is None:  # pragma: no cover - the degree-1 graph folded
+            raise PlanError("the model's blocks fold at tensor degree 1 but not at "
+                            f"{t}; plan it with parallel.tensor: 1")
+        out.table = folded
+    return out
+
+
 def _tensor_inputs(args: tuple, kwargs: dict) -> list[torch.Tensor]:
     """The tensor inputs in call order: what a trace's ``input_names`` name."""
     return [v for v in [*args, *kwargs.values()] if isinstance(v, torch.Tensor)]
@@ -251,8 +303,9 @@ def _slowdowns(spec: ParallelSpec, cand: Candidate, stage_to_rank: list[int]) ->
     cl = spec.cluster
     if not cl.node_tflops:
         return [1.0] * len(stage_to_rank)
+    slots = grid_slots_per_node(cl.devices_per_node, cand.tensor)
     return [max(cl.device_tflops / cl.node_tflops[nd] for nd in nodes_of_stage_rank(
-        r, cand.pipeline, cand.dp, cl.devices_per_node, cand.layout)) for r in stage_to_rank]
+        r, cand.pipeline, cand.dp, slots, cand.layout)) for r in stage_to_rank]
 
 
 def _fastest_slowdown(spec: ParallelSpec) -> float:
@@ -501,9 +554,66 @@ def _assemble(pr: Priced, result: PartitionResult, cand: Candidate, spec: Parall
         explain=list(explain), spec=spec.model_dump(mode="json"), recomputed=recomputed,
         placement=cand.layout,
     )
+    _set_tensor(plan, pr)
     _set_send_times(plan, pr.send)
     plan.predicted = predict(plan)
     return plan
+
+
+def _stage_nodes(plan: Plan, pr: Priced) -> list[list[str]]:
+    """The traced graph's nodes each stage runs (with repeats: a folded plan's stage runs the
+    representative block's nodes once per block it holds)."""
+    fo = pr.table.folding
+    if fo is None:
+        return [list(st.nodes) for st in plan.stages]
+    pg, rec = pr.pg, plan.folded
+    out: list[list[str]] = [[] for _ in plan.stages]
+    for node, s in rec["prologue"].items():
+        out[s].append(node)
+    block = [m for u in fo.block_units[-1] for m in pg.graph.nodes[pg.order[u]]["members"]]
+    for s in rec["blocks"]:
+        out[s] += block
+    after = [m for u in fo.epilogue for m in pg.graph.nodes[pg.order[u]]["members"]]
+    for node, s in zip(after, rec["epilogue"]):
+        out[s].append(node)
+    return out
+
+
+def _set_tensor(plan: Plan, pr: Priced) -> None:
+    """The plan's tensor-parallel fields from the priced units' sharding, and what it says:
+    how many parameters are split how, what stays whole, and the collectives per
+    micro-batch."""
+    tp = pr.tensor
+    if tp is None:
+        return
+    plan.tensor, plan.sequence_parallel = tp.t, tp.sequence_parallel
+    text = tp.placements_text()
+    fo = pr.table.folding
+    if fo is not None:  # names of the reduced trace -> every block of the full model
+        text = {fo.run.full_name(k): v for k, v in text.items()}
+        text = expand_blocks(text, fo.run.prefix, fo.run.start, fo.run.count)
+    plan.tensor_params = dict(sorted(text.items()))
+    plan.tensor_replicated = tp.replicated()
+    for st, nodes in zip(plan.stages, _stage_nodes(plan, pr)):
+        comms = [c for n in nodes if n in tp.sharding.nodes for c in tp.sharding.nodes[n].comm]
+        st.tensor_collectives = len(comms)
+        st.tensor_bytes = [float(sum(c.nbytes for c in comms if c.phase == "fwd")),
+                           float(sum(c.nbytes for c in comms if c.phase == "bwd"))]
+    kinds = {"S(0)": 0, "other": 0}
+    for v in tp.choice.params.values():
+        kinds["S(0)" if v.dim == 0 else "other"] += 1
+    fwd = sum(b for b, _ in tp.comm_bytes.values())
+    bwd = sum(b for _, b in tp.comm_bytes.values())
+    count = sum(len(ns.comm) for ns in tp.sharding.nodes.values())
+    whole = (f"; {len(plan.tensor_replicated)} layers or ops run whole in their group "
+             f"(plan.tensor_replicated)" if plan.tensor_replicated else "")
+    plan.explain.append(
+        f"tensor parallelism {tp.t}{' with sequence parallelism' if tp.sequence_parallel else ''}:"
+        f" {len(tp.choice.params)} parameters of the traced graph split (plan.tensor_params: "
+        f"{kinds['S(0)']} on dim 0 - column-parallel outputs, vocabularies - and {kinds['other']}"
+        f" on another dim - row-parallel inputs, Conv1D columns){whole}; per micro-batch "
+        f"{count} collectives over the tensor group move {human_bytes(fwd, True)} forward and "
+        f"{human_bytes(bwd, True)} backward (whole tensors; ring on the intra-node link)")
 
 
 def _resize(t: Any, size: int) -> Any:
@@ -637,7 +747,8 @@ def _simulate_cut(pr: Priced, prefix: np.ndarray, problem: CutProblem,
                            cand.virtual_stages, frozenset(fwd_bytes), frozenset(grad_bytes))
     cl = spec.cluster
     servers = cl.parameter_servers if spec.train.updates == "async" else 0
-    links = Links.from_cluster(cand.pipeline, cand.dp, cl.nodes, cl.devices_per_node,
+    links = Links.from_cluster(cand.pipeline, cand.dp, cl.nodes,
+                               grid_slots_per_node(cl.devices_per_node, cand.tensor),
                                cl.links.intra_node_GBps, cl.links.inter_node_GBps,
                                cl.links.latency_s, cand.layout, servers)
     return simulate(sched, costs, fwd_bytes, links, dp=cand.dp, allreduce_bytes=list(
@@ -746,6 +857,7 @@ def _assemble_folded(pr: Priced, result: PartitionResult, cand: Candidate, spec:
         lower_bound_s=_lower_bound(stages, result), explain=explain, spec=spec.model_dump(mode="json"),
         folded=record, placement=cand.layout,
     )
+    _set_tensor(plan, pr)
     problem = _cut_problem(pr, spec, cand, 1.0)
     _set_send_times(plan, pr.send)
     plan.predicted = _simulate_cut(pr, prefix, problem, result, cand, spec, 1.0).predicted()
@@ -754,7 +866,7 @@ def _assemble_folded(pr: Priced, result: PartitionResult, cand: Candidate, spec:
 
 def _placement_note(plan: Plan, spec: ParallelSpec) -> str:
     """Which groups the chosen layout keeps inside a node, and which cross nodes."""
-    dpn = spec.cluster.devices_per_node
+    dpn = grid_slots_per_node(spec.cluster.devices_per_node, plan.tensor)
     p, d = plan.pipeline, plan.dp
     pairs = [(a, a + 1) for a in range(p - 1)]
     crossing = [f"{a}->{b}" for a, b in pairs
@@ -795,7 +907,7 @@ def _block_range(run, record: dict, s: int) -> str:
 
 
 def _ring_s(nbytes: float, n: int, spec: ParallelSpec, pipeline: int, dp: int,
-            layout: str = "pipeline-inner", latency: bool = True) -> float:
+            layout: str = "pipeline-inner", latency: bool = True, tensor: int = 1) -> float:
     """Seconds of a ring all-reduce of ``nbytes`` over ``n`` ranks on the link its group uses
     (0 under async updates: parameter servers replace the all-reduce, and the bounds this
     serves stay valid). Pipeline rank 0's group decides the link: no rank's group uses a
@@ -805,7 +917,8 @@ def _ring_s(nbytes: float, n: int, spec: ParallelSpec, pipeline: int, dp: int,
     if n <= 1 or nbytes <= 0 or spec.train.updates == "async":
         return 0.0
     links = spec.cluster.links
-    crosses = ring_crosses_nodes(0, pipeline, dp, spec.cluster.devices_per_node, layout)
+    crosses = ring_crosses_nodes(0, pipeline, dp,
+                                 grid_slots_per_node(spec.cluster.devices_per_node, tensor), layout)
     bw = (links.inter_node_GBps if crosses else links.intra_node_GBps) * 1e9
     return 2 * (n - 1) / n * nbytes / bw + (2 * (n - 1) * links.latency_s if latency else 0.0)
 
@@ -843,7 +956,7 @@ def _cut_bound(prefix: np.ndarray, result: PartitionResult, cand: Candidate, spe
         fb[r] += f[j] + b[j] + (0.0 if split else w[j])
         low[r] = min(low[r], j)
         ars[r].append(_ring_s(result.param_bytes[j], cand.dp, spec, cand.pipeline, cand.dp,
-                              cand.layout))
+                              cand.layout, tensor=cand.tensor))
     fcum = np.concatenate([[0.0], np.cumsum(f)])
     bcum = np.concatenate([[0.0], np.cumsum(b)])
     best = 0.0
@@ -871,13 +984,18 @@ def _problem_key(problem: CutProblem) -> tuple:
             tuple(sorted((problem.pins or {}).items())), flat(problem.slowdown))
 
 
+#: how close to optimal the auto search's cuts are (relative bottleneck): candidates are
+#: ranked on such cuts, and the chosen one is cut exactly afterwards
+SEARCH_TOLERANCE = 1e-4
+
+
 def _solve_cached(problem: CutProblem, cache: dict) -> PartitionResult:
-    """``optimal_partition(problem, explain=False)``, once per distinct problem in ``cache``
-    (an infeasible one raises its error again)."""
+    """``optimal_partition(problem, explain=False)`` within :data:`SEARCH_TOLERANCE`, once per
+    distinct problem in ``cache`` (an infeasible one raises its error again)."""
     key = _problem_key(problem)
     if key not in cache:
         try:
-            cache[key] = optimal_partition(problem, explain=False)
+            cache[key] = optimal_partition(problem, explain=False, tolerance=SEARCH_TOLERANCE)
         except PlanError as e:
             cache[key] = e
     got = cache[key]
@@ -886,26 +1004,110 @@ def _solve_cached(problem: CutProblem, cache: dict) -> PartitionResult:
     return got
 
 
+def _fits_without_recompute(pr: Priced, spec: ParallelSpec, cand: Candidate,
+                            scale: float) -> bool:
+    """Whether some cut could hold every stage's parameters, gradients, optimizer state and
+    the activations of its micro-batches in flight on the device, recomputing nothing: the
+    greedy cover (each stage as long as the device holds it) is optimal for this question, and
+    ignoring that a rank may hold several stages only makes it say yes more often. False means
+    the candidate must recompute (no solve needed to know)."""
+    tb = pr.table
+    mult = OPTIMIZER_STATE_FACTOR[spec.train.optimizer]
+    inflight, _ = stage_inflight(cand)
+    cap = spec.cluster.memory_gb * 1e9
+    P = np.concatenate([[0.0], np.cumsum(np.asarray(tb.params, dtype=np.float64))])
+    A = np.concatenate([[0.0], np.cumsum(np.asarray(tb.saved, dtype=np.float64) * scale)])
+    n, pos = len(tb.params), 0
+    memo: dict[int, np.ndarray] = {}
+    for j in range(cand.num_stages):
+        k = int(inflight[j])
+        if k not in memo:
+            memo[k] = mult * P + k * A  # non-decreasing in the end
+        d = memo[k]
+        end = int(np.searchsorted(d, d[pos] + cap, "right")) - 1
+        if end <= pos:
+            return False
+        pos = end
+        if pos >= n:
+            return True
+    return False
+
+
+def _fill_drain_floor(total: float, fill_share: float, work_share: float, m: int,
+                      p: int) -> float:
+    """A lower bound (seconds per micro-batch unit of ``total``) on :func:`_cut_bound`'s term
+    of the last pipeline rank against the busiest other one, whatever the cut, for one stage
+    per rank: the last rank starts after the forwards of every other stage and its last
+    backward is followed by theirs (``fill_share`` of their time at least: the smallest
+    (F + B) / (F + B + W) of any unit), and it runs ``m`` x its own work (``work_share`` of its
+    time at least); some other rank runs ``m`` x its work, at least the others' average. With
+    ``x`` the last stage's time: ``max(a (T - x) + c x, c (T - x) / (p - 1))`` with ``a =
+    fill_share``, ``c = m work_share``, minimised over ``x`` in [0, T] (an end or the
+    crossing: both are linear)."""
+    if p < 2 or total <= 0:
+        return 0.0
+    a, c = fill_share, m * work_share
+
+    def worst(x: float) -> float:
+        return max(a * (total - x) + c * x, c * (total - x) / (p - 1))
+
+    points = [0.0, total]
+    den = c * p / (p - 1) - a
+    if den > 0:
+        points.append(min(total, max(0.0, total * (c / (p - 1) - a) / den)))
+    return min(worst(x) for x in points)
+
+
+def _unit_shares(prefix: np.ndarray, recompute: bool, split: bool) -> tuple[float, float, float]:
+    """``(total, fill share, work share)`` of the units for :func:`_fill_drain_floor`: per
+    micro-batch seconds of all units (the forward twice when recomputing) and the smallest
+    shares of F + B and of the work a rank holds a micro-batch for (F + B, + W unless split)."""
+    f, b, w = (np.diff(prefix[i]) for i in range(3))
+    if recompute:
+        b = b + f
+    tot = f + b + w
+    live = tot > 0
+    if not live.any():
+        return 0.0, 1.0, 1.0
+    fb = (f + b)[live] / tot[live]
+    work = fb if split else np.ones_like(fb)
+    return float(tot.sum()), float(fb.min()), float(work.min())
+
+
 def _candidate_bound(cand: Candidate, scale: float, spec: ParallelSpec, total: float,
-                     total_params: float, biggest: float, fastest: float) -> float:
+                     total_params: float, biggest: float, fastest: float,
+                     stage_floor: float = 0.0, shares: tuple[float, float, float] | None = None
+                     ) -> float:
     """A lower bound on the simulated step time of any cut of the candidate (before solving
-    it): some rank computes at least the average share of the work and the costliest unit
-    (``biggest``), ``m`` times; with one stage per rank, each rank's all-reduce follows all its
-    work (so the average rank's work plus its all-reduce, bandwidth term only: a rank without
-    parameters runs none); with several stages per rank the all-reduces of stages finished
-    early may overlap compute, so only their sum on one rank counts."""
+    it): some rank computes at least the average share of the work, the costliest unit
+    (``biggest``) and the slowest stage of the best compute-only cut (``stage_floor``:
+    :func:`chain_bottleneck` into the candidate's stages), ``m`` times; with one stage per
+    rank, each rank's all-reduce follows all its work (so the average rank's work plus its
+    all-reduce, bandwidth term only: a rank without parameters runs none); with several stages
+    per rank the all-reduces of stages finished early may overlap compute, so only their sum on
+    one rank counts. ``shares``: :func:`_unit_shares` for the last rank's fill and drain
+    (:func:`_fill_drain_floor`); ``total`` then is theirs."""
     m = cand.microbatches * scale * fastest
-    work = m * max(total / cand.pipeline, biggest)
+    if shares is not None:
+        total = shares[0]
+    work = m * max(total / cand.pipeline, biggest, stage_floor)
     ring = _ring_s(total_params / cand.pipeline, cand.dp, spec, cand.pipeline, cand.dp,
-                   cand.layout, latency=False)
+                   cand.layout, latency=False, tensor=cand.tensor)
     if cand.num_stages == cand.pipeline:
-        return max(work, m * total / cand.pipeline + ring)
+        fill = (scale * fastest * _fill_drain_floor(shares[0], shares[1], shares[2],
+                                                    cand.microbatches, cand.pipeline)
+                if shares is not None else 0.0)
+        return max(work, m * total / cand.pipeline + ring, fill)
     return max(work, ring)
 
 
-def _search(pr: Priced, spec: ParallelSpec, prune: bool = True
+def _search(pr_at: Callable[[int], Priced], spec: ParallelSpec, prune: bool = True
             ) -> tuple[Candidate, PartitionResult, int, list[str]]:
     """The fastest candidate layout that fits, and the explanation of the ranking.
+
+    ``pr_at(t)``: the priced units at tensor-parallel degree ``t`` (one rank's costs). Every
+    degree of :func:`~fxpipe.partitioner.search.tensor_degrees` is tried; a degree the model
+    cannot take (heads, vocabulary) is left out and said why.
 
     Candidates are visited in the order of a lower bound on their step time (every rank runs
     its share of ``m`` micro-batches, ``m x total / p``, and all-reduces its share of the
@@ -915,35 +1117,67 @@ def _search(pr: Priced, spec: ParallelSpec, prune: bool = True
     The bounds are valid lower bounds and a candidate is pruned only when its bound exceeds
     the best step (ties are simulated), so ``prune=False`` (simulate every candidate that fits)
     picks the same layout and cut."""
-    prefix = _unit_prefix(pr)
-    total = float(prefix[:, -1].sum())
-    total_params = float(sum(pr.table.params))
-    n_units = len(pr.table.names)
     bounds = []
-    biggest = float(np.diff(prefix.sum(axis=0)).max(initial=0.0))  # the costliest unit
     fastest = _fastest_slowdown(spec)
-    for cand in candidates(spec, max_stages=n_units):
-        mbs = spec.data.batch_size // (cand.dp * cand.microbatches)
-        if mbs >= 1:
-            lb = _candidate_bound(cand, mbs / pr.batch, spec, total, total_params, biggest,
-                                  fastest)
-            bounds.append((lb, cand.label(), cand, mbs))
+    degrees = tensor_degrees(spec)
+    mode = spec.train.activation_recompute
+    left_out: list[str] = []
+    first_error: FxpipeError | None = None
+    for t in degrees:
+        try:
+            pr = pr_at(t)
+            cands = candidates(spec, max_stages=len(pr.table.names), tensor=t)
+        except (DegreeError, PlanError) as e:
+            left_out.append(f"tensor {t}: {e}")
+            first_error = first_error or e
+            continue
+        prefix = _unit_prefix(pr)
+        total = float(prefix[:, -1].sum())
+        total_params = float(sum(pr.table.params))
+        biggest = float(np.diff(prefix.sum(axis=0)).max(initial=0.0))  # the costliest unit
+        cumulative = [float(x) for x in prefix.sum(axis=0)]
+        with_rc = [float(x) for x in prefix.sum(axis=0) + prefix[0]]  # the forward twice
+        floors: dict[tuple[int, bool], float] = {}  # the best compute-only cut's slowest stage
+        shares: dict[tuple[bool, bool], tuple[float, float, float]] = {}
+        for cand in cands:
+            mbs = spec.data.batch_size // (cand.dp * cand.microbatches)
+            if mbs < 1:
+                continue
+            scale, k = mbs / pr.batch, cand.num_stages
+            rc_only = (mode == "on" or (mode == "auto" and not _fits_without_recompute(
+                pr, spec, cand, scale)))
+            if (k, rc_only) not in floors:
+                floors[(k, rc_only)] = chain_bottleneck(with_rc if rc_only else cumulative, k)
+            floor = floors[(k, rc_only)] if k == cand.pipeline else 0.0  # one stage per rank
+            split = cand.schedule in _SPLIT_BACKWARD
+            if (rc_only, split) not in shares:
+                shares[(rc_only, split)] = _unit_shares(prefix, rc_only, split)
+            lb = _candidate_bound(cand, scale, spec, total, total_params, biggest, fastest,
+                                  floor, shares[(rc_only, split)])
+            bounds.append((lb, cand.label(), cand, mbs, pr, prefix, rc_only))
+    if not bounds:
+        if len(degrees) == 1 and first_error is not None:
+            raise first_error
+        raise PlanError("no tensor-parallel degree fits the model:\n  " + "\n  ".join(left_out))
     bounds.sort(key=lambda x: (x[0], x[1]))
     best: _Ranked | None = None
     ranked: list[_Ranked] = []
-    failed: list[tuple[float, Candidate, float]] = []  # (bound, candidate, scale)
+    failed: list[tuple[float, Candidate, float, Priced]] = []  # (bound, candidate, scale, pr)
     pruned = 0
-    mode = spec.train.activation_recompute
+    capacity = spec.cluster.memory_gb * 1e9
     solved: dict = {}  # identical cut problems (e.g. the two placements of one grid) solve once
-    for i, (lb, label, cand, mbs) in enumerate(bounds):
+    for i, (lb, label, cand, mbs, pr, prefix, rc_only) in enumerate(bounds):
         _progress.info("auto search: candidate %d/%d (%s)%s", i + 1, len(bounds), label,
                        f", best so far {best.step_s * 1e3:.3g} ms/step" if best else "")
         if prune and best is not None and lb > best.step_s:
             pruned += 1
             continue
         scale = mbs / pr.batch
+        if _static_share(pr, spec, cand) > capacity:  # cannot fit, whatever the cut
+            failed.append((lb, cand, scale, pr))
+            continue
         found = None
-        for rc in ((False,) if mode == "off" else (True,) if mode == "on" else (False, True)):
+        for rc in ((False,) if mode == "off" else (True,) if rc_only else (False, True)):
             c = dataclasses.replace(cand, recompute=rc)
             try:
                 found = (c, *_solve_fitting(pr, spec, c, scale, solved))
@@ -951,7 +1185,7 @@ def _search(pr: Priced, spec: ParallelSpec, prune: bool = True
             except PlanError:
                 continue
         if found is None:
-            failed.append((lb, cand, scale))
+            failed.append((lb, cand, scale, pr))
             continue
         cand, problem, result, rc = found
         if prune and best is not None and _cut_bound(prefix, result, cand, spec, scale,
@@ -959,27 +1193,55 @@ def _search(pr: Priced, spec: ParallelSpec, prune: bool = True
             pruned += 1
             continue
         if len(bounds) == 1:
-            return cand, result, mbs, []
+            return cand, result, mbs, _degree_notes(left_out)
         r = _Ranked(_simulate_cut(pr, prefix, problem, result, cand, spec, scale,
                                   rc).step_time_s, cand.label(), cand, result, mbs)
         ranked.append(r)
         best = r if best is None or r < best else best
     if best is None:
-        raise _nothing_fits(pr, spec, failed)
+        raise _nothing_fits(spec, failed)
     ranked.sort()
     explain = [f"auto search: {len(bounds)} candidates, {len(ranked)} simulated, {pruned} "
                f"pruned by a lower bound, {len(failed)} infeasible; ranked by simulated step "
                "time:"]
     explain += [f"  {i + 1}. {r.label:40s} {r.step_s * 1e3:10.2f} ms/step"
                 for i, r in enumerate(ranked[:5])]
+    explain += _degree_notes(left_out, ranked, degrees)
     return best.cand, best.result, best.mbs, explain
 
 
-def _nothing_fits(pr: Priced, spec: ParallelSpec, failed: list) -> PlanError:
+def _static_share(pr: Priced, spec: ParallelSpec, cand: Candidate) -> float:
+    """Bytes of parameters, gradients and optimizer state the fullest rank of the candidate
+    holds at least: every parameter is on some rank, so some rank holds the average share."""
+    return sum(pr.table.params) * OPTIMIZER_STATE_FACTOR[spec.train.optimizer] / cand.pipeline
+
+
+def _degree_notes(left_out: list[str], ranked: list[_Ranked] | None = None,
+                  degrees: list[int] | None = None) -> list[str]:
+    """Why the chosen tensor degree: the degrees left out and, with several tried, the best
+    layout of another degree and how much slower it is."""
+    out = [f"left out {line}" for line in left_out]
+    if not ranked or not degrees or len(degrees) < 2:
+        return out
+    best = ranked[0]
+    other = next((r for r in ranked if r.cand.tensor != best.cand.tensor), None)
+    if other is not None:
+        out.append(f"tensor {best.cand.tensor} chosen: the best layout at another tensor degree "
+                   f"({other.label}) is {other.step_s * 1e3:.2f} ms/step, "
+                   f"{(other.step_s / best.step_s - 1) * 100:+.1f}% (tensor degrees tried: "
+                   f"{', '.join(map(str, degrees))})")
+    else:
+        out.append(f"tensor {best.cand.tensor} chosen: no layout of another degree was "
+                   f"simulated (fits or bounds; tensor degrees tried: "
+                   f"{', '.join(map(str, degrees))})")
+    return out
+
+
+def _nothing_fits(spec: ParallelSpec, failed: list) -> PlanError:
     """Why no candidate fits, and what would: the explanation of the candidates that came
     closest, and the levers (more pipeline stages, recomputation, smaller micro-batches)."""
     lines = []
-    for lb, cand, scale in failed[:3]:
+    for lb, cand, scale, pr in failed[:3]:
         c = dataclasses.replace(cand, recompute=spec.train.activation_recompute != "off")
         try:
             _solve_fitting(pr, spec, c, scale)
@@ -995,10 +1257,11 @@ def _nothing_fits(pr: Priced, spec: ParallelSpec, failed: list) -> PlanError:
     if not any(w in line for line in lines for w in ("memory", "device has", "device's")):
         # a pin, a pipe_split() marker or the number of units: memory is not what failed
         return PlanError("no feasible plan:\n  " + "\n  ".join(lines))
-    need = sum(pr.table.params) * OPTIMIZER_STATE_FACTOR[spec.train.optimizer]
+    pr = failed[0][3] if failed else None
+    need = sum(pr.table.params) * OPTIMIZER_STATE_FACTOR[spec.train.optimizer] if pr else 0.0
     cap = spec.cluster.memory_gb * 1e9
     stages = int(np.ceil(need / cap))
-    tried = max((c.pipeline for _, c, _ in failed), default=0)
+    tried = max((c.pipeline for _, c, _, _ in failed), default=0)
     fix = (f"parameters, gradients and optimizer state alone need {human_bytes(need, True)}: at "
            f"least {plural(stages, 'pipeline stage')} of {human_bytes(cap, True)} devices")
     if tried >= stages:  # that many did not do: units cannot be split, and activations count
@@ -1008,6 +1271,10 @@ def _nothing_fits(pr: Priced, spec: ParallelSpec, failed: list) -> PlanError:
                f"planning units, and activations too): more than {tried} pipeline stages")
     if spec.train.activation_recompute == "off":
         fix += "; allow activation recomputation (train.activation_recompute: auto)"
+    if spec.parallel.tensor == 1 and spec.cluster.devices_per_node > 1:
+        fix += ("; tensor parallelism (parallel.tensor: auto, or a divisor of "
+                f"cluster.devices_per_node={spec.cluster.devices_per_node}) splits every "
+                "layer's parameters over the devices of a node")
     return PlanError("no feasible plan (nothing fits device memory):\n  " + "\n  ".join(lines)
                      + f"\nwhat would fit: {fix}; smaller micro-batches (more of them: "
                      "parallel.microbatches) shrink the activations held per micro-batch; or "
@@ -1124,7 +1391,8 @@ def _ranks_beside(spec: ParallelSpec, cand: Candidate) -> tuple[list[int], list[
     cl = spec.cluster
     if cl.device != "cpu" or cand.pipeline < 2:
         return None
-    nodes = [node_of(global_rank(r, 0, cand.pipeline, cand.dp, cand.layout), cl.devices_per_node)
+    nodes = [node_of(global_rank(r, 0, cand.pipeline, cand.dp, cand.layout),
+                     grid_slots_per_node(cl.devices_per_node, cand.tensor))
              for r in range(cand.pipeline)]
     if len(set(nodes)) == len(nodes):
         return None
@@ -1342,26 +1610,43 @@ def _plan_with_graph(model: nn.Module, spec: ParallelSpec, example_inputs: Any,
             run = None  # the full model does not fold: plan node by node
         return priced_at(size, False)
 
-    pr = priced(b0)
+    at_size: dict[int, Priced] = {}
+    at_both: dict[tuple[int, int], Priced] = {}
+
+    def priced_t(size: int, t: int) -> Priced:
+        """The units traced at ``size`` per micro-batch, at tensor degree ``t``."""
+        if size not in at_size:
+            at_size[size] = priced(size)
+        if (size, t) not in at_both:
+            at_both[(size, t)] = at_degree(at_size[size], spec, t)
+        return at_both[(size, t)]
+
+    pr = priced_t(b0, 1)
     if units_only:
         return pr, None
     if cuts is not None:
-        cands = candidates(spec, max_stages=len(pr.table.names))
+        degrees = tensor_degrees(spec)
+        cands = (candidates(spec, max_stages=len(pr.table.names), tensor=degrees[0])
+                 if len(degrees) == 1 else [])
         if len(cands) != 1:
             raise PlanError("plan_with_graph(cuts=...) needs a spec with a fixed layout "
-                            f"(pipeline, data, microbatches, schedule); it has {len(cands)}")
+                            f"(pipeline, data, tensor, microbatches, schedule); it has "
+                            f"{len(cands)}")
         cand = cands[0]
         mbs = spec.data.batch_size // (cand.dp * cand.microbatches)
-        if mbs != b0:
-            pr = priced(mbs)
+        pr = priced_t(mbs, cand.tensor)
         result = evaluate(_cut_problem(pr, spec, cand, 1.0), cuts, method="given")
         explain = [f"cuts given: stages start at units {list(cuts)}"]
     else:
-        cand, result, mbs, explain = _search(pr, spec)
-    if mbs != pr.batch:  # re-trace at the real micro-batch size so the plan's shapes are exact
-        pr = priced(mbs)
+        cand, result, mbs, explain = _search(lambda t: priced_t(b0, t), spec)
+    if cuts is None:  # the chosen layout cut exactly (the search ranks near-optimal cuts), at
+        pr = priced_t(mbs, cand.tensor)  # the real micro-batch size (the plan's shapes exact)
         result = _solve_fitting(pr, spec, cand, 1.0)[1]
     if (cuts is None and spec.cluster.costs == "measured" and spec.cluster.measure_stages
+            and cand.num_stages > 1 and cand.tensor > 1):
+        explain.append("cluster.measure_stages: not done under tensor parallelism (the "
+                       "stages would run sharded); the cut rests on the per-node profile")
+    elif (cuts is None and spec.cluster.costs == "measured" and spec.cluster.measure_stages
             and cand.num_stages > 1):
         m, args_, kwargs_, on = tracing(False)
         real = None if on == "meta" or _is_fake(m) else m

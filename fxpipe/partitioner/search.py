@@ -36,6 +36,7 @@ class Candidate:
     virtual_stages: int
     recompute: bool = False
     layout: str = "pipeline-inner"
+    tensor: int = 1
 
     @property
     def num_stages(self) -> int:
@@ -47,8 +48,9 @@ class Candidate:
         v = f" v={self.virtual_stages}" if self.schedule == "interleaved" else ""
         r = " recompute" if self.recompute else ""
         lay = " data-inner" if self.layout == "data-inner" else ""
-        return (f"pp={self.pipeline} dp={self.dp} m={self.microbatches} {self.schedule}{v}{r}"
-                f"{lay}")
+        tp = f"tp={self.tensor} " if self.tensor > 1 else ""
+        return (f"{tp}pp={self.pipeline} dp={self.dp} m={self.microbatches} {self.schedule}{v}"
+                f"{r}{lay}")
 
 
 def _divisors(n: int) -> list[int]:
@@ -98,7 +100,21 @@ def _batch_leaves_too_many_stages(spec: ParallelSpec, world: int, n_units: int,
         f"data.batch_size {need * max(1, -(-batch // need))}), or use fewer devices")
 
 
-def candidates(spec: ParallelSpec, max_stages: int | None = None) -> list[Candidate]:
+def tensor_degrees(spec: ParallelSpec) -> list[int]:
+    """The tensor-parallel degrees to plan: ``parallel.tensor``, or with ``auto`` every divisor
+    of the devices of a node that divides the training devices (a tensor group stays in a
+    node); 1 under asynchronous updates."""
+    t = spec.parallel.tensor
+    if t != "auto":
+        return [int(t)]
+    if spec.train.updates == "async":
+        return [1]
+    return [d for d in _divisors(spec.cluster.devices_per_node)
+            if spec.cluster.trainers % d == 0]
+
+
+def candidates(spec: ParallelSpec, max_stages: int | None = None,
+               tensor: int = 1) -> list[Candidate]:
     """The search space for the spec: every ``auto`` field expanded, fixed fields kept.
 
     pipeline x data = world size; micro-batch counts: every divisor of the per-replica batch (up to
@@ -111,13 +127,15 @@ def candidates(spec: ParallelSpec, max_stages: int | None = None) -> list[Candid
         max_stages: the number of planning units of the model, if known: candidates with more
             (virtual) stages than that are dropped BEFORE their schedule is built (a schedule of
             100 000 stages would take minutes to build and simulate, and no such cut exists).
+        tensor: the tensor-parallel degree: the grid has the training devices over it.
 
     Raises:
         PlanError: no candidate is left; when every one had more stages than ``max_stages``,
             the message says "cannot cut N units into K stages" and how many stages fit.
         ScheduleError: fixed (not ``auto``) schedule and micro-batches that the schedule rejects.
     """
-    par, world = spec.parallel, spec.cluster.trainers  # the parameter servers do not train
+    par = spec.parallel
+    world = spec.cluster.trainers // tensor  # the parameter servers do not train
     pps = _divisors(world) if par.pipeline == "auto" else [par.pipeline]
     spread = spec.cluster.nodes > 1  # only then does the layout decide which link a group uses
     out = []
@@ -149,9 +167,9 @@ def candidates(spec: ParallelSpec, max_stages: int | None = None) -> list[Candid
                     if par.schedule != "auto" and par.microbatches != "auto":
                         compute_schedule(s, pp, m, v)  # raises, explaining the rule
                     continue
-                out.append(Candidate(pp, dp, m, s, v))
+                out.append(Candidate(pp, dp, m, s, v, tensor=tensor))
                 if spread and pp > 1 and dp > 1:  # several nodes: the other way round too
-                    out.append(Candidate(pp, dp, m, s, v, layout="data-inner"))
+                    out.append(Candidate(pp, dp, m, s, v, layout="data-inner", tensor=tensor))
     if not out and too_many is not None and max_stages is not None:
         fits = [d for d in _divisors(world) if spec.data.batch_size % d == 0]  # 1 always
         if par.pipeline == "auto" and par.data == "auto" and world // max(fits) > max_stages:

@@ -29,6 +29,7 @@ Pure Python + numpy; no torch.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 from dataclasses import dataclass
@@ -417,8 +418,10 @@ class SeparableSweep:
         worst = max(worst, float(self.F[0][b] - self.G[0][0]))
         return cuts, worst
 
-    def solve(self, lower_bound: float = 0.0) -> list[int] | None:
-        """Exact minimiser by parametric search. ``lower_bound``: a value no partition beats."""
+    def solve(self, lower_bound: float = 0.0, tolerance: float = 0.0) -> list[int] | None:
+        """Exact minimiser by parametric search. ``lower_bound``: a value no partition beats.
+        ``tolerance`` > 0: stop once the bracket is that narrow relative to the best found (a
+        cut whose bottleneck is within it of the optimum, for ranking many candidates)."""
         r = self.feasible(math.inf)
         if r is None:
             return None
@@ -428,7 +431,7 @@ class SeparableSweep:
         if r is not None:
             return self.trace(r)[0]
         # invariant: feasible(hi) (hi is an attained bottleneck), not feasible(lo)
-        while _f2k(hi) - _f2k(lo) > 1:
+        while _f2k(hi) - _f2k(lo) > 1 and hi - lo > tolerance * abs(hi):
             if hi - lo > BISECT_RELATIVE_WIDTH * abs(hi):
                 mid = lo + (hi - lo) / 2
             else:  # narrow: try one float below the incumbent (a certificate), else bisect bits
@@ -492,8 +495,9 @@ def _start_lo(problem: CutProblem, bd: Bounds, use_memory: bool) -> list[np.ndar
     return out
 
 
-def _solve_chain(problem: CutProblem, bd: Bounds) -> list[int] | None:
-    """Exact parametric search for chains (every value read only by the next unit)."""
+def _solve_chain(problem: CutProblem, bd: Bounds, tolerance: float = 0.0) -> list[int] | None:
+    """Exact parametric search for chains (every value read only by the next unit); with
+    ``tolerance``, a cut within it of the optimum (see :meth:`SeparableSweep.solve`)."""
     k, T = problem.num_stages, problem.T
     wb, wc, _ = problem.boundary_comm()
     lat = float(problem.latency_s)
@@ -512,7 +516,46 @@ def _solve_chain(problem: CutProblem, bd: Bounds) -> list[int] | None:
     solver = SeparableSweep(bd, F, G, _start_lo(problem, bd, use_memory=True), base=T * fastest)
     t = np.diff(T)
     lb = max(problem.lower_bound_s, float(t.max()) * fastest) * LOWER_BOUND_MARGIN
-    return solver.solve(lb)
+    if tolerance > 0:  # the compute-only cut's bottleneck: a tighter start, no more work
+        lb = max(lb, chain_bottleneck([float(x) for x in T * fastest], k))
+    return solver.solve(lb, tolerance)
+
+
+def chain_bottleneck(prefix: list[float], k: int, iterations: int = 48) -> float:
+    """A lower bound on the slowest of ``k`` contiguous non-empty stages of the units whose
+    cumulative costs are ``prefix`` (``prefix[0] = 0``): the best cut of these costs alone (no
+    memory, no communication, no pins: each only makes the real cut slower), found by
+    bisection with the greedy test of chains-on-chains partitioning (Pinar & Aykanat); the
+    bound returned is one the greedy test refutes, so never above the optimum."""
+    n = len(prefix) - 1
+    if n == 0:
+        return 0.0
+    biggest = max(prefix[i + 1] - prefix[i] for i in range(n))
+    if k >= n:
+        return biggest
+
+    def fits(b: float) -> bool:
+        pos, parts = 0, 0
+        while pos < n:
+            nxt = bisect.bisect_right(prefix, prefix[pos] + b, pos) - 1
+            if nxt <= pos:
+                return False
+            pos, parts = nxt, parts + 1
+            if parts > k:
+                return False
+        return True
+
+    lo = max(prefix[-1] / k, biggest) * (1 - 1e-12)  # float sums may round
+    hi = prefix[-1]
+    if fits(lo):
+        return lo
+    for _ in range(iterations):
+        mid = (lo + hi) / 2
+        if fits(mid):
+            hi = mid
+        else:
+            lo = mid
+    return lo
 
 
 # ---------------------------------------------------------------------------------------------
@@ -526,7 +569,7 @@ class Infeasible(PlanError):
 
 
 def optimal_partition(problem: CutProblem, method: str = "auto",
-                      explain: bool = True) -> PartitionResult:
+                      explain: bool = True, tolerance: float = 0.0) -> PartitionResult:
     """Exact min-max (bottleneck) partition of the units into ``problem.num_stages`` stages.
 
     Args:
@@ -536,6 +579,9 @@ def optimal_partition(problem: CutProblem, method: str = "auto",
             O(k n) per sweep times a few dozen sweeps).
         explain: build the full explanation of an infeasible problem (costly: it searches the
             split that needs the least memory); False raises :class:`Infeasible` at once.
+        tolerance: 0 (exact); > 0: a cut whose bottleneck is within this relative distance of
+            the optimum (the chain method stops its search there; the auto search ranks many
+            candidates this way and cuts the chosen one exactly).
 
     Returns:
         :class:`PartitionResult` from :func:`evaluate` on the optimal cuts (``violations`` empty).
@@ -555,7 +601,7 @@ def optimal_partition(problem: CutProblem, method: str = "auto",
             "method='chain' needs every value to be read only by the next unit, but this problem has "
             "skip connections or multi-user values; use method='dp' (or 'auto')"
         )
-    cuts = _solve_chain(problem, bd) if method == "chain" else _solve_dp(problem, bd)
+    cuts = _solve_chain(problem, bd, tolerance) if method == "chain" else _solve_dp(problem, bd)
     if cuts is None:
         if not explain:
             raise Infeasible(f"no split into {problem.num_stages} stages fits device memory")

@@ -7,11 +7,15 @@ stages with them, the runtime's mesh builds its groups with them and the views p
   rank, the loop placement of interleaved 1F1B (Narayanan et al., SC'21): rank ``s % p``; for
   ``zb-v`` the V shape of Zero Bubble Pipeline Parallelism (Qi et al., 2024): chunks alternate
   direction, so rank ``r`` holds stages ``r`` and ``2p-1-r``.
-* (pipeline rank, replica) -> global rank, by the plan's layout: ``pipeline-inner`` (default)
-  ``replica * pipeline + pipeline_rank``, so a pipeline group is contiguous (fills a node
-  first: stage-to-stage traffic stays inside a node) and data-parallel groups stride across
-  nodes; ``data-inner`` ``pipeline_rank * dp + replica``, so a stage's replicas share a node
-  (the all-reduce stays inside it) and the pipeline strides across nodes.
+* (pipeline rank, replica, tensor rank) -> global rank, by the plan's layout: the tensor
+  group is innermost (its ``t`` ranks adjacent, inside one node: its collectives run on every
+  layer), then ``pipeline-inner`` (default) ``replica * pipeline + pipeline_rank``, so a
+  pipeline group is contiguous (fills a node first: stage-to-stage traffic stays inside a node)
+  and data-parallel groups stride across nodes; ``data-inner`` ``pipeline_rank * dp +
+  replica``, so a stage's replicas share a node (the all-reduce stays inside it) and the
+  pipeline strides across nodes. That grid position times ``t`` plus the tensor rank is the
+  global rank. Planning the grid on nodes of ``devices_per_node / t`` slots
+  (:func:`grid_slots_per_node`) gives every link of it the same answer.
 * Global rank -> node: ``rank // devices_per_node``.
 * Parameter servers (``train.updates: async``): the last ranks, after the grid
   (:func:`server_ranks`), so they take the last node's last devices.
@@ -34,20 +38,29 @@ def stage_to_rank(schedule: str, pipeline: int, num_stages: int) -> list[int]:
 
 
 def global_rank(pipe_rank: int, dp_rank: int, pipeline: int, dp: int = 1,
-                layout: str = "pipeline-inner") -> int:
-    """``(pipe_rank, dp_rank)`` -> global rank: ``dp_rank * pipeline + pipe_rank``
-    (``pipeline-inner``) or ``pipe_rank * dp + dp_rank`` (``data-inner``)."""
+                layout: str = "pipeline-inner", tensor: int = 1, tp_rank: int = 0) -> int:
+    """``(pipe_rank, dp_rank, tp_rank)`` -> global rank: the grid position
+    ``dp_rank * pipeline + pipe_rank`` (``pipeline-inner``) or ``pipe_rank * dp + dp_rank``
+    (``data-inner``), times ``tensor``, plus ``tp_rank``."""
     if layout == "data-inner":
-        return pipe_rank * dp + dp_rank
-    return dp_rank * pipeline + pipe_rank
+        return (pipe_rank * dp + dp_rank) * tensor + tp_rank
+    return (dp_rank * pipeline + pipe_rank) * tensor + tp_rank
 
 
 def rank_coords(rank: int, pipeline: int, dp: int = 1,
-                layout: str = "pipeline-inner") -> tuple[int, int]:
-    """Global ``rank`` -> ``(pipe_rank, dp_rank)`` (the inverse of :func:`global_rank`)."""
+                layout: str = "pipeline-inner", tensor: int = 1) -> tuple[int, int]:
+    """Global ``rank`` -> ``(pipe_rank, dp_rank)`` (the inverse of :func:`global_rank`; the
+    tensor rank is ``rank % tensor``)."""
+    rank //= tensor
     if layout == "data-inner":
         return rank // dp, rank % dp
     return rank % pipeline, rank // pipeline
+
+
+def grid_slots_per_node(devices_per_node: int, tensor: int = 1) -> int:
+    """Positions of the pipeline x data grid one node holds: its devices over the tensor
+    degree (a tensor group never spans nodes)."""
+    return max(1, int(devices_per_node) // max(1, int(tensor)))
 
 
 def node_of(rank: int, devices_per_node: int) -> int:

@@ -67,6 +67,10 @@ class StagePlan:
         loss_time_s: of the times above, the seconds per micro-batch of the loss
             (``train.loss``) this stage runs on the model's output, forward + backward (the last
             stage; 0 elsewhere and for a model that computes its own loss).
+        tensor_collectives: under tensor parallelism, the collectives over the tensor group
+            one micro-batch of the stage runs (forward and backward).
+        tensor_bytes: their bytes per micro-batch, ``[forward, backward]`` (whole tensors);
+            empty without tensor parallelism.
     """
 
     index: int
@@ -93,6 +97,8 @@ class StagePlan:
     recompute: bool = False
     grad_send_time_s: float | None = None
     loss_time_s: float = 0.0
+    tensor_collectives: int = 0
+    tensor_bytes: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -166,6 +172,15 @@ class Plan:
             priced (:meth:`~fxpipe.schedule.simulate.Links.push_pull_seconds` over its stages).
         param_shapes: trained parameter FQN -> shape, kept under ``train.grad_compression:
             powersgd`` (the prediction prices each matrix's low-rank factors); else empty.
+        tensor: tensor-parallel degree (ranks that split every layer of a stage; innermost in
+            the rank layout).
+        sequence_parallel: norms, dropout and residual adds run on a slice of the sequence.
+        tensor_params: canonical parameter FQN -> its placement on the tensor group
+            (:class:`fxpipe.tensor.placement.Placement` as text: ``S(0)`` split on dim 0 (a
+            column-parallel weight's output features, an embedding's vocabulary), ``S(1)``,
+            ``S(0,3)`` each of 3 blocks split); parameters not listed are replicated.
+        tensor_replicated: ``[name, why]`` of the layers and ops that run replicated inside
+            their tensor group (no sharded form applied); correct, priced, named here.
     """
 
     model: str
@@ -198,12 +213,16 @@ class Plan:
     server_links: list[dict[str, Any]] = field(default_factory=list)
     server_priced_s: list[float] = field(default_factory=list)
     param_shapes: dict[str, list[int]] = field(default_factory=dict)
+    tensor: int = 1
+    sequence_parallel: bool = False
+    tensor_params: dict[str, str] = field(default_factory=dict)
+    tensor_replicated: list[list[str]] = field(default_factory=list)
 
     # ------------------------------------------------------------------ derived views
     @property
     def world_size(self) -> int:
-        """Number of ranks: ``pipeline * dp`` plus the parameter servers."""
-        return self.pipeline * self.dp + len(self.parameter_servers)
+        """Number of ranks: ``pipeline * dp * tensor`` plus the parameter servers."""
+        return self.pipeline * self.dp * self.tensor + len(self.parameter_servers)
 
     def stage_of_node(self) -> dict[str, int]:
         """Map FX node name -> stage index."""
@@ -302,7 +321,8 @@ class Plan:
             out.append(f"num_stages is {self.num_stages} but it lists {len(self.stages)} stages")
         if sorted(s.index for s in self.stages) != list(range(len(self.stages))):
             out.append("the stages' indices are not 0 .. num_stages-1")
-        for name in ("pipeline", "dp", "microbatches", "virtual_stages", "microbatch_size"):
+        for name in ("pipeline", "dp", "tensor", "microbatches", "virtual_stages",
+                     "microbatch_size"):
             if getattr(self, name) < 1:
                 out.append(f"{name} is {getattr(self, name)}; it must be at least 1")
         if self.pipeline >= 1 and self.virtual_stages >= 1 and \

@@ -109,9 +109,13 @@ def summary_table(plan: "Plan") -> str:
         lines.append("per rank:     " + ", ".join(
             f"rank {r} {ms(t)} ms" for r, t in enumerate(per_rank)))
     ps = len(plan.parameter_servers)
+    t = getattr(plan, "tensor", 1)
     lines.append(f"parallelism:  pipeline {plan.pipeline} x dp {plan.dp}"
+                 + (f" x tensor {t}" if t > 1 else "")
                  + (f" + {plural(ps, 'parameter server')}" if ps else "")
                  + f" = world size {plan.world_size}")
+    if t > 1:
+        lines += tensor_lines(plan)
     if ps:
         lines += _server_lines(plan)
     lines.append(f"micro-batches: {plan.microbatches} per step per replica, "
@@ -147,7 +151,8 @@ def summary_table(plan: "Plan") -> str:
 def _loss_lines(plan) -> list[str]:
     """The stage that runs the loss on the model's output, and what its times include for it."""
     spec = getattr(plan, "spec", None)
-    name = ((spec.get("train") or {}).get("loss") if isinstance(spec, dict) else None) or "loss"
+    train = spec.get("train") if isinstance(spec, dict) else None
+    name = (train.get("loss") if isinstance(train, dict) else None) or "loss"
     return [f"loss:         {name} on stage {st.index}, {ms(st.loss_time_s)} ms per micro-batch "
             "forward + backward (included in its compute ms)"
             for st in plan.stages if getattr(st, "loss_time_s", 0.0) > 0]
@@ -189,3 +194,30 @@ def _server_lines(plan: "Plan") -> list[str]:
 # ---------------------------------------------------------------------------- dump
 
 
+def tensor_lines(plan: "Plan", shown: int = 12) -> list[str]:
+    """Each parameter's sharding on the tensor group (the repeated blocks of a run collapsed
+    to ``*``: ``h.*.attn.qkv.weight``), and what runs replicated inside its group."""
+    import re
+
+    groups: dict[tuple[str, str], int] = {}
+    for name, text in plan.tensor_params.items():
+        key = (re.sub(r"\.\d+\.", ".*.", name), text)
+        groups[key] = groups.get(key, 0) + 1
+    seq = " with sequence parallelism" if plan.sequence_parallel else ""
+    out = [f"tensor parallelism {plan.tensor}{seq}: each rank of a tensor group holds its slice "
+           "of these parameters (S(d): split on dim d; S(d,k): each of k blocks split), the "
+           "others whole:"]
+    rows = sorted(groups.items())
+    for (pattern, text), n in rows[:shown]:
+        out.append(f"  {pattern}: {text}" + (f" ({n} layers)" if n > 1 else ""))
+    if len(rows) > shown:
+        out.append(f"  ... {len(rows) - shown} more (plan.json: tensor_params)")
+    if plan.tensor_replicated:
+        out.append(f"replicated in their tensor group ({len(plan.tensor_replicated)}; correct, "
+                   "priced as whole work on every rank):")
+        for name, why in plan.tensor_replicated[:shown // 2]:
+            out.append(f"  {name}: {why}")
+        if len(plan.tensor_replicated) > shown // 2:
+            out.append(f"  ... {len(plan.tensor_replicated) - shown // 2} more (plan.json: "
+                       "tensor_replicated)")
+    return out

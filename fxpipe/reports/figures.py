@@ -35,6 +35,7 @@ KIND_COLORS = {
     "all-reduce": "#b07aa1",  # purple
     "step": "#9c755f",       # brown: waiting for the all-reduces, the executor's STEP
     "optimizer": "#e15759",  # red: clipping, optimizer.step(), schedule, zero_grad
+    "tensor": "#17becf",     # teal: a tensor group's collective inside F / B / W
     "other": "#bab0ac",
 }
 

@@ -367,7 +367,10 @@ def partition_figure(plan: "Plan", graph: Any = None, view: BlockView | None = N
                             zorder=0)
             col.set_gid(f"stage-column-{st.index}")
             ax.add_patch(col)
-            head = ax.text(pos + 0.5, -1.15, f"stage {st.index}  (rank {ranks[pos]})",
+            t = getattr(plan, "tensor", 1)
+            where = (f"rank {ranks[pos]}" if t == 1 else
+                     f"pipe rank {ranks[pos]}: tensor group of {t}")
+            head = ax.text(pos + 0.5, -1.15, f"stage {st.index}  ({where})",
                            ha="center", va="bottom", fontsize=10, fontweight="bold",
                            color=stage_border(st.index))
             head.set_gid(f"stage-header-{st.index}")
@@ -397,6 +400,9 @@ def partition_figure(plan: "Plan", graph: Any = None, view: BlockView | None = N
                 centers[(pos, i)] = (pos + 0.5, y)
             cap = (f"{ms(st.time_s)} ms / micro-batch\ncompute {ms(st.compute_time_s)} + comm "
                    f"{ms(st.comm_time_s)} ms\nmemory {human_bytes(st.memory_bytes)}")
+            if st.tensor_bytes:  # the tensor group's collectives, in the compute above
+                cap += (f"\ntensor group: {st.tensor_collectives} collectives, "
+                        f"{human_bytes(sum(st.tensor_bytes))}")
             t = ax.text(pos + 0.5, rows + 0.05, cap, ha="center", va="top", fontsize=8.5,
                         color="#d62728" if is_b else "#222222",
                         fontweight="bold" if is_b else "normal", linespacing=1.3)
@@ -442,8 +448,10 @@ def partition_figure(plan: "Plan", graph: Any = None, view: BlockView | None = N
         pred = plan.predicted
         what = {"units": "blocks by module path", "folded": "planned as repeated blocks",
                 "stages": "stages (no unit graph)"}[view.source]
+        tp = (f" x tensor {plan.tensor}" + (" (sequence parallel)" if plan.sequence_parallel
+                                             else "")) if getattr(plan, "tensor", 1) > 1 else ""
         title = (f"{plan.model}: {plural(n, 'stage')} on {plural(plan.pipeline, 'pipeline rank')}"
-                 f" x dp {plan.dp}, {plan.schedule}, {plan.microbatches} micro-batch"
+                 f" x dp {plan.dp}{tp}, {plan.schedule}, {plan.microbatches} micro-batch"
                  f"{'' if plan.microbatches == 1 else 'es'}  |  {what}")
         if pred is not None:
             title += (f"\npredicted step {ms(pred.step_time_s)} ms, bubble "

@@ -257,8 +257,10 @@ def write_report(run_dir: str | Path, out: str | Path | None = None,
     when = _dt.datetime.now().strftime("%Y-%m-%d %H:%M")
     parts.append(f"<h1>fxpipe run report: {_esc(plan.model)}</h1>")
     parts.append(f'<p class="sub">{_esc(run.resolve())} &middot; {plural(plan.num_stages, "stage")}'
-                 f" on {plural(plan.pipeline, 'pipeline rank')} x dp {plan.dp} "
-                 f"(world size {plan.world_size}), schedule {_esc(plan.schedule)}, "
+                 f" on {plural(plan.pipeline, 'pipeline rank')} x dp {plan.dp}"
+                 + (f" x tensor {plan.tensor}" + (" (sequence parallel)" if plan.sequence_parallel
+                                                  else "") if plan.tensor > 1 else "")
+                 + f" (world size {plan.world_size}), schedule {_esc(plan.schedule)}, "
                  f"{plan.microbatches} micro-batch{'' if plan.microbatches == 1 else 'es'} of "
                  f"{plural(plan.microbatch_size, 'sample')}"
                  f" &middot; report written {when}</p>")

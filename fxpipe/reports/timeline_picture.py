@@ -38,7 +38,8 @@ WAIT_KINDS = ("receive", "step")
 #: legend text of the kinds
 KIND_LABELS = {"F": "F (forward)", "B": "B (backward)", "W": "W (weight grads)",
                "receive": "receive (and its wait)", "step": "step (waits for all-reduces)",
-               "all-reduce": "all-reduce", "optimizer": "optimizer"}
+               "all-reduce": "all-reduce", "optimizer": "optimizer",
+               "tensor": "tensor-group collective (inside F / B / W)"}
 
 __all__ = ["TimelinePanel", "simulated_panel", "measured_panel", "measured_steps_summary",
            "timeline_figure", "write_timeline_picture"]
@@ -148,9 +149,10 @@ def measured_panel(events: Iterable[Sequence], plan: "Plan | None" = None,
     if plan is not None:
         ranks = sorted(set(ranks) | set(range(plan.world_size)))
         labels = {}
+        t = getattr(plan, "tensor", 1)
         for r in ranks:
-            pr, d = rank_coords(r, plan.pipeline, plan.dp, plan.placement)
-            labels[r] = f"rank {r}\npipe {pr}, replica {d}"
+            pr, d = rank_coords(r, plan.pipeline, plan.dp, plan.placement, t)
+            labels[r] = f"rank {r}\npipe {pr}, replica {d}" + (f", tp {r % t}" if t > 1 else "")
     else:
         labels = {r: f"rank {r}" for r in ranks}
     window = step_window(evs)
@@ -198,6 +200,9 @@ def timeline_figure(panels: Sequence[TimelinePanel], title: str | None = None):
                 elif lane == "comm":
                     ax.broken_barh(xr, (y + 0.26, 0.16), facecolors=KIND_COLORS[kind],
                                    edgecolor="none", alpha=0.9)
+                elif lane == "tensor":  # inside the F / B bars: a strip along their bottom
+                    ax.broken_barh(xr, (y + 0.08, 0.14), facecolors=KIND_COLORS[kind],
+                                   edgecolor="none", zorder=3)
                 else:
                     ax.broken_barh(xr, (y - 0.34, 0.56), facecolors=KIND_COLORS[kind],
                                    edgecolor="white", linewidth=0.3)

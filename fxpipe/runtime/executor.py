@@ -299,6 +299,17 @@ class PipelineExecutor:
         ranks = (range(mesh.world_size) if sync_gradients
                  else [mesh.global_rank(j) for j in range(mesh.pipeline)])
         self._loss_peers = [r for r in ranks if r != self.rank]
+        self._recording = False
+        if getattr(mesh, "tensor", 1) > 1:  # the tensor group's collectives on the timeline
+            from fxpipe.tensor import collectives
+            from fxpipe.units import human_bytes
+
+            def tp_event(kind: str, nbytes: int, t0: float, t1: float) -> None:
+                if self._recording:
+                    self.events.append(TimelineEvent(
+                        self.rank, f"TP {kind} {human_bytes(nbytes)} s{self._action.stage}",
+                        self._clock0 + t0, self._clock0 + t1, "tensor"))
+            collectives.record_with(tp_event)
 
     def _find_loss_stage(self, plan: Plan) -> int:
         holders = [sp.index for sp in plan.stages if plan.model_output in sp.outputs]
@@ -452,6 +463,7 @@ class PipelineExecutor:
         for idx, a in enumerate(acts):
             start = time.perf_counter()
             st.index, self._action = idx, a
+            self._recording = record
             try:
                 # keep the next RECV_LOOKAHEAD receives posted (the current one included)
                 while posted_upto < len(recvs) and recvs[posted_upto] < idx:
@@ -757,7 +769,9 @@ class PipelineExecutor:
             work = dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group, async_op=True)
             p2p.wait(p2p.Pending(work, buf, self._loss_peers, "loss all-reduce"),
                      f"rank {self.rank} end of step", self.timeout_s)
-        return float(buf.item()) / (self.mesh.dp if self.sync_gradients else 1)
+        # every rank of a tensor group computed the same loss: counted once
+        return float(buf.item()) / (self.mesh.dp * getattr(self.mesh, "tensor", 1)
+                                    if self.sync_gradients else 1)
 
     # ------------------------------------------------------------------ accounting
     def reset_stats(self) -> None:

@@ -1,22 +1,29 @@
-"""The mesh: this rank's place on the pipeline x data-parallel grid, and the process groups.
+"""The mesh: this rank's place on the data x pipeline x tensor grid, and the process groups.
 
-Layout (Megatron-LM / torchtitan convention, pipeline innermost; the rule lives in
-:mod:`fxpipe.plans.placement`)::
+The one owner of the rank layout at run time (the rule itself lives in
+:mod:`fxpipe.plans.placement`); nobody else computes ``rank // p``. Layout (Megatron-LM /
+torchtitan convention, tensor innermost, then pipeline)::
 
-    rank = dp_rank * pipeline + pipe_rank
+    rank = (dp_rank * pipeline + pipe_rank) * tensor + tp_rank
 
-so replica ``d`` owns the consecutive ranks ``d*p .. d*p + p-1`` (one pipeline group) and pipeline
-rank ``r`` has one copy in every replica (its data-parallel group ``r, r+p, r+2p, ...``).
+so a tensor group is ``t`` adjacent ranks (inside one node), replica ``d`` owns the consecutive
+ranks ``d*p*t .. (d+1)*p*t - 1`` and pipeline rank ``r`` has one copy in every replica.
 
 Process groups (created with ``torch.distributed.new_group``; creation is collective, so every
 rank builds a :class:`Mesh` with the same arguments in the same order):
 
-* one **data-parallel group** per pipeline rank: the replicas of that rank's stages; their
-  gradients are averaged over it;
-* one **pipeline group** per replica: the ranks that pass activations to each other;
+* one **data-parallel group** per (pipeline rank, tensor rank): the replicas of that rank's
+  shards; their gradients are averaged over it;
+* one **pipeline group** per (replica, tensor rank): the ranks that pass activations to each
+  other (tensor rank ``k`` of one stage sends to tensor rank ``k`` of the next);
+* one **tensor group** per (replica, pipeline rank): the ranks that split the stages' layers
+  (:mod:`fxpipe.tensor`); with ``tensor == 1`` none;
+* one **model-parallel group** per replica: its pipeline x tensor ranks (a gradient norm over the
+  whole model, the loss);
 * on request (:meth:`Mesh.replica_group`), a group of the ranks holding a **shared parameter**
   (e.g. tied input embedding on pipeline rank 0 and output head on the last pipeline rank) in all
-  replicas, over which its gradient is summed (Megatron-LM's "embedding group").
+  replicas, per tensor rank, over which its gradient is summed (Megatron-LM's "embedding
+  group").
 
 Point-to-point traffic uses the default (world) group with global ranks.
 """
@@ -105,92 +112,133 @@ def _attempt_store(timeout: datetime.timedelta):
 
 
 class Mesh:
-    """This rank's place on the ``pipeline x dp`` grid and its process groups.
+    """This rank's place on the ``dp x pipeline x tensor`` grid and its process groups.
 
     Args:
         pipeline: ranks per pipeline group (``p``).
         dp: data-parallel degree (replicas of every stage).
         device: device of this rank (default CPU); tensors the runtime allocates live there.
         timeout_s: timeout of the groups created here, seconds.
+        layout: how the pipeline x data grid lies on the ranks (:data:`fxpipe.plans.placement.
+            LAYOUTS`; the Plan's ``placement``).
         servers: parameter servers (``train.updates: async``): the last ranks, after the grid.
             They build the mesh too (group creation is collective) but hold no grid place.
+        tensor: tensor-parallel degree (``t``, innermost).
 
     Attributes:
-        rank / world_size: global rank and ``pipeline * dp + servers``.
+        rank / world_size: global rank and ``pipeline * dp * tensor + servers``.
         server_ranks: global ranks of the parameter servers; is_server: this rank is one.
-        layout: how the grid lies on the ranks (:data:`fxpipe.plans.placement.LAYOUTS`; the
-            Plan's ``placement``).
-        pipe_rank / dp_rank: this rank's coordinates (-1 on a parameter server).
-        dp_group: data-parallel group of this pipeline rank (``None`` when ``dp == 1``).
-        pipe_group: pipeline group of this replica (``None`` when ``pipeline == 1``).
-        dp_ranks / pipe_ranks: global ranks of those groups, ascending.
+        pipe_rank / dp_rank / tp_rank: this rank's coordinates (-1 on a parameter server).
+        dp_group: data-parallel group of this (pipeline rank, tensor rank) (``None`` when
+            ``dp == 1``).
+        pipe_group: pipeline group of this (replica, tensor rank) (``None`` when
+            ``pipeline == 1``).
+        tp_group: tensor group of this (replica, pipeline rank) (``None`` when ``tensor == 1``).
+        mp_group: every pipeline and tensor rank of this replica (``None`` when
+            ``pipeline * tensor == 1``).
+        dp_ranks / pipe_ranks / tp_ranks / mp_ranks: global ranks of those groups, ascending.
 
     A ``Mesh(1, 1)`` also works without torch.distributed (one process, no groups): all stages on
     one rank, e.g. to run several virtual stages in-process.
 
     Raises:
-        RuntimeFailure: torch.distributed is not initialised (and ``pipeline * dp > 1``), or its
-            world size is not ``pipeline * dp``.
+        RuntimeFailure: torch.distributed is not initialised (and ``pipeline * dp * tensor >
+            1``), or its world size is not ``pipeline * dp * tensor`` (+ servers).
     """
 
     def __init__(self, pipeline: int, dp: int, device: torch.device | str | None = None,
-                 timeout_s: float = 300.0, layout: str = "pipeline-inner", servers: int = 0):
-        if pipeline < 1 or dp < 1:
-            raise RuntimeFailure(f"Mesh(pipeline={pipeline}, dp={dp}): both must be >= 1")
+                 timeout_s: float = 300.0, layout: str = "pipeline-inner", servers: int = 0,
+                 tensor: int = 1):
+        if pipeline < 1 or dp < 1 or tensor < 1:
+            raise RuntimeFailure(f"Mesh(pipeline={pipeline}, dp={dp}, tensor={tensor}): all must "
+                                 "be >= 1")
+        grid = pipeline * dp * tensor
         single = not dist.is_initialized()
-        if single and pipeline * dp != 1:
+        if single and grid != 1:
             raise RuntimeFailure(
                 "torch.distributed is not initialised; call fxpipe.runtime.mesh.init_distributed() "
                 "first (under `fxpipe run` or torchrun)"
             )
         world = 1 if single else dist.get_world_size()
-        if world != pipeline * dp + servers:
+        if world != grid + servers:
             more = f" + {servers} parameter servers" if servers else ""
+            tp = f" x tensor {tensor}" if tensor > 1 else ""
             raise RuntimeFailure(
-                f"world size is {world} but pipeline x dp{' + servers' if servers else ''} = "
-                f"{pipeline} x {dp}{more} = {pipeline * dp + servers}; launch "
-                f"{pipeline * dp + servers} processes or change parallel.pipeline / parallel.data"
+                f"world size is {world} but pipeline x dp{' x tensor' if tensor > 1 else ''}"
+                f"{' + servers' if servers else ''} = {pipeline} x {dp}{tp}{more} = "
+                f"{grid + servers}; launch {grid + servers} processes or change "
+                "parallel.pipeline / parallel.data / parallel.tensor"
             )
-        self.pipeline, self.dp, self.world_size, self.layout = pipeline, dp, world, layout
+        self.pipeline, self.dp, self.tensor = pipeline, dp, tensor
+        self.world_size, self.layout = world, layout
         self.rank = 0 if single else dist.get_rank()
-        self.server_ranks = list(range(pipeline * dp, pipeline * dp + servers))
+        self.server_ranks = list(range(grid, grid + servers))
         self.is_server = self.rank in self.server_ranks
-        self.pipe_rank, self.dp_rank = ((-1, -1) if self.is_server else
-                                        rank_coords(self.rank, pipeline, dp, layout))
+        if self.is_server:
+            self.pipe_rank = self.dp_rank = self.tp_rank = -1
+        else:
+            self.pipe_rank, self.dp_rank = rank_coords(self.rank, pipeline, dp, layout, tensor)
+            self.tp_rank = self.rank % tensor
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.timeout = datetime.timedelta(seconds=timeout_s)
         # Collective creation: every rank creates every group, in the same order.
-        self._dp_groups: dict[int, object] = {}
+        at = self._at
+        self._dp_groups: dict[tuple[int, int], object] = {}
         for r in range(pipeline):
-            ranks = [global_rank(r, d, pipeline, dp, layout) for d in range(dp)]
-            self._dp_groups[r] = dist.new_group(ranks, timeout=self.timeout) if dp > 1 else None
-        self._pipe_groups: dict[int, object] = {}
+            for k in range(tensor):
+                ranks = [at(r, d, k) for d in range(dp)]
+                self._dp_groups[(r, k)] = self._new(ranks)
+        self._pipe_groups: dict[tuple[int, int], object] = {}
         for d in range(dp):
-            ranks = [global_rank(r, d, pipeline, dp, layout) for r in range(pipeline)]
-            self._pipe_groups[d] = (
-                dist.new_group(ranks, timeout=self.timeout) if pipeline > 1 else None)
-        self._replica_groups: dict[tuple[int, ...], object] = {}
+            for k in range(tensor):
+                self._pipe_groups[(d, k)] = self._new([at(r, d, k) for r in range(pipeline)])
+        self._tp_groups: dict[tuple[int, int], object] = {}
+        self._mp_groups: dict[int, object] = {}
+        for d in range(dp):
+            for r in range(pipeline):
+                self._tp_groups[(d, r)] = self._new([at(r, d, k) for k in range(tensor)])
+            self._mp_groups[d] = (self._pipe_groups[(d, 0)] if tensor == 1 else  # the same
+                                  self._new(sorted(at(r, d, k) for r in range(pipeline)
+                                                   for k in range(tensor))))
+        self._replica_groups: dict[tuple[int, ...], dict[int, object]] = {}
         if self.is_server:
-            self.dp_ranks, self.pipe_ranks, self.dp_group, self.pipe_group = [], [], None, None
+            self.dp_ranks, self.pipe_ranks, self.tp_ranks, self.mp_ranks = [], [], [], []
+            self.dp_group = self.pipe_group = self.tp_group = self.mp_group = None
             return
-        self.dp_ranks = [global_rank(self.pipe_rank, d, pipeline, dp, layout) for d in range(dp)]
-        self.pipe_ranks = [global_rank(r, self.dp_rank, pipeline, dp, layout) for r in range(pipeline)]
-        self.dp_group = self._dp_groups[self.pipe_rank]
-        self.pipe_group = self._pipe_groups[self.dp_rank]
+        r, d, k = self.pipe_rank, self.dp_rank, self.tp_rank
+        self.dp_ranks = [at(r, e, k) for e in range(dp)]
+        self.pipe_ranks = [at(j, d, k) for j in range(pipeline)]
+        self.tp_ranks = [at(r, d, j) for j in range(tensor)]
+        self.mp_ranks = sorted(at(j, d, i) for j in range(pipeline) for i in range(tensor))
+        self.dp_group = self._dp_groups[(r, k)]
+        self.pipe_group = self._pipe_groups[(d, k)]
+        self.tp_group = self._tp_groups[(d, r)]
+        self.mp_group = self._mp_groups[d]
+
+    def _at(self, pipe_rank: int, dp_rank: int, tp_rank: int) -> int:
+        return global_rank(pipe_rank, dp_rank, self.pipeline, self.dp, self.layout, self.tensor,
+                           tp_rank)
+
+    def _new(self, ranks: list[int]):
+        """A process group of ``ranks`` (collective), or None for a single rank."""
+        return dist.new_group(ranks, timeout=self.timeout) if len(ranks) > 1 else None
 
     def global_rank(self, pipe_rank: int, dp_rank: int | None = None) -> int:
-        """Global rank of ``pipe_rank`` in replica ``dp_rank`` (default: this rank's replica)."""
-        return global_rank(pipe_rank, self.dp_rank if dp_rank is None else dp_rank, self.pipeline,
-                           self.dp, self.layout)
+        """Global rank of ``pipe_rank`` in replica ``dp_rank`` (default: this rank's replica),
+        at this rank's tensor rank."""
+        return self._at(pipe_rank, self.dp_rank if dp_rank is None else dp_rank,
+                        max(0, self.tp_rank))
 
-    def group_ranks(self, pipe_ranks: Iterable[int]) -> list[int]:
-        """Global ranks holding any of ``pipe_ranks`` in any replica, ascending."""
+    def group_ranks(self, pipe_ranks: Iterable[int], tp_rank: int | None = None) -> list[int]:
+        """Global ranks holding any of ``pipe_ranks`` in any replica at tensor rank ``tp_rank``
+        (default: this rank's), ascending."""
+        k = max(0, self.tp_rank) if tp_rank is None else tp_rank
         key = sorted(set(pipe_ranks))
-        return sorted(global_rank(r, d, self.pipeline, self.dp, self.layout)
-                      for r in key for d in range(self.dp))
+        return sorted(self._at(r, d, k) for r in key for d in range(self.dp))
 
     def replica_group(self, pipe_ranks: Iterable[int]):
-        """Process group of the ranks holding ``pipe_ranks`` in every replica (shared parameters).
+        """Process group of the ranks holding ``pipe_ranks`` in every replica, at this rank's
+        tensor rank (shared parameters: each tensor rank holds its own shard of them).
 
         Collective: every rank must call it with the same arguments in the same order (members
         and non-members alike). Cached per set of pipeline ranks. A single pipeline rank gives
@@ -199,12 +247,16 @@ class Mesh:
         key = tuple(sorted(set(pipe_ranks)))
         if not key or min(key) < 0 or max(key) >= self.pipeline:
             raise RuntimeFailure(f"pipeline ranks {key} are outside 0..{self.pipeline - 1}")
+        k = max(0, self.tp_rank)
         if len(key) == 1:
-            return self._dp_groups[key[0]]
+            return self._dp_groups[(key[0], k)]
         if key not in self._replica_groups:
-            self._replica_groups[key] = dist.new_group(self.group_ranks(key), timeout=self.timeout)
-        return self._replica_groups[key]
+            self._replica_groups[key] = {
+                j: dist.new_group(self.group_ranks(key, j), timeout=self.timeout)
+                for j in range(self.tensor)}
+        return self._replica_groups[key][k]
 
     def __repr__(self) -> str:
+        tp = f", tensor={self.tensor}, tp_rank={self.tp_rank}" if self.tensor > 1 else ""
         return (f"Mesh(pipeline={self.pipeline}, dp={self.dp}, rank={self.rank}, "
-                f"pipe_rank={self.pipe_rank}, dp_rank={self.dp_rank})")
+                f"pipe_rank={self.pipe_rank}, dp_rank={self.dp_rank}{tp})")

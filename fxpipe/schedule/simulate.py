@@ -37,7 +37,7 @@ import numpy as np
 from dataclasses import dataclass, field
 
 from fxpipe.errors import ScheduleError
-from fxpipe.plans.placement import (global_rank, node_of, replica_period,
+from fxpipe.plans.placement import (global_rank, grid_slots_per_node, node_of, replica_period,
                                     server_link_crosses_nodes)
 from fxpipe.plans.plan import Plan, Predicted
 from fxpipe.schedule.actions import Action, Op, Schedule
@@ -878,7 +878,8 @@ def links_from_plan(plan: Plan) -> Links:
         plan.pipeline,
         plan.dp,
         nodes=int(cl.get("nodes", 1)),
-        devices_per_node=cl.get("devices_per_node"),
+        devices_per_node=(grid_slots_per_node(cl["devices_per_node"], plan.tensor)
+                          if cl.get("devices_per_node") else None),
         intra_node_GBps=lk.intra_node_GBps,
         inter_node_GBps=lk.inter_node_GBps,
         latency_s=lk.latency_s,

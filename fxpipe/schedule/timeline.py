@@ -23,14 +23,15 @@ from typing import NamedTuple
 from fxpipe.schedule.actions import COMM_OPS, COMPUTE_OPS, Action, Op
 
 #: lane names -> Chrome thread id inside a rank's process
-LANES = {"compute": 0, "comm": 1}
+LANES = {"compute": 0, "comm": 1, "tensor": 2}
 
 #: label of the event a training loop records around its optimizer step (gradient clipping,
 #: ``optimizer.step()``, the learning-rate schedule, ``zero_grad``), outside the schedule
 OPTIMIZER_LABEL = "OPTIMIZER"
 
 #: what an event is, by the head of its label (see :func:`event_kind`)
-EVENT_KINDS = ("F", "B", "W", "send", "receive", "all-reduce", "step", "optimizer", "other")
+EVENT_KINDS = ("F", "B", "W", "send", "receive", "all-reduce", "step", "optimizer", "tensor",
+               "other")
 
 #: kinds that count as busy in the bubble (as in the simulator): compute only
 BUSY_KINDS = ("F", "B", "W")
@@ -43,8 +44,9 @@ class TimelineEvent(NamedTuple):
         rank: pipeline rank (Chrome ``pid``).
         name: label, see :func:`action_label` (e.g. ``"F3 s0"``).
         start_s / end_s: seconds from the start of the step (or any common origin).
-        lane: ``"compute"`` (the rank's sequential actions) or ``"comm"`` (asynchronous
-            transfers and all-reduces that overlap with compute).
+        lane: ``"compute"`` (the rank's sequential actions), ``"comm"`` (asynchronous
+            transfers and all-reduces that overlap with compute) or ``"tensor"`` (the tensor
+            group's collectives inside a stage's F / B / W, labelled ``TP <kind> <bytes>``).
     """
 
     rank: int
@@ -143,7 +145,8 @@ def write_chrome_trace(
 def event_kind(name: str) -> str:
     """What the event labelled ``name`` is: one of :data:`EVENT_KINDS` (``"F3 s0"`` -> ``F``,
     ``"SEND_B1 s1->0"`` -> ``send``, ``"RECV_F0 s1<-0"`` -> ``receive``, ``"ALLREDUCE s0"`` ->
-    ``all-reduce``, ``"STEP"`` -> ``step``, :data:`OPTIMIZER_LABEL` -> ``optimizer``)."""
+    ``all-reduce``, ``"STEP"`` -> ``step``, :data:`OPTIMIZER_LABEL` -> ``optimizer``,
+    ``"TP all-reduce 16 kB"`` -> ``tensor``)."""
     head = str(name).split(" ")[0].rstrip("0123456789")
     if head in ("F", "B", "W"):
         return head
@@ -151,8 +154,8 @@ def event_kind(name: str) -> str:
         return "send"
     if head.startswith("RECV"):
         return "receive"
-    return {"ALLREDUCE": "all-reduce", "STEP": "step", OPTIMIZER_LABEL: "optimizer"}.get(head,
-                                                                                       "other")
+    return {"ALLREDUCE": "all-reduce", "STEP": "step", OPTIMIZER_LABEL: "optimizer",
+            "TP": "tensor"}.get(head, "other")
 
 
 def read_chrome_trace(source: str | Path | dict) -> list[TimelineEvent]:

@@ -144,15 +144,20 @@ class DataSpec(_Section):
 
 
 class ParallelSpec_(_Section):
-    """``pipeline``: stages per pipeline (p); ``data``: replicas (dp); ``microbatches``: per
-    replica per step (m); ``schedule``; ``virtual_stages``: stages per rank (v). Any of them may be
-    ``auto`` (the planner searches)."""
+    """``pipeline``: stages per pipeline (p); ``data``: replicas (dp); ``tensor``: ranks that
+    split every layer of a stage (t, tensor parallelism: :mod:`fxpipe.tensor`; a tensor group
+    stays inside one node); ``microbatches``: per replica per step (m); ``schedule``;
+    ``virtual_stages``: stages per rank (v). Any of them may be ``auto`` (the planner searches).
+    ``sequence_parallel``: with ``tensor > 1``, norms, dropout and residual adds run on a slice of
+    the sequence (reduce-scatter / all-gather instead of all-reduce; less activation memory)."""
 
     pipeline: Union[PositiveInt, Auto] = 1
     data: Union[PositiveInt, Auto] = 1
+    tensor: Union[PositiveInt, Auto] = 1
     microbatches: Union[PositiveInt, Auto] = 1
     schedule: Union[Literal[SCHEDULES], Auto] = "1f1b"  # type: ignore[valid-type]
     virtual_stages: PositiveInt = 1
+    sequence_parallel: bool = False
 
 
 class LinksSpec(_Section):
@@ -416,20 +421,33 @@ def cross_section_problems(spec: ParallelSpec) -> list[tuple[tuple[str, ...], st
     par, world = spec.parallel, spec.cluster.trainers
     servers = spec.cluster.parameter_servers
     p, d, m = par.pipeline, par.data, par.microbatches
+    out += _tensor_problems(spec)
+    t = par.tensor
+    if isinstance(t, int) and t > 1 and world % t == 0:
+        world //= t  # the pipeline x data grid: positions of t ranks each
     speeds = spec.cluster.node_tflops
     if speeds is not None and len(speeds) != spec.cluster.nodes:
         out.append((("cluster", "node_tflops"),
                     f"node_tflops gives {len(speeds)} speeds for cluster.nodes={spec.cluster.nodes}; "
                     "give one TFLOP/s figure per node, or drop it to use device_tflops everywhere"))
     fixed = lambda x: isinstance(x, int)  # noqa: E731  (not 'auto')
-    if fixed(p) and fixed(d) and p * d != world:
+    tp = f" x {t}" if isinstance(t, int) and t > 1 else ""
+    if t == "auto" and fixed(p) and fixed(d):
+        if world % (p * d) or spec.cluster.devices_per_node % (world // (p * d) or 1):
+            out.append((("parallel", "tensor"),
+                        f"pipeline x data = {p} x {d} leaves no tensor degree for the {world} "
+                        "devices (it must divide the devices of a node); change "
+                        "parallel.pipeline or parallel.data"))
+    elif fixed(p) and fixed(d) and p * d != world:
+        ranks = p * d * (t if tp else 1)
         out.append((("parallel", "pipeline"),
-                    f"pipeline x data = {p} x {d} = {p * d} ranks, but the cluster has {world} "
+                    f"pipeline x data{' x tensor' if tp else ''} = {p} x {d}{tp} = {ranks} "
+                    f"ranks, but the cluster has {spec.cluster.trainers} "
                     f"devices (cluster.nodes x cluster.devices_per_node = "
                     f"{spec.cluster.nodes} x {spec.cluster.devices_per_node}"
                     + (f", minus {servers} parameter servers" if servers else "") + "); make "
-                    "parallel.pipeline x parallel.data equal the device count, or set one of "
-                    "them to 'auto'"))
+                    f"parallel.pipeline x parallel.data{' x parallel.tensor' if tp else ''} "
+                    "equal the device count, or set one of them to 'auto'"))
     for name, k in (("pipeline", p), ("data", d)):
         other = "data" if name == "pipeline" else "pipeline"
         if fixed(k) and not fixed(getattr(par, other)) and world % k:
@@ -437,6 +455,7 @@ def cross_section_problems(spec: ParallelSpec) -> list[tuple[tuple[str, ...], st
                         f"{name}={k} does not divide the {world} devices of the cluster "
                         f"(cluster.nodes x cluster.devices_per_node"
                         + (" minus cluster.parameter_servers" if servers else "")
+                        + (f", over parallel.tensor={t}" if tp else "")
                         + f"), so no parallel.{other} "
                         f"fits; choose a divisor of {world}"))
     b = spec.data.batch_size
@@ -502,6 +521,41 @@ def compression_rank_problems(spec: ParallelSpec, shapes: dict[str, tuple[int, .
     return [(("train", "compression", "rank"),
              f"rank={rank} is larger than the smaller side of parameter {name!r}, a {rows} x "
              f"{cols} matrix{more}; choose a rank of at most {min(rows, cols)}")]
+
+
+def _tensor_problems(spec: ParallelSpec) -> list[tuple[tuple[str, ...], str]]:
+    """``parallel.tensor`` against the nodes (a tensor group inside one node), the devices and
+    what it cannot combine with; ``sequence_parallel`` needs tensor parallelism."""
+    out: list[tuple[tuple[str, ...], str]] = []
+    par, cl = spec.parallel, spec.cluster
+    t = par.tensor
+    if par.sequence_parallel and t == 1:
+        out.append((("parallel", "sequence_parallel"),
+                    "sequence_parallel splits the sequence over a tensor-parallel group, but "
+                    "parallel.tensor is 1; set parallel.tensor (e.g. 2, or 'auto') or drop "
+                    "sequence_parallel"))
+    if not isinstance(t, int) or t == 1:
+        return out
+    dpn = cl.devices_per_node
+    if t > dpn:
+        out.append((("parallel", "tensor"),
+                    f"tensor={t} is larger than the {dpn} devices of a node "
+                    "(cluster.devices_per_node): a tensor group communicates in every layer and "
+                    f"stays inside one node (NVLink); use a tensor degree of at most {dpn}"))
+    elif dpn % t:
+        fits = [k for k in range(1, dpn + 1) if dpn % k == 0]
+        out.append((("parallel", "tensor"),
+                    f"tensor={t} does not divide the {dpn} devices of a node, so some tensor "
+                    f"group would span two nodes; use one of {fits}"))
+    elif cl.trainers % t:
+        out.append((("parallel", "tensor"),
+                    f"tensor={t} does not divide the {cl.trainers} training devices"))
+    if spec.train.updates == "async":
+        out.append((("parallel", "tensor"),
+                    "train.updates: async (parameter servers) with parallel.tensor > 1 is not "
+                    "supported: a server would hold whole parameters that the replicas hold as "
+                    "shards; use updates: sync, or tensor: 1"))
+    return out
 
 
 def _schedule_problems(par: ParallelSpec_) -> list[tuple[tuple[str, ...], str]]:

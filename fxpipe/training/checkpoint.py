@@ -27,6 +27,12 @@ you trust (see README, Security).
 
 Data parallel and buffers: replicas hold identical parameters, but buffers updated in the
 forward pass (BatchNorm running statistics) are not synchronised; DCP keeps one replica's copy.
+
+Tensor parallelism (``tensor=``, a :class:`~fxpipe.runtime.tensor_parallel.TensorShards`): a
+sharded parameter and its optimizer state are saved whole (gathered over the tensor group; the
+group's ranks write the same key, which DCP saves once) and loaded by slicing this rank's part,
+so a checkpoint holds the plain model's tensors and resumes under any tensor, pipeline or data
+degree.
 """
 
 from __future__ import annotations
@@ -155,7 +161,8 @@ def clean_partial(root: Path) -> list[Path]:
 
 
 def save_checkpoint(stages: nn.Module | dict[int, nn.Module], root: Path, step: int, *,
-                    optimizer: Any = None, train_state: dict[str, Any] | None = None) -> Path:
+                    optimizer: Any = None, train_state: dict[str, Any] | None = None,
+                    tensor: Any = None) -> Path:
     """Save this rank's share atomically (collective: every rank calls it; also works in one
     process without a process group).
 
@@ -167,6 +174,8 @@ def save_checkpoint(stages: nn.Module | dict[int, nn.Module], root: Path, step: 
         optimizer: the optimizer over those parameters (saved per parameter name), or None.
         train_state: JSON-able state to resume with (rank 0's is written): the learning-rate
             schedule's, the loss scaler's...
+        tensor: this rank's :class:`~fxpipe.runtime.tensor_parallel.TensorShards` under tensor
+            parallelism: sharded tensors are saved whole (see the module doc).
 
     Returns the checkpoint folder.
 
@@ -193,6 +202,8 @@ def save_checkpoint(stages: nn.Module | dict[int, nn.Module], root: Path, step: 
     if optimizer is not None:
         module = stages if isinstance(stages, nn.Module) else _merged(stages)
         state.update(_optimizer_state(module, optimizer))
+    if tensor is not None:
+        state = tensor.whole_state(state)
     state.update(_rng_state())
     keys = _gather_keys(state)
     try:
@@ -400,10 +411,14 @@ def _dcp_load(state: dict[str, Any], path: Path) -> None:
 
 
 def load_checkpoint(stages: nn.Module | dict[int, nn.Module], path: str | Path, *,
-                    optimizer: Any = None, rng: bool = True) -> dict[str, Any]:
+                    optimizer: Any = None, rng: bool = True, tensor: Any = None
+                    ) -> dict[str, Any]:
     """Load a checkpoint into this rank's modules (any plan: keys are parameter names) and
     optimizer, and restore this rank's RNG state when the checkpoint has it (the same rank of a
     run of the same size). Collective when a process group exists.
+
+    ``tensor``: this rank's :class:`~fxpipe.runtime.tensor_parallel.TensorShards` under tensor
+    parallelism (each sharded tensor is read whole and this rank's part kept).
 
     Returns the training state saved with it (``step`` and what the run stored).
 
@@ -411,7 +426,8 @@ def load_checkpoint(stages: nn.Module | dict[int, nn.Module], path: str | Path, 
         FxpipeError: see :func:`open_checkpoint`; the model or optimizer does not match.
     """
     folder, manifest = open_checkpoint(path)
-    model_state = {k: v.detach().clone() for k, v in stage_state(stages).items()}
+    local = stage_state(stages)
+    model_state = {k: _whole_like(tensor, k, v) for k, v in local.items()}
     _check_no_other_model(folder, manifest, set(model_state),
                           missing_here=any(k not in manifest["keys"] for k in model_state))
     _check_model(folder, manifest, model_state)
@@ -423,20 +439,21 @@ def load_checkpoint(stages: nn.Module | dict[int, nn.Module], path: str | Path, 
         if missing:
             raise FxpipeError(f"checkpoint {folder} holds no optimizer state for {missing[:3]}; "
                               "was it saved with another optimizer?")
-        state.update({k: v for k, v in opt.items() if k in manifest["keys"]})
+        state.update({k: _whole_like(tensor, k, v) for k, v in opt.items()
+                      if k in manifest["keys"]})
     mine = {k: v for k, v in _rng_state().items() if k in manifest["keys"]} if rng else {}
     state.update({k: v.clone() for k, v in mine.items()})
     _dcp_load(state, folder)
-    live = stage_state(stages)
     with torch.no_grad():
         for k, t in model_state.items():
-            live[k].copy_(state[k])
+            local[k].copy_(_local_of(tensor, k, state[k], local[k]))
     if optimizer is not None:
         from torch.distributed.checkpoint.state_dict import (StateDictOptions,
                                                              set_optimizer_state_dict)
 
-        set_optimizer_state_dict(module, optimizer, {k[len(_OPT):]: v for k, v in state.items()
-                                                     if k.startswith(_OPT)},
+        set_optimizer_state_dict(module, optimizer,
+                                 {k[len(_OPT):]: _local_of(tensor, k, v, opt[k])
+                                  for k, v in state.items() if k.startswith(_OPT)},
                                  options=StateDictOptions(flatten_optimizer_state_dict=True))
     for k in mine:
         (torch.set_rng_state if k.endswith(".torch") else torch.cuda.set_rng_state)(state[k])
@@ -444,6 +461,22 @@ def load_checkpoint(stages: nn.Module | dict[int, nn.Module], path: str | Path, 
         return json.loads((folder / TRAIN_STATE).read_text())
     except (OSError, ValueError):
         return {"step": manifest["step"]}
+
+
+def _whole_like(tensor: Any, key: str, local: Any) -> Any:
+    """A buffer to read ``key`` into: the whole tensor's shape under tensor parallelism."""
+    if not isinstance(local, torch.Tensor):
+        return local
+    if tensor is None:
+        return local.detach().clone()
+    return torch.empty(tensor.whole_shape(key, local), dtype=local.dtype, device=local.device)
+
+
+def _local_of(tensor: Any, key: str, whole: Any, local: Any) -> Any:
+    """This rank's part of a tensor read whole (itself without tensor parallelism)."""
+    if tensor is None or not isinstance(whole, torch.Tensor):
+        return whole
+    return tensor.local(key, whole, local)
 
 
 def load_into_model(model: nn.Module, path: str | Path) -> list[str]:

@@ -126,8 +126,10 @@ class CompiledPipeline:
     """
 
     def __init__(self, model: nn.Module, plan: Plan, spec, mesh, stages: dict[int, nn.Module],
-                 executor, count, grad_accumulation: int, model_loss: bool):
+                 executor, count, grad_accumulation: int, model_loss: bool, tensor=None):
         self.plan, self.spec, self.mesh, self.executor = plan, spec, mesh, executor
+        #: :class:`~fxpipe.runtime.tensor_parallel.TensorShards` under tensor parallelism
+        self.tensor_shards = tensor
         self._stages = stages
         self._count = count
         self._model_loss = model_loss
@@ -157,6 +159,13 @@ class CompiledPipeline:
         for name, p in model_names:
             self._model_param_name.setdefault(id(p), name)
         model_state = model.state_dict(keep_vars=True)
+        # under tensor parallelism a shard takes the place (and the names) of its whole tensor
+        shard_of = ({id(whole): local[sid] for sid, whole in tensor.origin.items()
+                     if sid in local} if tensor is not None else {})
+        model_state = {n: shard_of.get(id(t), t) for n, t in model_state.items()}
+        model_names = [(n, shard_of.get(id(t), t)) for n, t in model_names]
+        for shard in shard_of.values():
+            self._model_params[id(shard)] = shard
         first: dict[int, str] = {}
         for name, t in [*model_names, *model_state.items()]:
             first.setdefault(id(t), name)
@@ -175,12 +184,16 @@ class CompiledPipeline:
         mine = {id(t): n for n, t in self.module.state_dict(keep_vars=True).items()}
         self._local_name = {n: mine[id(t)] for n, t in model_state.items() if id(t) in mine}
         self._model_keys = set(model_state)
+        if tensor is not None:
+            tensor.name_in(self.module)
         # parameters whose gradient norm this rank counts: a shared (tied) parameter only on
-        # the lowest pipeline rank holding it, so clipping counts it once
+        # the lowest pipeline rank holding it, and a parameter whole on every rank of a tensor
+        # group only on its first, so clipping counts each once (shards on every rank)
         shared = executor.shared_param_ranks
         self._grad_params = [p for p in self.module.parameters() if p.requires_grad]
         self._norm_params = [p for p in self._grad_params if (
-            id(p) not in shared or min(shared[id(p)][0]) == self.pipe_rank)]
+            id(p) not in shared or min(shared[id(p)][0]) == self.pipe_rank) and (
+            mesh.tp_rank <= 0 or (tensor is not None and id(p) in tensor.by_id))]
         self._accumulated = 0
         self._marks: list[tuple[int, int] | None] = []
         #: train.updates: async: this rank's ParameterClient (set by compile), else None
@@ -216,8 +229,13 @@ class CompiledPipeline:
         storage). ``torch.distributed.checkpoint.save(pipe.state_dict(), checkpoint_id=DIR)`` on
         every rank writes one checkpoint that
         ``fxpipe.training.checkpoint.load_into_model(model, DIR)`` loads into the plain model;
-        ``dcp.load(sd := pipe.state_dict(), checkpoint_id=DIR)`` loads it back in place."""
-        return dict(self.module.state_dict())
+        ``dcp.load(sd := pipe.state_dict(), checkpoint_id=DIR)`` loads it back in place.
+        Under tensor parallelism each sharded tensor comes whole (gathered over the tensor
+        group: collective, and a copy)."""
+        state = dict(self.module.state_dict())
+        if self.tensor_shards is not None:
+            state = self.tensor_shards.whole_state(state)
+        return state
 
     def load_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True
                         ) -> _LoadResult:
@@ -239,6 +257,8 @@ class CompiledPipeline:
                     if key not in self._model_keys:
                         unexpected.append(key)
                     continue
+                if self.tensor_shards is not None:  # a whole tensor: this rank's shard of it
+                    value = self.tensor_shards.local(name, value, own[name])
                 own[name].copy_(value)
                 filled.add(name)
         missing = sorted(set(own) - filled)
@@ -306,9 +326,9 @@ class CompiledPipeline:
         else:
             local = torch.zeros((), dtype=torch.float64, device=dev)
         local = local.reshape(1).to(dev)
-        if self.mesh.pipe_group is not None:
+        if self.mesh.mp_group is not None:  # every pipeline and tensor rank of the replica
             op = dist.ReduceOp.MAX if norm_type == float("inf") else dist.ReduceOp.SUM
-            dist.all_reduce(local, op=op, group=self.mesh.pipe_group)
+            dist.all_reduce(local, op=op, group=self.mesh.mp_group)
         total = local[0] if norm_type == float("inf") else local[0] ** (1.0 / norm_type)
         # in the gradients' dtype, as torch's clip_grad_norm_ (its clipping factor too)
         total = total.to(self._grad_params[0].dtype if self._grad_params else torch.float32)
@@ -614,6 +634,10 @@ def _broadcast_weights(pipe: CompiledPipeline) -> None:
     state = list(pipe.module.state_dict(keep_vars=True).values())
     if mesh.dp > 1 and state:
         bcast(state, mesh.global_rank(mesh.pipe_rank, 0), mesh.dp_group)
+    shards = pipe.tensor_shards
+    whole = [t for t in state if shards is None or id(t) not in shards.by_id]
+    if mesh.tensor > 1 and whole:  # what every rank of a tensor group holds whole
+        bcast(whole, mesh.tp_ranks[0], mesh.tp_group)
     shared = pipe.executor.shared_param_ranks
     by_key: dict[tuple[int, ...], list[tuple[str, torch.Tensor]]] = {}
     for p in pipe.module.parameters():
@@ -723,7 +747,7 @@ def _compile(model: nn.Module, spec_or_plan: Any, example_inputs: Any = None,
     layout = getattr(plan, "placement", None)  # how the grid lies on the ranks, when planned
     servers = len(plan.parameter_servers)  # train.updates: async
     mesh = Mesh(plan.pipeline, plan.dp, device=device, timeout_s=timeout, servers=servers,
-                **({"layout": layout} if layout is not None else {}))
+                tensor=plan.tensor, **({"layout": layout} if layout is not None else {}))
     wire = None
     if servers:
         from fxpipe.runtime.parameter_server import wire_group
@@ -739,10 +763,16 @@ def _compile(model: nn.Module, spec_or_plan: Any, example_inputs: Any = None,
     count = batch_counter(plan.model_inputs, plan.input_kwargs, t.ignore_index,
                           target_counter(traced.gm) if model_loss else None, model_loss)
     del traced
-    executor = PipelineExecutor(plan, schedule, stages, mesh,
-                                loss_fn if loss_fn is not None else resolve_loss(t.loss,
-                                                                                 t.ignore_index),
-                                None, timeout_s=timeout,
+    loss = loss_fn if loss_fn is not None else resolve_loss(t.loss, t.ignore_index)
+    shards = None
+    if plan.tensor > 1:  # this rank's shards of its stages (fxpipe.tensor)
+        from fxpipe.runtime.tensor_parallel import shard_stages
+
+        stages, shards, vocab = shard_stages(
+            plan, stages, mesh, None if loss_fn is not None or model_loss else t.loss,
+            t.ignore_index)
+        loss = vocab if vocab is not None else loss
+    executor = PipelineExecutor(plan, schedule, stages, mesh, loss, None, timeout_s=timeout,
                                 grad_compression=Compression.from_train(t),
                                 precision=t.precision, needs_target=not model_loss,
                                 sync_gradients=not servers,
@@ -750,7 +780,8 @@ def _compile(model: nn.Module, spec_or_plan: Any, example_inputs: Any = None,
     k = grad_accumulation if grad_accumulation is not None else t.grad_accumulation
     if not isinstance(k, int) or k < 1:
         raise UsageError(f"fxpipe.compile: grad_accumulation must be a positive integer, got {k!r}")
-    pipe = CompiledPipeline(model, plan, spec, mesh, stages, executor, count, k, model_loss)
+    pipe = CompiledPipeline(model, plan, spec, mesh, stages, executor, count, k, model_loss,
+                            shards)
     if servers:  # the weights come from the servers at every step's pull
         from fxpipe.runtime.parameter_server import ParameterClient
 

@@ -203,7 +203,8 @@ def train(plan_path: Path, out: Path, resume: bool = False) -> None:
         if latest is None and resume:
             raise RuntimeFailure(f"--resume: {ckpt_root} holds no checkpoint to resume from")
         if latest is not None:
-            state = load_checkpoint(pipe.module, latest, optimizer=optimizer)
+            state = load_checkpoint(pipe.module, latest, optimizer=optimizer,
+                                    tensor=pipe.tensor_shards)
             start = int(state["step"])
             if scheduler is not None and state.get("lr_schedule"):
                 scheduler.load_state_dict(state["lr_schedule"])
@@ -233,7 +234,8 @@ def train(plan_path: Path, out: Path, resume: bool = False) -> None:
         state = {"lr_schedule": scheduler.state_dict() if scheduler is not None else None,
                  "loss_scaler": (executor.loss_scaler.state_dict()
                                  if executor.loss_scaler is not None else None)}
-        save_checkpoint(pipe.module, ckpt_root, step, optimizer=optimizer, train_state=state)
+        save_checkpoint(pipe.module, ckpt_root, step, optimizer=optimizer, train_state=state,
+                        tensor=pipe.tensor_shards)
 
     t_start = time.perf_counter()
     for step in range(start, t.steps):

@@ -1,0 +1,187 @@
+"""Planning units priced at a tensor-parallel degree.
+
+At degree ``t`` every node runs as :mod:`fxpipe.tensor.analysis` decides on the parameter
+placements :func:`fxpipe.tensor.choose.choose` picks: a node whose data is sharded does ``1/t``
+of its FLOPs, moves ``1/t`` of its bytes and saves ``1/t`` of its activations (sequence
+parallelism shards the norms' and residuals' activations too); a sharded parameter costs ``1/t``
+of its bytes (and so do its gradient, optimizer state and data-parallel all-reduce); each
+collective of the tensor group is added to the node that runs it, on the intra-node link (the
+tensor group stays inside a node): a ring all-reduce of ``N`` bytes over ``t`` ranks costs
+``2 (t-1)/t N / B + 2 (t-1)`` latencies, an all-gather or reduce-scatter half of that; forward
+collectives to the node's forward, backward ones to its input-gradient pass. A node that runs
+replicated costs what it costs at degree 1 on every rank.
+
+The values between stages stay whole (every rank of a tensor group sends its copy to the same
+tensor rank of the next stage), so cut values keep their bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch.fx as fx
+
+from fxpipe.partitioner.cost import NodeCost
+from fxpipe.partitioner.timing import NodeTimes
+from fxpipe.tensor.analysis import Comm, Sharding, analyse, grad_values, vocab_loss_comms
+from fxpipe.tensor.choose import TensorChoice, choose
+
+#: built-in losses that take logits split by vocabulary (the runtime's list)
+VOCAB_LOSSES = ("cross_entropy",)
+
+
+@dataclass
+class TensorPricing:
+    """A traced graph's sharding at degree ``t`` and what it costs per node.
+
+    Attributes:
+        t / sequence_parallel: the degree and the option.
+        choice: the parameter placements (get_attr target -> placement) and the layers left
+            whole, with why.
+        sharding: every node's decision (:class:`~fxpipe.tensor.analysis.Sharding`).
+        fraction: node -> the share of its work, bytes and saved activations one rank has.
+        param_fraction: node -> the share of the parameter bytes charged to it one rank holds.
+        comm_s: node -> (forward, backward) seconds of its tensor-group collectives.
+        comm_bytes: node -> (forward, backward) bytes its collectives move (whole tensors).
+    """
+
+    t: int
+    sequence_parallel: bool
+    choice: TensorChoice
+    sharding: Sharding
+    fraction: dict[str, float]
+    param_fraction: dict[str, float]
+    comm_s: dict[str, tuple[float, float]]
+    comm_bytes: dict[str, tuple[float, float]]
+
+    def placements_text(self) -> dict[str, str]:
+        """get_attr target -> placement text (the Plan's ``tensor_params``)."""
+        return {k: v.to_json() for k, v in sorted(self.choice.params.items())}
+
+    def replicated(self) -> list[list[str]]:
+        """``[name, why]`` of the layers and sharded-input ops that run whole."""
+        out = [[w, why] for w, why in self.choice.replicated]
+        out += [[n, f"{op}: {why}"] for n, op, why in self.sharding.replicated]
+        return out
+
+
+def ring_seconds(c: Comm, t: int, bandwidth_Bps: float, latency_s: float) -> float:
+    """Seconds of one ring collective over ``t`` ranks (see the module doc)."""
+    if t <= 1 or c.nbytes <= 0:
+        return 0.0
+    hops = 2 * (t - 1) if c.kind == "all_reduce" else t - 1
+    return hops / t * c.nbytes / bandwidth_Bps + hops * latency_s
+
+
+def _param_fractions(gm: fx.GraphModule, choice: TensorChoice, t: int) -> dict[str, float]:
+    """Per compute node, the share of the parameter bytes charged to it (each parameter to its
+    first reader, as :func:`fxpipe.partitioner.cost.price` charges them) one rank holds."""
+    order = {n.name: i for i, n in enumerate(gm.graph.nodes)}
+    whole: dict[str, float] = {}
+    mine: dict[str, float] = {}
+    for n in gm.graph.nodes:
+        if n.op != "get_attr" or not n.users:
+            continue
+        v = n.meta.get("val")
+        if v is None or not hasattr(v, "numel"):
+            continue
+        first = min(n.users, key=lambda u: order[u.name]).name
+        size = float(v.numel() * v.element_size())
+        p = choice.params.get(n.target)
+        whole[first] = whole.get(first, 0.0) + size
+        mine[first] = mine.get(first, 0.0) + (size / t if p is not None and p.sharded else size)
+    return {k: mine[k] / whole[k] for k in whole if whole[k] > 0}
+
+
+def tensor_pricing(gm: fx.GraphModule, t: int, *, sequence_parallel: bool,
+                   output_loss: str | None, trainable: set[str], intra_node_GBps: float,
+                   latency_s: float, strict: bool = True) -> TensorPricing:
+    """The sharding of ``gm`` at degree ``t`` and its costs (see the module doc).
+
+    Args:
+        gm: the traced graph.
+        t: the degree.
+        sequence_parallel: the spec's option.
+        output_loss: the loss the executor computes on the model output (``train.loss``), or
+            None when the model computes its own (its output is the loss).
+        trainable: get_attr targets of the parameters that get gradients.
+        intra_node_GBps, latency_s: the link the tensor group's collectives use.
+        strict: the degree was asked for (a vocabulary that does not divide is an error).
+
+    Raises:
+        fxpipe.tensor.choose.DegreeError: heads or the vocabulary do not divide by ``t``.
+    """
+    out_node = next(iter(gm.graph.find_nodes(op="output")))
+    outs = out_node.args[0] if isinstance(out_node.args[0], (tuple, list)) else (out_node.args[0],)
+    logits = outs[0] if output_loss in VOCAB_LOSSES else None
+
+    def sharded_output(n: fx.Node) -> bool:
+        return n is logits
+
+    choice = choose(gm, t, sequence_parallel=sequence_parallel, sharded_output=sharded_output,
+                    strict=strict)
+    grads = grad_values(gm, trainable, set())
+    sharding = analyse(gm, choice.params, t, sequence_parallel=sequence_parallel, grads=grads,
+                       sharded_outputs=sharded_output)
+    if logits is not None and sharding.placement(logits.name).sharded:  # the executor's loss
+        v = logits.meta["val"]
+        sharding.nodes[logits.name].comm += vocab_loss_comms(v.numel() // int(v.shape[-1]))
+    bw = intra_node_GBps * 1e9
+    fraction, comm_s, comm_bytes = {}, {}, {}
+    for name, ns in sharding.nodes.items():
+        fraction[name] = ns.compute
+        fs = bs = fb = bb = 0.0
+        for c in ns.comm:
+            sec = ring_seconds(c, t, bw, latency_s)
+            if c.phase == "fwd":
+                fs, fb = fs + sec, fb + c.nbytes
+            else:
+                bs, bb = bs + sec, bb + c.nbytes
+        if fs or bs:
+            comm_s[name], comm_bytes[name] = (fs, bs), (fb, bb)
+    return TensorPricing(t, sequence_parallel, choice, sharding, fraction,
+                         _param_fractions(gm, choice, t), comm_s, comm_bytes)
+
+
+def scaled_costs(costs: dict[str, NodeCost], tp: TensorPricing) -> dict[str, NodeCost]:
+    """Per-node costs of one rank at the degree (FLOPs, moved and saved bytes, parameters)."""
+    out = {}
+    for name, c in costs.items():
+        f = tp.fraction.get(name, 1.0)
+        pf = tp.param_fraction.get(name, 1.0)
+        out[name] = dataclasses.replace(
+            c, fwd_flops=c.fwd_flops * f, bwd_flops=c.bwd_flops * f,
+            bwd_weight_flops=c.bwd_weight_flops * f, out_bytes=int(c.out_bytes * f),
+            in_bytes=int(c.in_bytes * f), saved_bytes=int(c.saved_bytes * f),
+            param_bytes=int(c.param_bytes * pf))
+    return out
+
+
+def with_comm(times: dict[str, NodeTimes], tp: TensorPricing) -> dict[str, NodeTimes]:
+    """``times`` plus every node's tensor-group collectives."""
+    out = dict(times)
+    for name, (fs, bs) in tp.comm_s.items():
+        t = out.get(name, NodeTimes())
+        out[name] = NodeTimes(t.fwd_s + fs, t.bwd_input_s + bs, t.bwd_weight_s)
+    return out
+
+
+def scaled_times(times: dict[str, NodeTimes], tp: TensorPricing) -> dict[str, NodeTimes]:
+    """Measured times scaled by each node's share (an op on ``1/t`` of the data takes about
+    ``1/t`` of the time), collectives added."""
+    out = {n: t.scaled(tp.fraction.get(n, 1.0)) for n, t in times.items()}
+    return with_comm(out, tp)
+
+
+def expand_blocks(text: dict[str, str], prefix: str, start: int, count: int) -> dict[str, str]:
+    """Placements of a model planned from two of its ``count`` repeated blocks (block
+    ``start + 1`` the representative) for every block of the run."""
+    rep = f"{prefix}{start + 1}."
+    out = dict(text)
+    for k, v in text.items():
+        if k.startswith(rep):
+            rest = k[len(rep):]
+            for i in range(start + 1, start + count):
+                out[f"{prefix}{i}.{rest}"] = v
+    return out

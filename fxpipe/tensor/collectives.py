@@ -1,0 +1,265 @@
+"""The collectives a tensor-parallel stage runs, as autograd functions over one process group.
+
+Each keeps the invariant of :mod:`fxpipe.tensor.analysis`: a replicated value has the whole
+gradient on every rank.
+
+* :func:`copy_to` (Megatron's ``f``): identity forward, all-reduce of the gradient backward.
+* :func:`reduce_from` (``g``): all-reduce forward (a partial sum becomes replicated), identity
+  backward.
+* :func:`gather` along a dimension (sharded -> replicated; ``blocks`` for a fused projection's
+  strided shards); backward takes this rank's part of the gradient, or with ``partial`` (the
+  gathered value feeds a sharded op) reduce-scatters it.
+* :func:`scatter` (replicated -> this rank's slice); backward all-gathers the gradient.
+* :func:`reduce_scatter` (a partial sum -> this rank's slice of the sum, sequence
+  parallelism); backward all-gathers.
+* :func:`vocab_embedding`: this rank's rows of an embedding whose table is split by
+  vocabulary (ids outside its range give zeros); the caller reduces the partial rows.
+* :func:`vocab_cross_entropy`: cross entropy of logits whose classes are split over the
+  ranks: the max, the sum of exponentials and the target's logit are all-reduced (a few bytes per
+  row); the logits are never gathered.
+
+gloo on CPU and NCCL on CUDA alike (``all_gather`` into a list, ``reduce_scatter_single``,
+``all_reduce``). :func:`record_with` reports every collective run (its kind, whole-tensor bytes,
+start and end) to a callback: the executor's timeline and the tests that count them.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from typing import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+#: torch 2.13 renamed ``reduce_scatter_tensor`` (deprecated there)
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+#: ``callback(kind, nbytes, start_s, end_s)`` of the collectives run now, or None
+_recorder: Callable[[str, int, float, float], None] | None = None
+
+
+def record_with(callback: Callable[[str, int, float, float], None] | None) -> None:
+    """Report every tensor-group collective from now on to ``callback(kind, nbytes of the whole
+    tensor, start, end)`` (``time.perf_counter`` seconds); None stops reporting."""
+    global _recorder
+    _recorder = callback
+
+
+@contextmanager
+def _timed(kind: str, nbytes: int) -> Iterator[None]:
+    if _recorder is None:
+        yield
+        return
+    t0 = time.perf_counter()
+    yield
+    _recorder(kind, int(nbytes), t0, time.perf_counter())
+
+
+def _world(group) -> int:
+    return dist.get_world_size(group)
+
+
+def _rank(group) -> int:
+    return dist.get_rank(group)
+
+
+def _all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    x = x.contiguous().clone()
+    with _timed("all-reduce", x.numel() * x.element_size()):
+        dist.all_reduce(x, op=op, group=group)
+    return x
+
+
+def _blocked(x: torch.Tensor, dim: int, blocks: int) -> torch.Tensor:
+    """``x`` with ``dim`` split into ``(blocks, rest)``."""
+    shape = list(x.shape)
+    return x.reshape(*shape[:dim], blocks, shape[dim] // blocks, *shape[dim + 1:])
+
+
+def _all_gather(x: torch.Tensor, dim: int, blocks: int, group) -> torch.Tensor:
+    n = _world(group)
+    parts = [torch.empty_like(x) for _ in range(n)]
+    with _timed("all-gather", n * x.numel() * x.element_size()):
+        dist.all_gather(parts, x.contiguous(), group=group)
+    if blocks == 1:
+        return torch.cat(parts, dim=dim)
+    # each part holds its slice of every block: interleave them block by block
+    split = [p.chunk(blocks, dim=dim) for p in parts]
+    return torch.cat([split[r][k] for k in range(blocks) for r in range(n)], dim=dim)
+
+
+def _local(x: torch.Tensor, dim: int, blocks: int, group) -> torch.Tensor:
+    n, r = _world(group), _rank(group)
+    if blocks == 1:
+        return x.chunk(n, dim=dim)[r].contiguous()
+    return torch.cat([b.chunk(n, dim=dim)[r] for b in x.chunk(blocks, dim=dim)],
+                     dim=dim).contiguous()
+
+
+def _reduce_scatter(x: torch.Tensor, dim: int, blocks: int, group) -> torch.Tensor:
+    n = _world(group)
+    if blocks > 1:  # order the blocks' slices rank by rank, then scatter plainly
+        x = torch.cat([torch.cat([b.chunk(n, dim=dim)[r] for b in x.chunk(blocks, dim=dim)],
+                                 dim=dim) for r in range(n)], dim=dim)
+    moved = x.movedim(dim, 0).contiguous()
+    out = torch.empty((moved.shape[0] // n, *moved.shape[1:]), dtype=x.dtype, device=x.device)
+    with _timed("reduce-scatter", x.numel() * x.element_size()):
+        _REDUCE_SCATTER(out, moved, group=group)
+    return out.movedim(0, dim).contiguous()
+
+
+class _CopyTo(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _all_reduce(g, ctx.group), None
+
+
+class _ReduceFrom(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+class _Gather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, blocks, partial, group):
+        ctx.args = (dim, blocks, partial, group)
+        return _all_gather(x, dim, blocks, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        dim, blocks, partial, group = ctx.args
+        out = (_reduce_scatter(g, dim, blocks, group) if partial
+               else _local(g, dim, blocks, group))
+        return out, None, None, None, None
+
+
+class _Scatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, blocks, group):
+        ctx.args = (dim, blocks, group)
+        return _local(x, dim, blocks, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        dim, blocks, group = ctx.args
+        return _all_gather(g, dim, blocks, group), None, None, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.args = (dim, group)
+        return _reduce_scatter(x, dim, 1, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        dim, group = ctx.args
+        return _all_gather(g, dim, 1, group), None, None
+
+
+def copy_to(x: torch.Tensor, group) -> torch.Tensor:
+    """Megatron's ``f``: identity forward, all-reduce of the gradient backward."""
+    return _CopyTo.apply(x, group)
+
+
+def reduce_from(x: torch.Tensor, group) -> torch.Tensor:
+    """Megatron's ``g``: all-reduce (sum) forward, identity backward."""
+    return _ReduceFrom.apply(x, group)
+
+
+def gather(x: torch.Tensor, dim: int, blocks: int, partial: bool, group) -> torch.Tensor:
+    """All-gather along ``dim`` (``blocks`` interleaved); see the module doc."""
+    return _Gather.apply(x, dim, blocks, partial, group)
+
+
+def scatter(x: torch.Tensor, dim: int, blocks: int, group) -> torch.Tensor:
+    """This rank's slice along ``dim`` of a replicated ``x``; gradient all-gathered."""
+    return _Scatter.apply(x, dim, blocks, group)
+
+
+def reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """This rank's slice along ``dim`` of the sum of the ranks' ``x``; gradient all-gathered."""
+    return _ReduceScatter.apply(x, dim, group)
+
+
+def vocab_embedding(weight: torch.Tensor, ids: torch.Tensor, start: int,
+                    padding_idx: int = -1) -> torch.Tensor:
+    """Rows ``start .. start + len(weight)`` of a vocabulary-split embedding: the looked-up rows
+    of the ids in this range, zeros for the others (a partial sum over the ranks).
+    ``padding_idx`` (the whole table's) gets no gradient, as in ``nn.Embedding``."""
+    n = weight.shape[0]
+    outside = (ids < start) | (ids >= start + n)
+    local = (ids - start).masked_fill(outside, 0)
+    pad = padding_idx - start if padding_idx >= 0 and start <= padding_idx < start + n else -1
+    rows = torch.ops.aten.embedding.default(weight, local, pad)
+    return rows * (~outside).unsqueeze(-1).to(rows.dtype)
+
+
+class _VocabCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, start, ignore_index, reduction, group):
+        x = logits.float()
+        m = x.amax(dim=1, keepdim=True)
+        with _timed("all-reduce", m.numel() * m.element_size()):
+            dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+        shifted = x - m
+        exp = shifted.exp()
+        total = exp.sum(dim=1, keepdim=True)
+        n = x.shape[1]
+        inside = (target >= start) & (target < start + n) & (target != ignore_index)
+        local = (target - start).masked_fill(~inside, 0)
+        picked = shifted.gather(1, local.unsqueeze(1)) * inside.unsqueeze(1).to(x.dtype)
+        both = torch.cat([total, picked], dim=1)
+        with _timed("all-reduce", both.numel() * both.element_size()):
+            dist.all_reduce(both, group=group)
+        total, picked = both[:, :1], both[:, 1:]
+        counted = target != ignore_index
+        loss = (total.log() - picked).squeeze(1) * counted.to(x.dtype)
+        count = counted.sum()
+        ctx.save_for_backward(exp, total, local, inside, counted, count)
+        ctx.reduction, ctx.dtype = reduction, logits.dtype
+        out = torch.promote_types(logits.dtype, torch.float32)  # as autocast runs the loss
+        if reduction == "none":
+            return loss.to(out)
+        if reduction == "sum":
+            return loss.sum().to(out)
+        return (loss.sum() / count).to(out)
+
+    @staticmethod
+    def backward(ctx, g):
+        exp, total, local, inside, counted, count = ctx.saved_tensors
+        grad = exp / total
+        grad.scatter_add_(1, local.unsqueeze(1), -inside.unsqueeze(1).to(grad.dtype))
+        grad = grad * counted.unsqueeze(1).to(grad.dtype)
+        if ctx.reduction == "none":
+            grad = grad * g.float().unsqueeze(1)
+        elif ctx.reduction == "sum":
+            grad = grad * g.float()
+        else:
+            grad = grad * (g.float() / count)
+        return grad.to(ctx.dtype), None, None, None, None, None
+
+
+_REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}
+
+
+def vocab_cross_entropy(logits: torch.Tensor, target: torch.Tensor, start: int,
+                        ignore_index: int = -100, reduction: str | int = "mean",
+                        group=None) -> torch.Tensor:
+    """Cross entropy of ``logits[N, classes / t]`` holding classes ``start ..`` of each row
+    against int64 ``target[N]`` (``ignore_index`` skipped; ``reduction`` ``mean`` over the
+    counted targets, ``sum`` or ``none``, or aten's 0/1/2), the same value on every rank."""
+    if isinstance(reduction, int):
+        reduction = _REDUCTIONS[reduction]
+    return _VocabCrossEntropy.apply(logits, target, start, ignore_index, reduction, group)

@@ -1,0 +1,391 @@
+"""Tensor parallelism (issue 24): planned on the traced graph, executed exactly.
+
+* Which parameters shard (in process, no ranks): Megatron-LM's column / row pairs in the bundled
+  GPT (fused qkv in 3 blocks), transformers GPT-2 (``addmm`` Conv1D), Llama (grouped-query
+  attention) and BERT (the masked-LM head's transform stays whole: a norm over its features
+  follows it); vocabulary-parallel embedding and head; the collectives per block: Megatron's
+  two all-reduces forward and two backward, or under sequence parallelism two reduce-scatters
+  and two all-gathers each way; degrees a model cannot take are errors with the numbers.
+* Exact (fp32, SGD with momentum, 3 steps, one process group per world size): tensor 2,
+  tensor 2 x pipeline 2 and tensor 2 x data 2, over the bundled GPT (tied embedding, clipping
+  on), GPT-2, Llama and BERT (``-100`` labels), under GPipe, 1F1B and ZB-H1 (and ZB-V), with
+  sequence parallelism in some: losses and final parameters equal single-process training
+  within the float32 bounds of tests/tolerances.py; the tensor collectives a step runs are
+  counted on the timeline; bf16 trains close to fp32; a checkpoint saved at tensor 2 holds the
+  plain model's tensors and loads under tensor 1 with the same next loss.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import re
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fxpipe
+from fxpipe.errors import PlanError, SpecError
+from fxpipe.partitioner.trace import pick_output, trace, trace_kwargs
+from fxpipe.plans.plan import Plan
+from fxpipe.runtime.local_ranks import run_ranks
+from fxpipe.tensor.analysis import analyse, grad_values
+from fxpipe.tensor.choose import DegreeError, choose
+from fxpipe.training.checkpoint import load_into_model, save_checkpoint
+
+try:
+    import real_models as zoo
+    from shared_models import exact_bounds, tiny_gpt
+    from tolerances import bound
+except ImportError:  # tests/ collected as a package
+    from tests import real_models as zoo
+    from tests.shared_models import exact_bounds, tiny_gpt
+    from tests.tolerances import bound
+
+pytest.importorskip("transformers")
+
+STEPS, LR, CLIP = 3, 0.2, 0.5
+GPT_B = 8  # the bundled GPT's global batch (tokens of tiny_gpt: vocabulary 64, 16 long)
+
+
+# ----------------------------------------------------------------------------- models, batches
+def _build(name: str):
+    return tiny_gpt() if name == "gpt" else zoo.build(name)
+
+
+def _batch(name: str, step: int):
+    """``(inputs, target)`` of global batch ``step`` as ``pipe.step`` takes them."""
+    if name == "gpt":
+        g = torch.Generator().manual_seed(700 + step)
+        x = torch.randint(0, 64, (GPT_B, 16), generator=g)
+        y = torch.randint(0, 64, (GPT_B, 16), generator=g).masked_fill(
+            torch.rand(GPT_B, 16, generator=g) < 0.2, -100)
+        return x, y
+    _, kwargs, _ = zoo.batch(name, step)
+    return kwargs, None
+
+
+def _spec(name: str, p: int, d: int, t: int, schedule: str, sp: bool = False,
+          precision: str = "fp32") -> dict:
+    if name == "gpt":
+        spec = {"model": {"factory": "shared_models:tiny_gpt"},
+                "data": {"batch_size": GPT_B, "seq_len": 16},
+                "train": {"optimizer": "sgd", "loss": "cross_entropy"}}
+    else:
+        spec = zoo.spec_for(name, p, d, 2, schedule)
+    spec["parallel"] = {"pipeline": p, "data": d, "tensor": t, "microbatches": 2,
+                        "schedule": schedule, "sequence_parallel": sp}
+    spec["cluster"] = {"nodes": 1, "devices_per_node": p * d * t, "memory_gb": 4,
+                       "device_tflops": 0.02, "links": {"intra_node_GBps": 5}}
+    spec["train"] = {**spec["train"], "precision": precision, "timeout_s": 120}
+    return spec
+
+
+_PLANS: dict[tuple, dict] = {}
+
+
+def _plan(name: str, p: int, d: int, t: int, schedule: str, sp: bool = False,
+          precision: str = "fp32") -> dict:
+    key = (name, p, d, t, schedule, sp, precision)
+    if key not in _PLANS:
+        with torch.device("meta"):
+            model = _build(name)
+        inputs, _ = _batch(name, 0)
+        if isinstance(inputs, dict):
+            made = fxpipe.plan(model, _spec(*key), (), {k: v[:1] for k, v in inputs.items()})
+        else:
+            made = fxpipe.plan(model, _spec(*key), (inputs[:1],))
+        _PLANS[key] = made.to_dict()
+    return copy.deepcopy(_PLANS[key])
+
+
+def _reference(name: str):
+    """Single-process training: losses, the trained model, the bounds on a pipelined run's
+    difference from them (shared_models.exact_bounds: float32 sums reordered over the batch's
+    samples; momentum and clipping only scale updates)."""
+    model = _build(name)
+    model.train()
+    init = {k: v.detach().clone() for k, v in model.named_parameters(remove_duplicate=False)}
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    losses = []
+    for step in range(STEPS):
+        inputs, target = _batch(name, step)
+        if name == "gpt":
+            loss = F.cross_entropy(model(inputs).reshape(-1, 64), target.reshape(-1))
+        else:
+            loss = pick_output(model(**trace_kwargs(model, inputs)), "loss", name)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    final = {k: v.detach() for k, v in model.named_parameters(remove_duplicate=False)}
+    batch = GPT_B if name == "gpt" else zoo.B
+    return losses, final, exact_bounds(losses, init, final, batch, STEPS)
+
+
+_REFS: dict[str, tuple] = {}
+
+
+def reference(name: str):
+    if name not in _REFS:
+        _REFS[name] = _reference(name)
+    return _REFS[name]
+
+
+# ----------------------------------------------------------------------------- in process
+def _traced(name: str, t: int, sp: bool = False):
+    model = _build(name)
+    inputs, _ = _batch(name, 0)
+    if isinstance(inputs, dict):
+        tr = trace(model, (), "export", example_kwargs={k: v[:2] for k, v in inputs.items()},
+                   output="loss")
+        own = None
+    else:
+        tr = trace(model, (inputs[:2],), "export")
+        own = True
+    out = next(iter(tr.gm.graph.find_nodes(op="output"))).args[0]
+    logits = out[0] if isinstance(out, (tuple, list)) else out
+    choice = choose(tr.gm, t, sequence_parallel=sp,
+                    sharded_output=(lambda n: n is logits) if own else None)
+    params = {n for n, _ in tr.gm.named_parameters(remove_duplicate=False)}
+    grads = grad_values(tr.gm, params, set())
+    sharding = analyse(tr.gm, choice.params, t, sequence_parallel=sp, grads=grads,
+                       sharded_outputs=(lambda n: n is logits) if own else None)
+    return choice, sharding
+
+
+def _pattern(params) -> dict[str, str]:
+    return {re.sub(r"\.\d+\.", ".*.", k): v.to_json() for k, v in params.items()}
+
+
+def test_megatron_pairs_are_found_on_the_traced_graphs():
+    gpt, _ = _traced("gpt", 2)
+    assert _pattern(gpt.params) == {
+        "h.*.attn.qkv.weight": "S(0,3)", "h.*.attn.qkv.bias": "S(0,3)",
+        "h.*.attn.proj.weight": "S(1)", "h.*.fc.weight": "S(0)", "h.*.fc.bias": "S(0)",
+        "h.*.fc_proj.weight": "S(1)", "head.weight": "S(0)"}  # the head is the tied wte
+    gpt2, _ = _traced("gpt2", 2)
+    assert _pattern(gpt2.params) == {
+        "transformer.h.*.attn.c_attn.weight": "S(1,3)",
+        "transformer.h.*.attn.c_attn.bias": "S(0,3)",
+        "transformer.h.*.attn.c_proj.weight": "S(0)", "transformer.h.*.mlp.c_fc.weight": "S(1)",
+        "transformer.h.*.mlp.c_fc.bias": "S(0)", "transformer.h.*.mlp.c_proj.weight": "S(0)",
+        "lm_head.weight": "S(0)"}
+    llama, _ = _traced("llama", 2)
+    pat = _pattern(llama.params)
+    assert {pat[f"model.layers.*.self_attn.{w}_proj.weight"] for w in "qkv"} == {"S(0)"}
+    assert pat["model.layers.*.self_attn.o_proj.weight"] == "S(1)"
+    assert pat["model.layers.*.mlp.down_proj.weight"] == "S(1)"
+    assert pat["model.embed_tokens.weight"] == pat["lm_head.weight"] == "S(0)"
+    bert, _ = _traced("bert", 2)
+    pat = _pattern(bert.params)
+    assert pat["bert.encoder.layer.*.attention.output.dense.weight"] == "S(1)"
+    assert pat["bert.encoder.layer.*.intermediate.dense.weight"] == "S(0)"
+    assert pat["cls.predictions.decoder.weight"] == "S(0)"  # tied to the word embeddings
+    assert [w for w, _ in bert.replicated] == ["cls.predictions.transform.dense.weight"]
+    assert "normalises over the sharded dimension" in bert.replicated[0][1]
+
+
+@pytest.mark.parametrize("name,blocks", [("gpt", 4), ("gpt2", 2), ("llama", 2), ("bert", 2)])
+def test_two_collectives_forward_and_two_backward_per_block(name, blocks):
+    """Megatron-LM's count: per transformer block 2 all-reduces forward (after the attention's
+    and the MLP's row-parallel layer) and 2 backward (before their column-parallel layers); the
+    rest is the embedding's, the head's and the loss's."""
+    _, sh = _traced(name, 2)
+    per_block: dict[tuple[str, str], int] = {}
+    for node, c in sh.comms():
+        per_block[(c.kind, c.phase)] = per_block.get((c.kind, c.phase), 0) + 1
+    assert set(per_block) == {("all_reduce", "fwd"), ("all_reduce", "bwd")}, per_block
+    # + the vocabulary-parallel embedding's, + the vocabulary-parallel cross entropy's two
+    # when the model computes its loss (the bundled GPT's is the executor's, outside the graph)
+    assert per_block[("all_reduce", "fwd")] == 2 * blocks + 1 + 2 * (name != "gpt"), per_block
+    assert 2 * blocks <= per_block[("all_reduce", "bwd")] <= 2 * blocks + 1, per_block
+    _, sh = _traced(name, 2, sp=True)
+    kinds = {(c.kind, c.phase) for _, c in sh.comms()}
+    assert ("reduce_scatter", "fwd") in kinds and ("all_gather", "fwd") in kinds
+    rs = sum(1 for _, c in sh.comms() if (c.kind, c.phase) == ("reduce_scatter", "fwd"))
+    assert rs == 2 * blocks + 1  # the rows' and the embedding's partial sums
+
+
+def test_degrees_a_model_cannot_take_are_errors_with_the_numbers():
+    with pytest.raises(DegreeError, match=r"2 attention heads.*do not split over 8 ranks"):
+        _traced("gpt", 8)
+    with pytest.raises(DegreeError, match=r"k_proj.*2 attention heads"):  # 2 key/value heads
+        _traced("llama", 4)
+    with torch.device("meta"):
+        model = tiny_gpt()
+    spec = _spec("gpt", 1, 1, 2, "1f1b")
+    spec["model"] = {"factory": "fxpipe.examples.gpt:CharGPT",
+                     "args": {"vocab_size": 63, "block_size": 16, "n_layer": 2, "n_head": 2,
+                              "n_embd": 32}}
+    from fxpipe.examples.gpt import CharGPT
+
+    with torch.device("meta"):
+        odd = CharGPT(vocab_size=63, block_size=16, n_layer=2, n_head=2, n_embd=32)
+    with pytest.raises(PlanError, match=r"vocabulary of head.weight has 63 tokens.*2 ranks"):
+        fxpipe.plan(odd, spec, (torch.zeros(1, 16, dtype=torch.long, device="meta"),))
+    del model
+    bad = {"model": {"factory": "x:y"}, "cluster": {"devices_per_node": 4}}
+    for parallel, msg in (({"tensor": 8}, "larger than the 4 devices of a node"),
+                          ({"tensor": 3}, "does not divide the 4 devices of a node"),
+                          ({"pipeline": 2, "data": 2, "sequence_parallel": True},
+                           "sequence_parallel splits the sequence")):
+        with pytest.raises(SpecError, match=msg):
+            fxpipe.load_spec({**bad, "parallel": parallel})
+
+
+def test_plan_records_each_parameters_sharding():
+    plan = Plan.from_dict(_plan("gpt", 2, 1, 2, "1f1b"))
+    assert plan.tensor == 2 and plan.world_size == 4
+    assert plan.tensor_params["h.3.attn.qkv.weight"] == "S(0,3)"
+    text = plan.summary()
+    assert "pipeline 2 x dp 1 x tensor 2 = world size 4" in text
+    assert "h.*.attn.qkv.weight: S(0,3) (4 layers)" in text
+    assert any(line.startswith("tensor parallelism 2:") and "collectives" in line
+               for line in plan.explain)
+    auto = dict(_spec("gpt", 1, 1, 2, "1f1b"))
+    auto["parallel"] = {"pipeline": "auto", "data": "auto", "tensor": "auto",
+                        "microbatches": "auto", "schedule": "auto"}
+    auto["cluster"]["devices_per_node"] = 4
+    with torch.device("meta"):
+        model = tiny_gpt()
+    picked = fxpipe.plan(model, auto, (torch.zeros(1, 16, dtype=torch.long, device="meta"),))
+    assert any("tensor degrees tried: 1, 2, 4" in e for e in picked.explain), picked.explain
+
+
+# ----------------------------------------------------------------------------- distributed
+#: (model, pipeline, data, tensor, schedule, sequence parallel): every mesh, model and
+#: schedule appears; the bundled GPT carries the tied embedding across stages
+CASES4 = [("gpt", 2, 1, 2, "1f1b", False), ("gpt", 2, 1, 2, "zb-h1", True),
+          ("gpt", 1, 2, 2, "gpipe", False), ("gpt", 2, 1, 2, "zb-v", False),
+          ("gpt2", 2, 1, 2, "1f1b", False), ("gpt2", 1, 2, 2, "zb-h1", False),
+          ("llama", 2, 1, 2, "gpipe", False), ("llama", 1, 2, 2, "1f1b", True),
+          ("bert", 2, 1, 2, "zb-h1", False), ("bert", 1, 2, 2, "gpipe", False)]
+CASES2 = [("gpt", 1, 1, 2, "1f1b", False), ("gpt2", 1, 1, 2, "gpipe", True),
+          ("llama", 1, 1, 2, "zb-h1", False), ("bert", 1, 1, 2, "1f1b", True)]
+
+
+def _train(name: str, plan: dict) -> dict:
+    pipe = fxpipe.compile(_build(name), Plan.from_dict(plan))
+    opt = torch.optim.SGD(pipe.parameters(), lr=LR, momentum=0.9)
+    losses, tensor_events = [], []
+    for step in range(STEPS):
+        before = len(pipe.executor.events)
+        losses.append(pipe.step(*_batch(name, step)))
+        if step == 0:
+            tensor_events = [e.name.split(" ")[1] for e in pipe.executor.events[before:]
+                             if e.lane == "tensor"]
+        pipe.clip_grad_norm_(CLIP)
+        opt.step()
+        pipe.zero_grad()
+    whole = pipe.state_dict()  # sharded tensors gathered: the plain model's
+    return {"losses": losses, "params": {k: v.numpy().copy() for k, v in whole.items()},
+            "tensor_events": tensor_events, "pipe_rank": pipe.pipe_rank,
+            "tp_rank": pipe.mesh.tp_rank}
+
+
+def _worker(rank: int, runs: list, ckpt: str | None):
+    out = [_train(name, plan) for name, plan in runs]
+    if ckpt is not None:  # save at tensor 2, load at tensor 1: the same next loss
+        out.append(_reshard(ckpt))
+    return out
+
+
+def _reshard(ckpt: str) -> dict:
+    from fxpipe.training.checkpoint import load_checkpoint
+
+    a = fxpipe.compile(tiny_gpt(), Plan.from_dict(_plan("gpt", 2, 1, 2, "1f1b")))
+    opt = torch.optim.SGD(a.parameters(), lr=LR, momentum=0.9)
+    a.step(*_batch("gpt", 0))
+    opt.step()
+    a.zero_grad()
+    save_checkpoint(a.module, ckpt, 1, optimizer=opt, tensor=a.tensor_shards)
+    next_a = a.step(*_batch("gpt", 1))
+    b = fxpipe.compile(tiny_gpt(), Plan.from_dict(_plan("gpt", 2, 2, 1, "1f1b")))
+    opt_b = torch.optim.SGD(b.parameters(), lr=LR, momentum=0.9)
+    load_checkpoint(b.module, f"{ckpt}/step_000001", optimizer=opt_b, tensor=b.tensor_shards)
+    return {"next_at_2": next_a, "next_at_1": b.step(*_batch("gpt", 1))}
+
+
+def _runs(cases):
+    return [(c[0], _plan(*c)) for c in cases]
+
+
+@pytest.fixture(scope="module")
+def world4(tmp_path_factory):
+    ckpt = str(tmp_path_factory.mktemp("tp-ckpt") / "ckpt")
+    return ckpt, run_ranks(_worker, 4, _runs(CASES4), ckpt, timeout_s=400, dist_timeout_s=120)
+
+
+@pytest.fixture(scope="module")
+def world2():
+    return run_ranks(_worker, 2, _runs(CASES2), None, timeout_s=300, dist_timeout_s=120)
+
+
+def _check(cases, results):
+    for i, case in enumerate(cases):
+        name = case[0]
+        ref_losses, ref_params, (loss_tol, param_tol) = reference(name)
+        rows = [r[i] for r in results]
+        for r in rows:
+            worst = max(abs(a - b) for a, b in zip(r["losses"], ref_losses))
+            assert worst < loss_tol, (case, r["losses"], ref_losses, loss_tol)
+        params: dict[str, np.ndarray] = {}
+        for r in rows:  # the parameters (state dicts hold persistent buffers too)
+            params.update({n: v for n, v in r["params"].items() if n in ref_params})
+        assert {n for n in params} <= set(ref_params), case
+        covered = {ref_params[n].data_ptr() for n in params}  # tied names share storage
+        missing = [n for n, p in ref_params.items() if p.data_ptr() not in covered]
+        assert not missing, (case, missing)
+        worst = max(float(np.abs(v - ref_params[n].numpy()).max()) for n, v in params.items())
+        assert worst < param_tol, (case, worst, param_tol)
+
+
+@pytest.mark.distributed
+def test_tensor_2_with_pipeline_or_data_2_trains_like_one_process(world4):
+    _, results = world4
+    _check(CASES4, results)
+
+
+@pytest.mark.distributed
+def test_tensor_2_alone_trains_like_one_process(world2):
+    _check(CASES2, world2)
+
+
+@pytest.mark.distributed
+def test_a_step_runs_megatrons_collectives(world2, world4):
+    """The bundled GPT (4 blocks) at tensor 2, 2 micro-batches per step: per micro-batch 2
+    all-reduces per block forward (+ the embedding's, + 2 of the vocabulary-parallel loss) and
+    2 backward (+ the head input's), on every rank; under sequence parallelism reduce-scatters
+    and all-gathers instead."""
+    plain = world2[0][0]["tensor_events"]
+    assert set(plain) == {"all-reduce"} and len(plain) == 2 * ((2 + 2) * 4 + 1 + 2 + 1)
+    for r in world4[1]:  # tensor 2 x pipeline 2, sequence parallel (case 1)
+        events = r[1]["tensor_events"]
+        assert {"reduce-scatter", "all-gather"} <= set(events), events
+
+
+@pytest.mark.distributed
+def test_a_checkpoint_at_tensor_2_loads_whole_and_at_tensor_1(world4, tmp_path):
+    ckpt, results = world4
+    for r in results:
+        step = r[-1]
+        assert abs(step["next_at_2"] - step["next_at_1"]) < bound(step["next_at_2"], GPT_B, 2)
+    model = tiny_gpt()
+    load_into_model(model, f"{ckpt}/step_000001")  # the plain model's names and shapes
+    assert model.h[0].attn.qkv.weight.shape == (96, 32)
+
+
+@pytest.mark.distributed
+def test_bf16_under_tensor_parallelism_trains_close_to_fp32():
+    got = run_ranks(_worker, 2, [("gpt", _plan("gpt", 1, 1, 2, "1f1b", precision="bf16"))],
+                    None, timeout_s=200)
+    ref = reference("gpt")[0]
+    for r in got:
+        losses = r[0]["losses"]
+        assert all(math.isfinite(x) for x in losses)
+        gap = max(abs(a - b) for a, b in zip(losses, ref))
+        assert 0 < gap < 0.05, (losses, ref)  # bf16 computes (2^-8 relative), close to fp32
