@@ -101,12 +101,13 @@ def two_namespaces(rate_mbit: float | None):
 
 
 def launcher(spec: Path, out: Path, node_rank: int, endpoint: str) -> subprocess.Popen:
-    """One node's ``fxpipe run`` inside its namespace, bound to that node's address."""
+    """One node's ``fxpipe run`` inside its namespace, bound to that node's address (no report:
+    the figures come from plan.json and losses.csv)."""
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     return subprocess.Popen(
         ["ip", "netns", "exec", NAMESPACES[node_rank], sys.executable, "-m", "fxpipe", "run",
          str(spec), "--out", str(out), "--nnodes", "2", "--node-rank", str(node_rank),
-         "--rdzv-endpoint", endpoint, "--bind", ADDRESSES[node_rank]],
+         "--rdzv-endpoint", endpoint, "--bind", ADDRESSES[node_rank], "--no-report"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
         start_new_session=True)
 

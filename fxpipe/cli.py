@@ -58,6 +58,9 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--resume", default=None, metavar="RUN_DIR",
                    help="continue the run in RUN_DIR from its latest checkpoint (under the "
                         "plan this spec gives now: another stage count, replicas or schedule)")
+    r.add_argument("--no-report", action="store_true",
+                   help="skip the pictures and report.html (a few seconds of drawing); "
+                        "`fxpipe report RUN_DIR` writes them later")
 
     e = sub.add_parser("export", help="write a run's latest checkpoint as a plain state_dict "
                                       "(torch.save) that the original model loads")

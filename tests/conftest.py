@@ -1,4 +1,4 @@
-"""Fixtures shared by several test modules."""
+"""Fixtures shared by several test modules, and how the two xdist workers share the files."""
 
 from __future__ import annotations
 
@@ -6,6 +6,11 @@ import subprocess
 import sys
 
 import pytest
+
+# The suite starts about a hundred Python processes (fxpipe CLIs, torchrun workers). Where
+# PYTHONDONTWRITEBYTECODE is set, each would compile fxpipe from source (about 0.7 s CPU): the
+# test session writes the bytecode caches (gitignored, __pycache__) that they then read.
+sys.dont_write_bytecode = False
 
 try:
     from cli_helpers import REPO, cli_env
@@ -46,3 +51,40 @@ def tiny_run(tmp_path_factory):
     r = subprocess.run([sys.executable, "-m", "fxpipe", "run", str(spec), "--out", str(out)],
                        capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
     return spec, out, r
+
+
+#: the files that take longest (CPU seconds on 2 cores, heaviest first): under xdist (pyproject's
+#: addopts: ``-n 2 --dist loadfile``) whole files go to the two workers in collection order, so
+#: these start first and no long file is left for the end; the others follow as collected
+HEAVY_FIRST = ("test_resume.py", "test_multinode.py", "test_real_models.py",
+               "test_tensor_parallel.py", "test_real_model_inputs.py", "test_compiled.py",
+               "test_faults.py", "test_bench_planning_smoke.py", "test_cli.py",
+               "test_planning_at_scale.py", "test_executor.py", "test_schedules_execute.py",
+               "test_async_updates.py", "test_compression.py", "test_bench_hf_smoke.py",
+               "test_bench_compression_smoke.py")
+#: files that share a session fixture or cache run on one xdist worker, as one unit: one launch
+#: of :func:`tiny_run` rather than one per worker
+SAME_WORKER = {"test_cli.py": "tiny_run", "test_reports.py": "tiny_run",
+               # real_models.plan's cache: the plans both ask for are made once
+               "test_real_models.py": "real_models", "test_real_model_inputs.py": "real_models"}
+
+
+def pytest_collection_modifyitems(items):
+    first = {name: i for i, name in enumerate(HEAVY_FIRST)}
+    items.sort(key=lambda item: first.get(item.path.name, len(first)))  # stable: files stay whole
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadfile`` (a module's fixtures run once, on one worker), with the files of
+    SAME_WORKER as one unit. Units go out in collection order (``--no-loadscope-reorder``)."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class Scheduler(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            file = super()._split_scope(nodeid)
+            return SAME_WORKER.get(file.rsplit("/", 1)[-1], file)
+
+    return Scheduler(config, log)

@@ -274,6 +274,7 @@ def world6(tmp_path_factory):
     return root, plans, results
 
 
+@pytest.mark.distributed
 def test_plan_shards_parameters_over_two_servers(world6):
     _, plans, _ = world6
     spec, plan = plans["lockstep"]
@@ -282,6 +283,7 @@ def test_plan_shards_parameters_over_two_servers(world6):
     assert "+ 2 parameter servers = world size 6" in plan.summary()
 
 
+@pytest.mark.distributed
 def test_max_staleness_0_equals_single_process_training(world6):
     from fxpipe.specs.loader import build_model
     from fxpipe.training.checkpoint import load_into_model
@@ -305,6 +307,7 @@ def test_max_staleness_0_equals_single_process_training(world6):
             str(DP)}
 
 
+@pytest.mark.distributed
 def test_staleness_bound_holds_and_the_fast_replica_does_more(world6):
     root, _, _ = world6
     for j in range(SERVERS):
@@ -320,6 +323,7 @@ def test_staleness_bound_holds_and_the_fast_replica_does_more(world6):
     assert (root / "stale" / "checkpoint" / "latest").exists()
 
 
+@pytest.mark.distributed
 def test_a_dying_trainer_ends_every_rank_with_a_clear_error_in_time(world6):
     _, plans, results = world6
     timeout = plans["dies"][0].train.timeout_s
@@ -386,6 +390,7 @@ def test_public_compile_refuses_async_spec_and_plan(tmp_path):
         assert not dist.is_initialized()
 
 
+@pytest.mark.distributed
 def test_a_failed_run_keeps_the_rows_before_the_failure(world6):
     """The run whose trainer rank dies at step 1: the servers' logs, replica_losses.csv and
     losses.csv hold the steps done before (written row by row, flushed), not nothing."""

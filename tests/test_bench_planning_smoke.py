@@ -127,6 +127,7 @@ def test_gaps_use_the_head_to_head_run_and_spearman():
 # bench_pick: the whole benchmark, tiny
 
 
+@pytest.mark.distributed
 def test_bench_pick_tiny(tmp_path, monkeypatch):
     monkeypatch.setenv("FXPIPE_CACHE_DIR", str(tmp_path / "user-cache"))  # must stay unused
     out = tmp_path / "BENCHMARKS.md"

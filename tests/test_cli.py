@@ -49,6 +49,7 @@ def test_batch_that_does_not_split_is_rejected(tmp_path):
     assert "data.batch_size" in r.stderr and "divisible" in r.stderr
 
 
+@pytest.mark.distributed
 def test_show_missing_plan_is_a_clear_error(tmp_path):
     r = fxpipe_cli("show", str(tmp_path / "nope.json"))
     assert r.returncode == 2 and "Traceback" not in r.stderr and "fxpipe plan" in r.stderr

@@ -137,6 +137,7 @@ def plan_json(tmp_path_factory) -> str:
     (lambda d: d.update(microbatches=0), "microbatches"),
     (lambda d: d["stages"].pop(), "num_stages"),
 ])
+@pytest.mark.distributed
 def test_inconsistent_plan_json_is_refused(tmp_path, plan_json, mutate, words):
     data = json.loads(plan_json)
     mutate(data)
@@ -144,6 +145,7 @@ def test_inconsistent_plan_json_is_refused(tmp_path, plan_json, mutate, words):
     clean_failure(fxpipe_cli("show", tmp_path / "bad.json"), words, "bad.json")
 
 
+@pytest.mark.distributed
 def test_deeply_nested_plan_json_is_refused(tmp_path):
     (tmp_path / "deep.json").write_text('{"stages": ' + "[" * 100_000 + "]" * 100_000 + "}")
     clean_failure(fxpipe_cli("show", tmp_path / "deep.json"), "nested too deeply")
@@ -180,7 +182,7 @@ def test_dataset_failing_mid_run_keeps_what_was_done(tmp_path):
         ).replace(
         "eval_batches: 0", "eval_batches: 0, checkpoint: {every: 2}, max_restarts: 1"))
     out = tmp_path / "run"
-    r = fxpipe_cli("run", spec, "--out", out, timeout=300)
+    r = fxpipe_cli("run", spec, "--out", out, "--no-report", timeout=300)
     err = clean_failure(r, "step 3:", "shard 3 is unreadable", "it would meet it again")
     assert err.count("shard 3 is unreadable") == 2  # rank 0, once more on the restart, no more
     rows = (out / "losses.csv").read_text().splitlines()
@@ -272,6 +274,7 @@ def held_port_runs(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProc
     return runs
 
 
+@pytest.mark.distributed
 def test_single_node_endpoint_on_a_taken_port(held_port_runs):
     r, _, port = held_port_runs["taken"]
     clean_failure(r, f"port {port} is taken")
@@ -281,6 +284,7 @@ def test_single_node_endpoint_on_a_taken_port(held_port_runs):
     ("silent", "did not answer within 5 s"),
     ("close", "is not reachable or is not an fxpipe/torch store"),
 ])
+@pytest.mark.distributed
 def test_multi_node_endpoint_held_by_another_program_ends_in_bounded_time(held_port_runs, mode,
                                                                             words):
     r, took, _ = held_port_runs[mode]

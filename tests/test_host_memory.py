@@ -43,6 +43,7 @@ def _run(**env: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.distributed
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
 def test_a_cpu_rank_reuses_freed_memory_instead_of_faulting_it_in_again():
     kept = _run()

@@ -55,10 +55,11 @@ def free_port() -> int:
 
 def launcher(spec_path: Path, out: Path, endpoint: str, *extra: str, prefix=(),
              stdout=subprocess.PIPE):
-    """Start one node's ``fxpipe run`` (its own process group, so a test can kill the node)."""
+    """Start one node's ``fxpipe run`` (its own process group, so a test can kill the node;
+    no report: no test here reads it)."""
     return subprocess.Popen([*prefix, sys.executable, "-m", "fxpipe", "run", str(spec_path),
                              "--out", str(out), "--nnodes", "2", "--rdzv-endpoint", endpoint,
-                             *extra], stdout=stdout, stderr=subprocess.STDOUT,
+                             "--no-report", *extra], stdout=stdout, stderr=subprocess.STDOUT,
                             text=True, env=cli_env(), start_new_session=True)
 
 
@@ -83,7 +84,8 @@ def losses(run: Path) -> list[float]:
 @pytest.fixture(scope="module")
 def single_node(tmp_path_factory):
     d = tmp_path_factory.mktemp("single")
-    r = fxpipe_cli("run", spec(d / "spec.yaml", nodes=1), "--out", d / "run", timeout=300)
+    r = fxpipe_cli("run", spec(d / "spec.yaml", nodes=1), "--out", d / "run", "--no-report",
+                   timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     return losses(d / "run")
 

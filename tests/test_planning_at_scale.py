@@ -60,6 +60,7 @@ def test_ops_without_flops_are_priced_by_their_bytes_and_launches():
     assert 0 < _norms_per_stage(roofline)[0] < 24  # their bytes and launches count
 
 
+@pytest.mark.distributed
 def test_profile_measures_caches_and_the_planner_uses_it(tmp_path):
     # `fxpipe profile` and `fxpipe plan` start no workers: run in this process (one thread)
     spec = tmp_path / "spec.yaml"

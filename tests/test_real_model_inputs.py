@@ -233,6 +233,7 @@ def data():
 '''
 
 
+@pytest.mark.distributed
 def test_stage_without_parameters_trains(tmp_path):
     (tmp_path / "lone.py").write_text(LONE_ACTIVATION)
     spec = tmp_path / "spec.yaml"
@@ -240,17 +241,19 @@ def test_stage_without_parameters_trains(tmp_path):
                     "parallel: {pipeline: 3, data: 1, microbatches: 2, schedule: 1f1b}\n"
                     "cluster: {devices_per_node: 3}\n"
                     "train: {steps: 2, optimizer: sgd, lr: 0.1, timeout_s: 60, eval_batches: 1}\n")
-    r = _run("run", str(spec), "--out", str(tmp_path / "run"), pythonpath=[tmp_path])
+    r = _run("run", str(spec), "--out", str(tmp_path / "run"), "--no-report",
+             pythonpath=[tmp_path])
     assert r.returncode == 0, r.stderr[-3000:]
     assert (tmp_path / "run" / "eval.json").exists()
 
 
+@pytest.mark.distributed
 def test_transformers_model_trains_through_fxpipe_run(tmp_path):
     """The bundled hf-gpt2 spec: dict batches with padding, the model's own loss, default sdpa
     attention; plan on fake CPU tensors, workers trace the same graph, held-out evaluation of a
     ModelOutput."""
     out = tmp_path / "run"
-    r = _run("run", "hf-gpt2", "--steps", "2", "--out", str(out))
+    r = _run("run", "hf-gpt2", "--steps", "2", "--out", str(out), "--no-report")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "validation loss" in r.stdout and (out / "eval.json").exists()
     assert "recomputed in each stage" in (out / "summary.txt").read_text()

@@ -109,6 +109,7 @@ def test_calibrated_simulation_reproduces_closed_form_with_uniform_costs():
 # the benchmarks, tiny, 2 gloo ranks each
 
 
+@pytest.mark.distributed
 def test_bubble_benchmark_tiny(tmp_path):
     from benchmarks import bench_pipeline_bubble as bb
 
@@ -126,6 +127,7 @@ def test_bubble_benchmark_tiny(tmp_path):
     assert body is not None and "| gpipe | 2 | 4 |" in body and "| 1f1b | 2 | 4 |" in body
 
 
+@pytest.mark.distributed
 def test_vs_torch_benchmark_tiny(tmp_path):
     from benchmarks import bench_vs_torch_pipelining as bt
 
@@ -145,6 +147,7 @@ def test_vs_torch_benchmark_tiny(tmp_path):
     assert body is not None and "fxpipe / torch" in body and "| 1f1b | 2 | 4 |" in body
 
 
+@pytest.mark.distributed
 def test_predicted_vs_measured_benchmark_tiny(tmp_path):
     from benchmarks import bench_predicted_vs_measured as bp
 

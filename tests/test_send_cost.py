@@ -77,6 +77,7 @@ def test_the_cost_of_bigger_messages_never_falls():
     assert _non_decreasing([1.0, 2.0]) == [1.0, 2.0]
 
 
+@pytest.mark.distributed
 def test_send_cost_is_measured_between_busy_ranks_and_cached(tmp_path, monkeypatch):
     from fxpipe.partitioner.profile import SEND_METHOD, load_send_cost, send_cost_path
     from fxpipe.training.profiling import measure_send_cost

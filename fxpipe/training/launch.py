@@ -281,7 +281,8 @@ def _rendezvous(args, nnodes: int, wait: float) -> tuple[str, str]:
 
 
 def run(args) -> int:
-    """Plan the spec, dump the plan into the output folder and train with torchrun.
+    """Plan the spec, dump the plan into the output folder, train with torchrun and write the
+    run's pictures and ``report.html`` (not with ``--no-report``).
 
     Every check that can fail before training (spec, launch arguments, plan, the checkpoint
     folder, the rendezvous endpoint) runs before the workers start; the output folder is
@@ -320,9 +321,11 @@ def run(args) -> int:
     check_checkpoint_dir(out, spec)
     (out / STOPPED).unlink(missing_ok=True)
     plan.dump(out, graph)
-    from fxpipe.reports.partition_picture import write_partition_picture
+    report = not args.no_report
+    if report:
+        from fxpipe.reports.partition_picture import write_partition_picture
 
-    write_partition_picture(plan, out, graph)
+        write_partition_picture(plan, out, graph)
     print(plan.summary(), flush=True)
     _launch(spec, out, nnodes, endpoint, bind, args.rdzv_id, resume=bool(resume),
             node_rank=getattr(args, "node_rank", None), fingerprint=run_fingerprint(plan))
@@ -334,7 +337,8 @@ def run(args) -> int:
             print(f"validation loss ({figures['eval_batches']} held-out batches): "
                   f"{figures['val_loss_initial']:.4f} at start -> "
                   f"{figures['val_loss_final']:.4f} after training", flush=True)
-    _write_report(out)
+    if report:
+        _write_report(out)
     print(f"done: outputs in {out}")
     return 0
 
