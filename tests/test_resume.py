@@ -42,6 +42,7 @@ train: {{steps: {steps}, optimizer: adamw, lr: {lr}, weight_decay: 0.01, seed: 0
 output: {{dir: run}}
 """
 TWO_BY_TWO = "pipeline: 2, data: 2, microbatches: 2, schedule: 1f1b"
+TWO_STAGES = "pipeline: 2, data: 1, microbatches: 2, schedule: 1f1b"
 
 
 def write_spec(path: Path, parallel: str = TWO_BY_TWO, devices: int = 4, steps: int = STEPS,
@@ -75,7 +76,7 @@ def reference(tmp_path_factory):
     steps, one restart allowed)."""
     d = tmp_path_factory.mktemp("ref")
     spec = write_spec(d / "spec.yaml", every=4, restarts=1)
-    r = fxpipe_cli("run", spec, "--out", d / "run", timeout=300)
+    r = fxpipe_cli("run", spec, "--out", d / "run", "--no-report", timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return spec, d / "run", losses(d / "run")
 
@@ -86,7 +87,7 @@ def test_resume_continues_bit_for_bit(reference, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(ref_run, run)
     crash_after(run, 4)
-    r = fxpipe_cli("run", spec, "--resume", run, timeout=300)
+    r = fxpipe_cli("run", spec, "--resume", run, "--no-report", timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "resuming from" in r.stdout and f"step 4 of {STEPS}" in r.stdout
     assert losses(run) == ref  # steps 0-3 kept, 4-7 trained again: the same bits
@@ -97,6 +98,7 @@ def test_resume_continues_bit_for_bit(reference, tmp_path):
 @pytest.mark.parametrize("parallel, devices", [
     ("pipeline: 4, data: 1, microbatches: 2, schedule: zb-h1", 4),  # 4 stages x 1
     ("pipeline: 1, data: 2, microbatches: 2, schedule: gpipe", 2),  # 1 stage x 2 replicas
+    ("pipeline: 2, data: 1, tensor: 2, microbatches: 2, schedule: zb-h1", 4),  # layers split
 ])
 def test_resume_under_another_plan(reference, tmp_path, parallel, devices):
     _, ref_run, ref = reference
@@ -104,7 +106,7 @@ def test_resume_under_another_plan(reference, tmp_path, parallel, devices):
     shutil.copytree(ref_run, run)
     crash_after(run, 4)
     other = write_spec(tmp_path / "other.yaml", parallel=parallel, devices=devices)
-    r = fxpipe_cli("run", other, "--resume", run, timeout=300)
+    r = fxpipe_cli("run", other, "--resume", run, "--no-report", timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     got = losses(run)
     assert [s for s, _ in got] == list(range(STEPS))
@@ -133,6 +135,20 @@ def test_export_loads_into_the_plain_model_strictly(reference, tmp_path):
     assert "no plan.json" in fxpipe_in_process("export", tmp_path, tmp_path / "x.pt").stderr
     r = fxpipe_in_process("export", ref_run, tmp_path)
     assert r.returncode == 2 and "is a folder" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_no_report_leaves_the_pictures_to_fxpipe_report(reference, tmp_path):
+    """The runs here pass --no-report: no pictures, no report.html; `fxpipe report` draws them
+    all (the partition from plan.json) afterwards."""
+    _, ref_run, _ = reference
+    assert not list(ref_run.glob("*.png")) and not (ref_run / "report.html").exists()
+    run = tmp_path / "run"
+    shutil.copytree(ref_run, run)
+    r = fxpipe_in_process("report", run)
+    assert r.returncode == 0, r.stderr
+    assert (run / "report.html").exists()
+    for stem in ("partition", "timeline", "training"):
+        assert (run / f"{stem}.svg").exists() and (run / f"{stem}.png").stat().st_size > 1000
 
 
 def test_resume_errors_are_clean(reference, tmp_path):
@@ -191,7 +207,8 @@ def test_killed_rank_restarts_from_the_latest_checkpoint(reference, tmp_path):
     checkpoint and the run ends with the uninterrupted run's losses."""
     spec, _, ref = reference
     run = tmp_path / "run"
-    p = subprocess.Popen([sys.executable, "-m", "fxpipe", "run", str(spec), "--out", str(run)],
+    p = subprocess.Popen([sys.executable, "-m", "fxpipe", "run", str(spec), "--out", str(run),
+                          "--no-report"],
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          env=cli_env())
     deadline = time.monotonic() + 240
@@ -219,8 +236,10 @@ def test_killed_rank_restarts_from_the_latest_checkpoint(reference, tmp_path):
 
 
 def test_non_finite_loss_stops_the_run_and_is_not_restarted(tmp_path):
-    spec = write_spec(tmp_path / "spec.yaml", lr="1.0e30", restarts=1)
-    r = fxpipe_cli("run", spec, "--out", tmp_path / "run", timeout=300)
+    """On 2 stages (2 ranks): every rank sees the same (all-reduced) loss and decides alike."""
+    spec = write_spec(tmp_path / "spec.yaml", lr="1.0e30", restarts=1, parallel=TWO_STAGES,
+                      devices=2)
+    r = fxpipe_cli("run", spec, "--out", tmp_path / "run", "--no-report", timeout=300)
     assert r.returncode == 2, r.stdout[-2000:]
     err = r.stderr
     assert "the loss is nan (not finite); training stopped" in err and "train.lr" in err
@@ -228,7 +247,8 @@ def test_non_finite_loss_stops_the_run_and_is_not_restarted(tmp_path):
     assert err.count("training stopped.") == 2  # rank 0 once, and once more on the restart
     assert len(losses(tmp_path / "run")) >= 1  # the rows before it are kept
 
-    skip = write_spec(tmp_path / "skip.yaml", lr="1.0e30", nan="skip", steps=4)
-    r = fxpipe_cli("run", skip, "--out", tmp_path / "skip", timeout=300)
+    skip = write_spec(tmp_path / "skip.yaml", lr="1.0e30", nan="skip", steps=4,
+                      parallel=TWO_STAGES, devices=2)
+    r = fxpipe_cli("run", skip, "--out", tmp_path / "skip", "--no-report", timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "update skipped (train.nan_policy: skip)" in r.stdout

@@ -43,6 +43,7 @@ from fxpipe.partitioner.refine import MAX_CUTS, MAX_RIVALS, NEAR, refine_cuts
 from fxpipe.partitioner.servers import assign_servers, even_server_bytes
 from fxpipe.partitioner.search import Candidate, candidates, stage_inflight, tensor_degrees
 from fxpipe.partitioner.solvers import chain_bottleneck, optimal_partition
+from fxpipe.partitioner.split import build_stages
 from fxpipe.partitioner.stage_timing import (StageTimes, side_by_side_groups, stage_times_key,
                                              time_stages)
 from fxpipe.partitioner.tensor_costs import (TensorPricing, expand_blocks, scaled_costs,
@@ -59,9 +60,10 @@ from fxpipe.schedule.lowering import compute_schedule
 from fxpipe.schedule.simulate import (Links, LoweredSchedule, SimResult, StageCosts, predict,
                                       simulate)
 from fxpipe.tensor.choose import DegreeError
+from fxpipe.tensor.stages import plan_stage_sharding
 from fxpipe.specs.loader import build_model, load_spec, spec_location
-from fxpipe.specs.schema import (OPTIMIZER_STATE_FACTOR, ParallelSpec,
-                                 compression_rank_problems, stages_per_rank)
+from fxpipe.specs.schema import (ParallelSpec,
+                                 compression_rank_problems, stages_per_rank, state_factor)
 from fxpipe.training.losses import MODEL_LOSS
 from fxpipe.units import human_bytes, plural
 
@@ -362,7 +364,7 @@ def _cut_problem(pr: Priced, spec: ParallelSpec, cand: Candidate, scale: float,
         bandwidth_Bps=_boundary_bandwidths(spec, cand, stage_to_rank) if k > 1 else 1.0,
         latency_s=spec.cluster.links.latency_s,
         capacity_bytes=capacity,
-        param_multiplier=OPTIMIZER_STATE_FACTOR[spec.train.optimizer],
+        param_multiplier=state_factor(spec.train.optimizer, cand.sharding, cand.dp),
         inflight=inflight,
         forced_cuts=tb.forced_cuts,
         pins=tb.pins,
@@ -552,9 +554,9 @@ def _assemble(pr: Priced, result: PartitionResult, cand: Candidate, spec: Parall
         shared_params=dict(bounds.shared_params), param_aliases=dict(bounds.param_aliases),
         bottleneck_stage=_slowest(stages, result), lower_bound_s=_lower_bound(stages, result),
         explain=list(explain), spec=spec.model_dump(mode="json"), recomputed=recomputed,
-        placement=cand.layout,
+        placement=cand.layout, data_sharding=cand.sharding,
     )
-    _set_tensor(plan, pr)
+    _set_tensor(plan, pr, spec)
     _set_send_times(plan, pr.send)
     plan.predicted = predict(plan)
     return plan
@@ -579,7 +581,21 @@ def _stage_nodes(plan: Plan, pr: Priced) -> list[list[str]]:
     return out
 
 
-def _set_tensor(plan: Plan, pr: Priced) -> None:
+def _stage_comms(plan: Plan, pr: Priced, spec: ParallelSpec) -> list[list]:
+    """Per stage, the tensor group's collectives of one micro-batch: as the runtime runs each
+    stage's own graph (its inputs and outputs whole: a value split where a cut falls is gathered
+    there); a plan of repeated blocks counts the traced graph's nodes block by block."""
+    tp = pr.tensor
+    if plan.folded:
+        return [[c for n in nodes if n in tp.sharding.nodes for c in tp.sharding.nodes[n].comm]
+                for nodes in _stage_nodes(plan, pr)]
+    loss = None if spec.train.loss == MODEL_LOSS else spec.train.loss
+    mods = build_stages(plan, pr.traced, list(range(plan.num_stages)))
+    return [[c for ns in plan_stage_sharding(plan, s, mods[s], loss)[0].nodes.values()
+             for c in ns.comm] for s in range(plan.num_stages)]
+
+
+def _set_tensor(plan: Plan, pr: Priced, spec: ParallelSpec) -> None:
     """The plan's tensor-parallel fields from the priced units' sharding, and what it says:
     how many parameters are split how, what stays whole, and the collectives per
     micro-batch."""
@@ -594,8 +610,7 @@ def _set_tensor(plan: Plan, pr: Priced) -> None:
         text = expand_blocks(text, fo.run.prefix, fo.run.start, fo.run.count)
     plan.tensor_params = dict(sorted(text.items()))
     plan.tensor_replicated = tp.replicated()
-    for st, nodes in zip(plan.stages, _stage_nodes(plan, pr)):
-        comms = [c for n in nodes if n in tp.sharding.nodes for c in tp.sharding.nodes[n].comm]
+    for st, comms in zip(plan.stages, _stage_comms(plan, pr, spec)):
         st.tensor_collectives = len(comms)
         st.tensor_bytes = [float(sum(c.nbytes for c in comms if c.phase == "fwd")),
                            float(sum(c.nbytes for c in comms if c.phase == "bwd"))]
@@ -733,7 +748,7 @@ def _simulate_cut(pr: Priced, prefix: np.ndarray, problem: CutProblem,
             fwd.setdefault((ps, cs), []).append(v.nbytes)
             if v.grad:
                 grad.setdefault((cs, ps), []).append(v.nbytes)
-    factor = OPTIMIZER_STATE_FACTOR[spec.train.optimizer]
+    factor = float(problem.param_multiplier)
     costs = StageCosts([float(x[0]) for x in per], [float(x[1]) for x in per],
                        [float(x[2]) for x in per],
                        activation_bytes=[int((result if rc or plain is None else plain)
@@ -855,9 +870,9 @@ def _assemble_folded(pr: Priced, result: PartitionResult, cand: Candidate, spec:
         param_aliases={run.full_name(a): run.full_name(c) for a, c in one.param_aliases.items()},
         bottleneck_stage=_slowest(stages, result),
         lower_bound_s=_lower_bound(stages, result), explain=explain, spec=spec.model_dump(mode="json"),
-        folded=record, placement=cand.layout,
+        folded=record, placement=cand.layout, data_sharding=cand.sharding,
     )
-    _set_tensor(plan, pr)
+    _set_tensor(plan, pr, spec)
     problem = _cut_problem(pr, spec, cand, 1.0)
     _set_send_times(plan, pr.send)
     plan.predicted = _simulate_cut(pr, prefix, problem, result, cand, spec, 1.0).predicted()
@@ -1012,7 +1027,7 @@ def _fits_without_recompute(pr: Priced, spec: ParallelSpec, cand: Candidate,
     ignoring that a rank may hold several stages only makes it say yes more often. False means
     the candidate must recompute (no solve needed to know)."""
     tb = pr.table
-    mult = OPTIMIZER_STATE_FACTOR[spec.train.optimizer]
+    mult = state_factor(spec.train.optimizer, cand.sharding, cand.dp)
     inflight, _ = stage_inflight(cand)
     cap = spec.cluster.memory_gb * 1e9
     P = np.concatenate([[0.0], np.cumsum(np.asarray(tb.params, dtype=np.float64))])
@@ -1123,9 +1138,10 @@ def _search(pr_at: Callable[[int], Priced], spec: ParallelSpec, prune: bool = Tr
     mode = spec.train.activation_recompute
     left_out: list[str] = []
     first_error: FxpipeError | None = None
+    priced: dict[int, Priced] = {}
     for t in degrees:
         try:
-            pr = pr_at(t)
+            pr = priced[t] = pr_at(t)
             cands = candidates(spec, max_stages=len(pr.table.names), tensor=t)
         except (DegreeError, PlanError) as e:
             left_out.append(f"tensor {t}: {e}")
@@ -1193,7 +1209,7 @@ def _search(pr_at: Callable[[int], Priced], spec: ParallelSpec, prune: bool = Tr
             pruned += 1
             continue
         if len(bounds) == 1:
-            return cand, result, mbs, _degree_notes(left_out)
+            return cand, result, mbs, _degree_notes(left_out) + _sharding_notes(pr, spec, cand)
         r = _Ranked(_simulate_cut(pr, prefix, problem, result, cand, spec, scale,
                                   rc).step_time_s, cand.label(), cand, result, mbs)
         ranked.append(r)
@@ -1207,13 +1223,44 @@ def _search(pr_at: Callable[[int], Priced], spec: ParallelSpec, prune: bool = Tr
     explain += [f"  {i + 1}. {r.label:40s} {r.step_s * 1e3:10.2f} ms/step"
                 for i, r in enumerate(ranked[:5])]
     explain += _degree_notes(left_out, ranked, degrees)
+    explain += _sharding_notes(priced[best.cand.tensor], spec, best.cand, ranked, failed)
     return best.cand, best.result, best.mbs, explain
+
+
+def _sharding_notes(pr: Priced, spec: ParallelSpec, cand: Candidate,
+                    ranked: list[_Ranked] | None = None, failed: list | None = None
+                    ) -> list[str]:
+    """What ``parallel.data_sharding`` bought the chosen layout: the training state per rank
+    with and without it and, when the search weighed both, the fastest unsharded layout it
+    simulated (those it pruned have step-time bounds above the chosen step)."""
+    if cand.sharding == "none":
+        return []
+    opt = spec.train.optimizer
+    total = sum(pr.table.params) / cand.pipeline
+    with_, without = total * state_factor(opt, cand.sharding, cand.dp), total * state_factor(opt)
+    line = (f"data sharding {cand.sharding} over {cand.dp} replicas: parameters, gradients and "
+            f"optimizer state {human_bytes(with_, True)} per rank on average instead of "
+            f"{human_bytes(without, True)}")
+    if ranked is not None and spec.parallel.data_sharding == "auto":
+        best = ranked[0] if ranked else None
+        plain = next((r for r in ranked if r.cand.sharding == "none"), None)
+        if plain is not None and best is not None:
+            line += (f"; the fastest unsharded layout the search simulated, {plain.label}, "
+                     "is "
+                     f"{plain.step_s * 1e3:.2f} ms/step ({(plain.step_s / best.step_s - 1) * 100:+.1f}%"
+                     f"{', recomputing' if plain.cand.recompute and not cand.recompute else ''})")
+        elif any(c.sharding == "none" for _, c, _, _ in failed or []):
+            line += "; no unsharded layout fits device memory"
+        else:
+            line += "; the unsharded layouts were pruned by their step-time bounds"
+    return [line]
 
 
 def _static_share(pr: Priced, spec: ParallelSpec, cand: Candidate) -> float:
     """Bytes of parameters, gradients and optimizer state the fullest rank of the candidate
     holds at least: every parameter is on some rank, so some rank holds the average share."""
-    return sum(pr.table.params) * OPTIMIZER_STATE_FACTOR[spec.train.optimizer] / cand.pipeline
+    return (sum(pr.table.params) * state_factor(spec.train.optimizer, cand.sharding, cand.dp)
+            / cand.pipeline)
 
 
 def _degree_notes(left_out: list[str], ranked: list[_Ranked] | None = None,
@@ -1258,7 +1305,9 @@ def _nothing_fits(spec: ParallelSpec, failed: list) -> PlanError:
         # a pin, a pipe_split() marker or the number of units: memory is not what failed
         return PlanError("no feasible plan:\n  " + "\n  ".join(lines))
     pr = failed[0][3] if failed else None
-    need = sum(pr.table.params) * OPTIMIZER_STATE_FACTOR[spec.train.optimizer] if pr else 0.0
+    factor = min((state_factor(spec.train.optimizer, c.sharding, c.dp) for _, c, _, _ in failed),
+                 default=state_factor(spec.train.optimizer))
+    need = sum(pr.table.params) * factor if pr else 0.0
     cap = spec.cluster.memory_gb * 1e9
     stages = int(np.ceil(need / cap))
     tried = max((c.pipeline for _, c, _, _ in failed), default=0)
@@ -1674,11 +1723,15 @@ def _plan_with_graph(model: nn.Module, spec: ParallelSpec, example_inputs: Any,
                               for n, p in given.named_parameters(remove_duplicate=False)}, spec)
         if not plan.folded:  # priced again with the servers' real shares
             plan.predicted = predict(plan)
-    if spec.train.grad_compression == "powersgd":  # priced by each matrix's low-rank factors
-        plan.param_shapes = {n: list(p.shape) for n, p in given.named_parameters(
-            remove_duplicate=False) if p.requires_grad}  # tied aliases too (stages name them)
-        if not plan.folded:
-            plan.predicted = predict(plan)
+    # every trained parameter's shape: PowerSGD prices each matrix's low-rank factors,
+    # sharding the slices; the state each rank holds (fxpipe.plans.state_bytes) reads them
+    plan.param_shapes = {n: list(p.shape) for n, p in given.named_parameters(
+        remove_duplicate=False) if p.requires_grad}  # tied aliases too (stages name them)
+    plan.param_itemsize = next((p.element_size() for p in given.parameters()
+                                if p.requires_grad), 4)
+    if (spec.train.grad_compression == "powersgd" or plan.data_sharding != "none") \
+            and not plan.folded:
+        plan.predicted = predict(plan)
     if spec.cluster.nodes > 1:
         plan.explain.append(_placement_note(plan, spec))
     if (spec.cluster.costs == "measured" and plan.num_stages > 1

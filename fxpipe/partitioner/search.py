@@ -37,6 +37,7 @@ class Candidate:
     recompute: bool = False
     layout: str = "pipeline-inner"
     tensor: int = 1
+    sharding: str = "none"
 
     @property
     def num_stages(self) -> int:
@@ -49,8 +50,9 @@ class Candidate:
         r = " recompute" if self.recompute else ""
         lay = " data-inner" if self.layout == "data-inner" else ""
         tp = f"tp={self.tensor} " if self.tensor > 1 else ""
+        zero = f" shard={self.sharding}" if self.sharding != "none" else ""
         return (f"{tp}pp={self.pipeline} dp={self.dp} m={self.microbatches} {self.schedule}{v}"
-                f"{r}{lay}")
+                f"{r}{zero}{lay}")
 
 
 def _divisors(n: int) -> list[int]:
@@ -113,6 +115,16 @@ def tensor_degrees(spec: ParallelSpec) -> list[int]:
             if spec.cluster.trainers % d == 0]
 
 
+def _sharding_levels(spec: ParallelSpec, dp: int) -> tuple[str, ...]:
+    """``parallel.data_sharding`` as given, or with ``auto`` none and ``optimizer`` (the levels
+    above it hold the same while a step runs and move the same bytes: see
+    :mod:`fxpipe.runtime.data_sharding`) where there are replicas to shard over."""
+    level = spec.parallel.data_sharding
+    if level != "auto":
+        return (level,)
+    return ("none", "optimizer") if dp > 1 and spec.train.updates == "sync" else ("none",)
+
+
 def candidates(spec: ParallelSpec, max_stages: int | None = None,
                tensor: int = 1) -> list[Candidate]:
     """The search space for the spec: every ``auto`` field expanded, fixed fields kept.
@@ -167,9 +179,11 @@ def candidates(spec: ParallelSpec, max_stages: int | None = None,
                     if par.schedule != "auto" and par.microbatches != "auto":
                         compute_schedule(s, pp, m, v)  # raises, explaining the rule
                     continue
-                out.append(Candidate(pp, dp, m, s, v, tensor=tensor))
-                if spread and pp > 1 and dp > 1:  # several nodes: the other way round too
-                    out.append(Candidate(pp, dp, m, s, v, layout="data-inner", tensor=tensor))
+                for z in _sharding_levels(spec, dp):
+                    out.append(Candidate(pp, dp, m, s, v, tensor=tensor, sharding=z))
+                    if spread and pp > 1 and dp > 1:  # several nodes: the other way round too
+                        out.append(Candidate(pp, dp, m, s, v, layout="data-inner",
+                                             tensor=tensor, sharding=z))
     if not out and too_many is not None and max_stages is not None:
         fits = [d for d in _divisors(world) if spec.data.batch_size % d == 0]  # 1 always
         if par.pipeline == "auto" and par.data == "auto" and world // max(fits) > max_stages:

@@ -26,10 +26,7 @@ from fxpipe.partitioner.cost import NodeCost
 from fxpipe.partitioner.timing import NodeTimes
 from fxpipe.tensor.analysis import Comm, Sharding, analyse, grad_values, vocab_loss_comms
 from fxpipe.tensor.choose import TensorChoice, choose
-
-#: built-in losses that take logits split by vocabulary (the runtime's list)
-VOCAB_LOSSES = ("cross_entropy",)
-
+from fxpipe.tensor.stages import VOCAB_PARALLEL_LOSSES
 
 @dataclass
 class TensorPricing:
@@ -114,7 +111,7 @@ def tensor_pricing(gm: fx.GraphModule, t: int, *, sequence_parallel: bool,
     """
     out_node = next(iter(gm.graph.find_nodes(op="output")))
     outs = out_node.args[0] if isinstance(out_node.args[0], (tuple, list)) else (out_node.args[0],)
-    logits = outs[0] if output_loss in VOCAB_LOSSES else None
+    logits = outs[0] if output_loss in VOCAB_PARALLEL_LOSSES else None
 
     def sharded_output(n: fx.Node) -> bool:
         return n is logits

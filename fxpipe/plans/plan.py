@@ -170,8 +170,10 @@ class Plan:
             its latency); what ``fxpipe plan`` shows.
         server_priced_s: per pipeline rank, the push and pull seconds per step the prediction
             priced (:meth:`~fxpipe.schedule.simulate.Links.push_pull_seconds` over its stages).
-        param_shapes: trained parameter FQN -> shape, kept under ``train.grad_compression:
-            powersgd`` (the prediction prices each matrix's low-rank factors); else empty.
+        param_shapes: trained parameter FQN -> shape (whole, before tensor parallelism): PowerSGD's
+            prediction prices each matrix's low-rank factors, and
+            :func:`~fxpipe.plans.state_bytes.held_state_bytes` the state each rank holds.
+        param_itemsize: bytes per element of the trained parameters (4: float32).
         tensor: tensor-parallel degree (ranks that split every layer of a stage; innermost in
             the rank layout).
         sequence_parallel: norms, dropout and residual adds run on a slice of the sequence.
@@ -181,6 +183,9 @@ class Plan:
             ``S(0,3)`` each of 3 blocks split); parameters not listed are replicated.
         tensor_replicated: ``[name, why]`` of the layers and ops that run replicated inside
             their tensor group (no sharded form applied); correct, priced, named here.
+        data_sharding: what each stage's data-parallel replicas split among themselves
+            (``none``, ``optimizer``, ``gradients``, ``full``: :mod:`fxpipe.runtime.
+            data_sharding`).
     """
 
     model: str
@@ -213,10 +218,12 @@ class Plan:
     server_links: list[dict[str, Any]] = field(default_factory=list)
     server_priced_s: list[float] = field(default_factory=list)
     param_shapes: dict[str, list[int]] = field(default_factory=dict)
+    param_itemsize: int = 4
     tensor: int = 1
     sequence_parallel: bool = False
     tensor_params: dict[str, str] = field(default_factory=dict)
     tensor_replicated: list[list[str]] = field(default_factory=list)
+    data_sharding: str = "none"
 
     # ------------------------------------------------------------------ derived views
     @property
@@ -321,6 +328,9 @@ class Plan:
             out.append(f"num_stages is {self.num_stages} but it lists {len(self.stages)} stages")
         if sorted(s.index for s in self.stages) != list(range(len(self.stages))):
             out.append("the stages' indices are not 0 .. num_stages-1")
+        if self.data_sharding not in ("none", "optimizer", "gradients", "full"):
+            out.append(f"data_sharding is {self.data_sharding!r}, not one of none, optimizer, "
+                       "gradients, full")
         for name in ("pipeline", "dp", "tensor", "microbatches", "virtual_stages",
                      "microbatch_size"):
             if getattr(self, name) < 1:

@@ -69,6 +69,7 @@ from fxpipe.runtime import p2p
 from fxpipe.runtime.checks import check_actions, check_fits
 from fxpipe.runtime.compression import Compression, as_compression
 from fxpipe.runtime.data_parallel import GradSynchronizer
+from fxpipe.runtime.data_sharding import WIRE_DTYPES, DataSharding
 from fxpipe.runtime.grad_fusion import fuse_weight_grads
 from fxpipe.runtime.mesh import Mesh
 from fxpipe.runtime.precision import LossScaler, autocast_dtype, found_nonfinite, message_dtype
@@ -190,7 +191,8 @@ class PipelineExecutor:
                  optimizer: torch.optim.Optimizer | None, timeout_s: float = 300.0, *,
                  grad_compression: "str | Compression" = "none", precision: str = "fp32",
                  loss_scaler: LossScaler | None = None, needs_target: bool = True,
-                 sync_gradients: bool = True, fuse_grad_accumulation: bool = True):
+                 sync_gradients: bool = True, fuse_grad_accumulation: bool = True,
+                 data_sharding: str = "none"):
         self.plan, self.schedule, self.mesh = plan, schedule, mesh
         self.sync_gradients = sync_gradients
         self.precision = precision
@@ -248,8 +250,22 @@ class PipelineExecutor:
         #: shared parameters of this rank's stages (their gradient is summed over those ranks)
         self.shared_param_ranks = dict(shared)
         self.compression = as_compression(grad_compression)
+        #: sharded data parallelism (:mod:`fxpipe.runtime.data_sharding`), or None: the
+        #: replicas reduce-scatter the non-shared parameters' gradients instead
+        self.sharding: DataSharding | None = None
+        whole = self._stage_params
+        if data_sharding != "none" and sync_gradients and mesh.dp > 1:
+            if self.compression.method not in WIRE_DTYPES:
+                raise RuntimeFailure(f"sharded data parallelism reduce-scatters its gradients: "
+                                     f"gradient compression {self.compression.method!r} does not "
+                                     f"fit it (use one of {sorted(WIRE_DTYPES)})")
+            self.sharding = DataSharding(data_sharding, self._stage_params, set(shared),
+                                         mesh.dp_group, mesh.dp, mesh.dp_rank,
+                                         WIRE_DTYPES[self.compression.method])
+            whole = {s: [p for p in ps if not self.sharding.owns(p)]
+                     for s, ps in self._stage_params.items()}
         # without all-reduce: a mesh view with no data-parallel group (buckets only collect)
-        self._sync = GradSynchronizer(self._stage_params, shared, mesh if sync_gradients else
+        self._sync = GradSynchronizer(whole, shared, mesh if sync_gradients else
                                       SimpleNamespace(dp=1, dp_group=None), self.compression)
         # stages whose ALLREDUCE the schedule leaves out: launched after their last backward
         self._auto_reduce_after: dict[int, int] = {}
@@ -375,6 +391,8 @@ class PipelineExecutor:
         """
         t0 = time.perf_counter()
         self.step_starts_s.append(self._clock0 + t0)
+        if self.sharding is not None:  # ``full``: the parameters come back for the step
+            self.sharding.ensure_gathered(self.timeout_s)
         st = self._prepare(inputs, target)
         if loss_weights is not None and len(loss_weights) != self.m:
             raise RuntimeFailure(f"rank {self.rank}: step() got {len(loss_weights)} loss weights "
@@ -437,6 +455,8 @@ class PipelineExecutor:
                              self.plan.model_output if s == self.loss_stage else None)
                 for s in self.local_stages}
         saved, self.work = self.work, self._eval_work[key]
+        if self.sharding is not None:
+            self.sharding.ensure_gathered(self.timeout_s)
         try:
             st = self._prepare(inputs, target)
             if loss_weights is not None and len(loss_weights) != self.m:
@@ -696,6 +716,8 @@ class PipelineExecutor:
             self._unscaled.update(id(p) for p in ready)
             self.loss_scaler.unscale_(p.grad for p in ready)
         self._sync.stage_done(stage)
+        if self.sharding is not None:
+            self.sharding.stage_done(stage)
 
     def _finish_step(self, st: _StepState, a: Action) -> None:
         for pend, ctx in st.sends:
@@ -706,11 +728,14 @@ class PipelineExecutor:
                 self._stage_done(s)
         try:
             self._sync.finish(self.timeout_s)
+            if self.sharding is not None:
+                self.sharding.finish(self.timeout_s)
         except RuntimeFailure as e:
             raise RuntimeFailure(f"{self._ctx(a)}: {e}") from None
         skip = False
-        if self.loss_scaler is not None:
-            grads = [p.grad for p, _ in self._param_users.values()]
+        if self.loss_scaler is not None:  # sharded: this replica's slices (inf/NaN carry over)
+            grads = [p.grad for p, _ in self._param_users.values()] + (
+                self.sharding.pending() if self.sharding is not None else [])
             try:
                 skip = found_nonfinite(grads, self.device, self.mesh.world_size, self.timeout_s)
             except RuntimeFailure as e:
@@ -719,7 +744,10 @@ class PipelineExecutor:
             if skip:
                 self.skipped_steps.append(self._steps_run)
         self._sync.end_step(applied=not skip)  # a skipped step rolls back error feedback
-        self._step_gradient_bytes = self._sync.bytes_sent
+        if self.sharding is not None:
+            self.sharding.commit(applied=not skip)
+        self._step_gradient_bytes = self._sync.bytes_sent + (
+            self.sharding.take_bytes() if self.sharding is not None else 0)
         self._restore_aside(skip)
         if self.optimizer is not None:
             if not skip:
@@ -729,6 +757,8 @@ class PipelineExecutor:
                 for p in self._stage_params[s]:
                     p.grad = None
         self._sync.reset()
+        if self.sharding is not None:
+            self.sharding.reset()
         self._done_stages.clear()
         self._unscaled.clear()
         st.stepped = True

@@ -23,13 +23,9 @@ import torch.nn as nn
 from fxpipe.errors import RuntimeFailure
 from fxpipe.plans.plan import Plan
 from fxpipe.tensor import collectives
-from fxpipe.tensor.analysis import analyse, grad_values
 from fxpipe.tensor.placement import Placement
 from fxpipe.tensor.rewrite import local_slice, shard_stage, whole_from
-
-#: the built-in losses that take logits split by vocabulary
-VOCAB_PARALLEL_LOSSES = ("cross_entropy",)
-
+from fxpipe.tensor.stages import plan_stage_sharding
 
 class TensorShards:
     """The sharded parameters of this rank, by every name they go by (tied aliases and the
@@ -104,19 +100,6 @@ class TensorShards:
         return shape
 
 
-def _stage_placements(plan: Plan, gm: fx.GraphModule) -> dict[str, Placement]:
-    """get_attr target -> placement for the stage's parameters (the plan names them by their
-    canonical FQN; a stage may read a tied one under an alias)."""
-    out = {}
-    for n in gm.graph.nodes:
-        if n.op != "get_attr":
-            continue
-        text = plan.tensor_params.get(plan.param_aliases.get(n.target, n.target))
-        if text is not None:
-            out[n.target] = Placement.from_json(text)
-    return out
-
-
 def shard_stages(plan: Plan, stages: dict[int, nn.Module], mesh, loss_name: str | None,
                  ignore_index: int = -100
                  ) -> tuple[dict[int, nn.Module], TensorShards, Callable | None]:
@@ -147,18 +130,7 @@ def shard_stages(plan: Plan, stages: dict[int, nn.Module], mesh, loss_name: str 
         if not isinstance(gm, fx.GraphModule):
             raise RuntimeFailure(f"stage {s} is not a graph module; tensor parallelism rewrites "
                                  "the traced stage graphs")
-        sp = plan.stages[s]
-        params = _stage_placements(plan, gm)
-        trainable = {n for n, p in gm.named_parameters(remove_duplicate=False) if p.requires_grad}
-        received = {v for v in sp.inputs if v not in plan.model_inputs}
-        grads = grad_values(gm, trainable, received)
-        output = next(iter(gm.graph.find_nodes(op="output")))
-        outs = output.args[0] if isinstance(output.args[0], (tuple, list)) else (output.args[0],)
-        logits = (outs[sp.outputs.index(plan.model_output)]
-                  if plan.model_output in sp.outputs and loss_name in VOCAB_PARALLEL_LOSSES
-                  else None)
-        sharding = analyse(gm, params, t, sequence_parallel=plan.sequence_parallel, grads=grads,
-                           sharded_outputs=lambda a: a is logits)
+        sharding, logits = plan_stage_sharding(plan, s, gm, loss_name)
         if logits is not None:
             p = sharding.placement(logits.name)
             nd = logits.meta["val"].dim()

@@ -50,6 +50,7 @@ from fxpipe.specs.schema import (
     DEFAULT_INTRA_NODE_GBPS,
     DEFAULT_LATENCY_S,
     OPTIMIZER_STATE_FACTOR,
+    state_factor,
     LinksSpec,
 )
 
@@ -151,6 +152,14 @@ class Links:
         bw = self.dp_rank_GBps.get(rank, self.dp_GBps or self.p2p_GBps)
         return 2 * (n - 1) / n * nbytes / (bw * 1e9) + 2 * (n - 1) * self.latency_s
 
+    def gather_seconds(self, nbytes: float, n: int, rank: int = 0) -> float:
+        """Ring reduce-scatter, or all-gather, of ``nbytes`` over ``n`` ranks (each half of a
+        ring all-reduce): ``(n-1)/n x bytes / bw + (n-1) x latency``; 0 when ``n == 1``."""
+        if n <= 1 or nbytes <= 0:
+            return 0.0
+        bw = self.dp_rank_GBps.get(rank, self.dp_GBps or self.p2p_GBps)
+        return (n - 1) / n * nbytes / (bw * 1e9) + (n - 1) * self.latency_s
+
     def push_pull_seconds(self, rank: int, stage_bytes: Sequence[float],
                           loads: Sequence[float], dp: int) -> float:
         """Parameter servers: seconds pipeline rank ``rank`` spends pushing a stage's gradients
@@ -242,6 +251,8 @@ def simulate(
     check: bool = True,
     timeline: bool = True,
     server_bytes: Sequence[Sequence[float]] | None = None,
+    scatter_bytes: Sequence[float] | None = None,
+    gather_bytes: Sequence[float] | None = None,
 ) -> SimResult:
     """Price one training step of ``schedule`` (see the module docstring for the semantics).
 
@@ -261,6 +272,10 @@ def simulate(
             figures matter (the planner's search), which is faster.
         server_bytes: parameter servers instead of the all-reduce: ``[stage][server]`` bytes
             each stage pushes and pulls per step (see the module docstring); None: all-reduce.
+        scatter_bytes: sharded data parallelism: per stage, gradient bytes reduce-scattered at
+            its ALLREDUCE (besides ``allreduce_bytes``' all-reduce; default 0).
+        gather_bytes: per stage, parameter bytes all-gathered after the optimizer step (the
+            updated slices; default 0).
 
     Returns:
         :class:`SimResult`.
@@ -292,6 +307,18 @@ def simulate(
     send_cost = list(costs.send_s) if costs.send_s is not None else [0.0] * n
     grad_send_cost = list(costs.grad_send_s) if costs.grad_send_s is not None else send_cost
     push_pull = [0.0] * p  # per rank: parameter-server round trips of its stages
+    scatter = list(scatter_bytes) if scatter_bytes is not None else [0.0] * n
+    gather = list(gather_bytes) if gather_bytes is not None else [0.0] * n
+    if len(scatter) != n or len(gather) != n:
+        raise ScheduleError(f"scatter_bytes / gather_bytes have {len(scatter)} / {len(gather)} "
+                            f"entries for {n} stages")
+    servers = server_bytes is not None
+    # seconds of each stage's ALLREDUCE action (its all-reduce, and its reduce-scatter)
+    ar_secs = [0.0 if servers else links.allreduce_seconds(ar_bytes[s], dp, s2r[s])
+               + links.gather_seconds(scatter[s], dp, s2r[s]) for s in range(n)]
+    for r in range(p):  # after the step, the all-gather of the rank's updated slices
+        mine = sum(gather[s] for s in range(n) if s2r[s] == r)
+        push_pull[r] += 0.0 if servers else links.gather_seconds(mine, dp, r)
     if server_bytes is not None:
         loads = [sum(row[j] for row in server_bytes) for j in range(len(server_bytes[0]))] \
             if server_bytes else []
@@ -307,14 +334,13 @@ def simulate(
         except Exception:  # noqa: BLE001  (the reference loop raises it where it used to)
             bound = None
         if bound is not None:
-            run = _run_program(prog, bound, schedule.actions if timeline else None, links, dp,
-                               ar_bytes, server_bytes is not None, costs.step_s, push_pull)
+            run = _run_program(prog, bound, schedule.actions if timeline else None, ar_secs,
+                               costs.step_s, push_pull)
     if run is None:
         if lowered is not None:
             schedule, lowered = lowered.full(), None
-        run = _run_reference(schedule, costs, edge_bytes, grad_edge_bytes, links, dp, ar_bytes,
-                             server_bytes is not None, send_cost, grad_send_cost, push_pull,
-                             timeline)
+        run = _run_reference(schedule, costs, edge_bytes, grad_edge_bytes, links, ar_secs,
+                             send_cost, grad_send_cost, push_pull, timeline)
     t, busy, ar_free, ptr, peak, events = run
     lengths = [len(c) for c in prog.code] if lowered is not None else [
         len(schedule.actions[r]) for r in range(p)]
@@ -656,10 +682,10 @@ class LoweredSchedule:
         return self._full
 
 
-def _run_program(prog: _Program, bound, actions, links: Links, dp: int, ar_bytes: list,
-                 servers: bool, step_s: float, push_pull: list[float]):
+def _run_program(prog: _Program, bound, actions, ar_secs: list, step_s: float,
+                 push_pull: list[float]):
     """Run the compiled programs (``actions``: the schedule's lists, for the timeline labels;
-    None: no timeline). Returns ``(t, busy, ar_free, ptr, peak, events)`` per rank / stage."""
+    None: no timeline; ``ar_secs``: each stage's ALLREDUCE seconds). Returns ``(t, busy, ar_free, ptr, peak, events)`` per rank / stage."""
     p = prog.num_ranks
     n3 = 3 * prog.num_stages
     dur, sends = bound
@@ -725,7 +751,7 @@ def _run_program(prog: _Program, bound, actions, links: Links, dp: int, ar_bytes
                         if timeline:
                             ev(TE(r, lab[k], start, start + occ + lat, "comm"))
                     elif row == _ALLREDUCE:
-                        d = 0.0 if servers else links.allreduce_seconds(ar_bytes[oarg[j]], dp, r)
+                        d = ar_secs[oarg[j]]
                         free = ar_free[r]
                         start = free if free > tr else tr
                         ar_free[r] = start + d
@@ -747,7 +773,7 @@ def _run_program(prog: _Program, bound, actions, links: Links, dp: int, ar_bytes
 
 
 def _run_reference(schedule: Schedule, costs: StageCosts, edge_bytes, grad_edge_bytes,
-                   links: Links, dp: int, ar_bytes: list, servers: bool,
+                   links: Links, ar_secs: list,
                    send_cost: Sequence[float], grad_send_cost: Sequence[float],
                    push_pull: list[float], timeline: bool):
     """The per-action loop (the definition of the semantics, see the module docstring).
@@ -817,7 +843,7 @@ def _run_reference(schedule: Schedule, costs: StageCosts, edge_bytes, grad_edge_
                         events.append(TimelineEvent(r, action_label(a), t[r], end))
                     t[r] = end
                 elif a.op is Op.ALLREDUCE:
-                    d = 0.0 if servers else links.allreduce_seconds(ar_bytes[a.stage], dp, r)
+                    d = ar_secs[a.stage]
                     start = max(t[r], ar_free[r])
                     ar_free[r] = start + d
                     if timeline:
@@ -844,12 +870,14 @@ def costs_from_plan(plan: Plan) -> StageCosts:
     (backward costs about twice the forward), the backward split by
     ``bwd_weight_flops / bwd_flops``. Activation bytes: ``activation_bytes``. Static bytes:
     ``param_bytes x 4`` for AdamW (weights, gradients, two moments), ``x 2`` for SGD
-    (``plan.spec['train']['optimizer']``, default AdamW). Sender-side send seconds:
+    (``plan.spec['train']['optimizer']``, default AdamW), less under ``plan.data_sharding``
+    (:func:`~fxpipe.specs.schema.state_factor`). Sender-side send seconds:
     ``send_time_s`` (``grad_send_time_s`` for gradient sends).
     """
     f, bi, bw, act, static = [], [], [], [], []
     opt = str((plan.spec or {}).get("train", {}).get("optimizer", "adamw")).lower()
-    factor = OPTIMIZER_STATE_FACTOR.get(opt, OPTIMIZER_STATE_FACTOR["adamw"])
+    factor = state_factor(opt if opt in OPTIMIZER_STATE_FACTOR else "adamw",
+                          getattr(plan, "data_sharding", "none"), plan.dp)
     for st in plan.stages:
         ff, b1, b2 = st.fwd_time_s, st.bwd_input_time_s, st.bwd_weight_time_s
         if ff + b1 + b2 == 0 and st.compute_time_s > 0:
@@ -915,6 +943,8 @@ def simulate_plan(
         allreduce_bytes=allreduce_priced_bytes(plan),
         grad_edge_bytes=grad,
         server_bytes=plan.server_stage_bytes if plan.parameter_servers else None,
+        scatter_bytes=sharded_priced_bytes(plan)[0],
+        gather_bytes=sharded_priced_bytes(plan)[1],
     )
 
 
@@ -927,7 +957,7 @@ def allreduce_priced_bytes(plan: Plan) -> list[float]:
     exact for ``powersgd`` (``plan.param_shapes``; without them, as ``none``), the all-gather
     of values and indices for ``topk`` (a top-k all-gather priced as the all-reduce that
     sends the same bytes)."""
-    raw = [float(st.param_bytes) for st in plan.stages]
+    raw = [float(st.param_bytes) - sh for st, sh in zip(plan.stages, _sharded_bytes(plan))]
     t = (plan.spec or {}).get("train", {}) or {}
     method = t.get("grad_compression", "none") or "none"
     n = plan.dp
@@ -951,6 +981,28 @@ def allreduce_priced_bytes(plan: Plan) -> list[float]:
         exact = ring_allreduce_bytes(total * 4, n)
         out.append(b * bucket_bytes_sent(comp, mine, n) / exact if exact else b)
     return out
+
+
+def _sharded_bytes(plan: Plan) -> list[float]:
+    """Per stage, the bytes of its parameters the replicas shard (every parameter no other stage
+    shares; all of them when the plan keeps no shapes), 0 without sharding."""
+    if plan.data_sharding == "none" or plan.dp <= 1 or plan.parameter_servers:
+        return [0.0] * len(plan.stages)
+    if not plan.param_shapes:
+        return [float(st.param_bytes) for st in plan.stages]
+    from fxpipe.plans.state_bytes import stage_shared_bytes
+
+    return [float(st.param_bytes - stage_shared_bytes(plan, st.index)) for st in plan.stages]
+
+
+def sharded_priced_bytes(plan: Plan) -> tuple[list[float], list[float]]:
+    """Per stage, the bytes priced for the reduce-scatter of its sharded gradients (half under
+    ``fp16`` / ``bf16`` gradient compression) and for the all-gather of its parameters after the
+    step, under ``plan.data_sharding`` (:mod:`fxpipe.runtime.data_sharding`)."""
+    sharded = _sharded_bytes(plan)
+    t = (plan.spec or {}).get("train", {}) or {}
+    wire = 0.5 if (t.get("grad_compression") or "none") in ("fp16", "bf16") else 1.0
+    return [b * wire for b in sharded], sharded
 
 
 def predict(plan: Plan, schedule: str | None = None, microbatches: int | None = None,

@@ -37,6 +37,26 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
 #: gradients, plus AdamW's two moments (SGD here has no momentum buffer).
 OPTIMIZER_STATE_FACTOR = {"sgd": 2.0, "adamw": 4.0}
 
+#: ``parallel.data_sharding`` levels, in order: what a stage's replicas split among them
+DATA_SHARDING = ("none", "optimizer", "gradients", "full", "auto")
+
+
+def state_factor(optimizer: str, sharding: str = "none", dp: int = 1) -> float:
+    """Peak bytes of training state per parameter byte on a rank during a step.
+
+    Unsharded: weights, gradients and the optimizer's state (``k`` bytes per parameter byte:
+    AdamW's two moments), ``2 + k``. Sharded over ``dp`` replicas
+    (:mod:`fxpipe.runtime.data_sharding`): weights and gradients stay whole while a stage's
+    micro-batches run, at every level; the optimizer state and the accumulated gradient slice
+    are ``1/dp`` of the whole, and ``full`` adds its separate master slice:
+    ``2 + (1 + k) / dp`` (``optimizer``, ``gradients``) or ``2 + (2 + k) / dp`` (``full``).
+    ``auto`` and a single replica shard nothing."""
+    extra = OPTIMIZER_STATE_FACTOR[optimizer] - 2.0
+    if sharding in ("none", "auto") or dp <= 1:
+        return 2.0 + extra
+    return 2.0 + (extra + (2.0 if sharding == "full" else 1.0)) / dp
+
+
 #: Link defaults of ``cluster.links``: NVLink 4 about 450 GB/s each way inside a node, NDR
 #: InfiniBand about 50 GB/s between nodes, 5 us per message.
 DEFAULT_INTRA_NODE_GBPS = 450.0
@@ -149,7 +169,11 @@ class ParallelSpec_(_Section):
     stays inside one node); ``microbatches``: per replica per step (m); ``schedule``;
     ``virtual_stages``: stages per rank (v). Any of them may be ``auto`` (the planner searches).
     ``sequence_parallel``: with ``tensor > 1``, norms, dropout and residual adds run on a slice of
-    the sequence (reduce-scatter / all-gather instead of all-reduce; less activation memory)."""
+    the sequence (reduce-scatter / all-gather instead of all-reduce; less activation memory).
+    ``data_sharding``: what each stage's data-parallel replicas split among themselves instead
+    of each holding it whole (ZeRO style, :mod:`fxpipe.runtime.data_sharding`): ``none``,
+    ``optimizer`` (the optimizer state), ``gradients`` (and the gradients between steps),
+    ``full`` (and the parameters between steps), or ``auto`` (the planner chooses)."""
 
     pipeline: Union[PositiveInt, Auto] = 1
     data: Union[PositiveInt, Auto] = 1
@@ -158,6 +182,7 @@ class ParallelSpec_(_Section):
     schedule: Union[Literal[SCHEDULES], Auto] = "1f1b"  # type: ignore[valid-type]
     virtual_stages: PositiveInt = 1
     sequence_parallel: bool = False
+    data_sharding: Literal[DATA_SHARDING] = "none"  # type: ignore[valid-type]
 
 
 class LinksSpec(_Section):
@@ -422,6 +447,7 @@ def cross_section_problems(spec: ParallelSpec) -> list[tuple[tuple[str, ...], st
     servers = spec.cluster.parameter_servers
     p, d, m = par.pipeline, par.data, par.microbatches
     out += _tensor_problems(spec)
+    out += _sharding_problems(spec)
     t = par.tensor
     if isinstance(t, int) and t > 1 and world % t == 0:
         world //= t  # the pipeline x data grid: positions of t ranks each
@@ -521,6 +547,27 @@ def compression_rank_problems(spec: ParallelSpec, shapes: dict[str, tuple[int, .
     return [(("train", "compression", "rank"),
              f"rank={rank} is larger than the smaller side of parameter {name!r}, a {rows} x "
              f"{cols} matrix{more}; choose a rank of at most {min(rows, cols)}")]
+
+
+def _sharding_problems(spec: ParallelSpec) -> list[tuple[tuple[str, ...], str]]:
+    """``parallel.data_sharding`` with what it cannot combine with, named as pairs."""
+    level, t = spec.parallel.data_sharding, spec.train
+    if level == "none":
+        return []
+    out: list[tuple[tuple[str, ...], str]] = []
+    if t.updates == "async":
+        out.append((("parallel", "data_sharding"),
+                    f"data_sharding: {level} with train.updates: async: the parameter servers "
+                    "already hold the optimizer state (sharded over the servers); use updates: "
+                    "sync, or data_sharding: none"))
+    if t.grad_compression in ("powersgd", "topk"):
+        out.append((("parallel", "data_sharding"),
+                    f"data_sharding: {level} with train.grad_compression: {t.grad_compression}: "
+                    "a sharded replica receives its slice of the summed gradient through a "
+                    "reduce-scatter, which a low-rank or sparse compression (error feedback "
+                    "over the whole gradient, all-reduced or all-gathered) cannot serve; use "
+                    "fp16 or bf16 compression, or data_sharding: none"))
+    return out
 
 
 def _tensor_problems(spec: ParallelSpec) -> list[tuple[tuple[str, ...], str]]:

@@ -757,6 +757,25 @@ def analyse(gm: fx.GraphModule, params: dict[str, Placement], t: int, *,
     return Sharding(t, sequence_parallel, nodes, dict(params), replicated)
 
 
+def stage_sharding(gm: fx.GraphModule, params: dict[str, Placement], t: int, *,
+                   sequence_parallel: bool, received: set[str],
+                   logits: fx.Node | None = None) -> Sharding:
+    """How a pipeline stage runs on ``t`` ranks, as the runtime runs it: its inputs arrive
+    whole, its outputs leave whole except ``logits`` (the model output a vocabulary-parallel
+    loss reads after the stage; its collectives are added to that node), gradients flow into
+    its trained parameters and its ``received`` inputs (values from other stages)."""
+    trainable = {n for n, q in gm.named_parameters(remove_duplicate=False) if q.requires_grad}
+    grads = grad_values(gm, trainable, received)
+    sharding = analyse(gm, params, t, sequence_parallel=sequence_parallel, grads=grads,
+                       sharded_outputs=lambda a: a is logits)
+    if logits is not None:
+        p = sharding.placement(logits.name)
+        v = logits.meta["val"]
+        if p.sharded and p.dim == v.dim() - 1:
+            sharding.nodes[logits.name].comm += vocab_loss_comms(v.numel() // int(v.shape[-1]))
+    return sharding
+
+
 def _replicated(n: fx.Node, ctx: _Ctx) -> NodeShard:
     vals = n.meta.get("val")
     out = tuple(REPLICATE for _ in vals) if isinstance(vals, (tuple, list)) else REPLICATE

@@ -113,6 +113,8 @@ def stage_state(stages: nn.Module | dict[int, nn.Module]) -> dict[str, torch.Ten
 def _optimizer_state(module: nn.Module, optimizer) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
+    if hasattr(optimizer, "whole_state"):  # sharded data parallelism: gathered (collective)
+        return {_OPT + k: v for k, v in optimizer.whole_state(init=True).items()}
     flat = get_optimizer_state_dict(module, optimizer,
                                     options=StateDictOptions(flatten_optimizer_state_dict=True))
     return {_OPT + k: v for k, v in flat.items()}
@@ -198,6 +200,9 @@ def save_checkpoint(stages: nn.Module | dict[int, nn.Module], root: Path, step: 
             raise FxpipeError(f"cannot write the checkpoint folder {root}: {e.strerror or e}; "
                               "make it writable or choose train.checkpoint.dir") from None
     _barrier()
+    sharding = getattr(optimizer, "sharding", None)  # sharded data parallelism
+    if sharding is not None:  # ``full`` holds slices between steps: whole ones to save
+        sharding.ensure_gathered(optimizer.timeout_s)
     state: dict[str, Any] = dict(stage_state(stages))
     if optimizer is not None:
         module = stages if isinstance(stages, nn.Module) else _merged(stages)
@@ -426,6 +431,9 @@ def load_checkpoint(stages: nn.Module | dict[int, nn.Module], path: str | Path, 
         FxpipeError: see :func:`open_checkpoint`; the model or optimizer does not match.
     """
     folder, manifest = open_checkpoint(path)
+    sharding = getattr(optimizer, "sharding", None)  # sharded data parallelism
+    if sharding is not None:
+        sharding.ensure_gathered(optimizer.timeout_s)
     local = stage_state(stages)
     model_state = {k: _whole_like(tensor, k, v) for k, v in local.items()}
     _check_no_other_model(folder, manifest, set(model_state),
@@ -447,7 +455,12 @@ def load_checkpoint(stages: nn.Module | dict[int, nn.Module], path: str | Path, 
     with torch.no_grad():
         for k, t in model_state.items():
             local[k].copy_(_local_of(tensor, k, state[k], local[k]))
-    if optimizer is not None:
+    if sharding is not None:
+        sharding.refresh_master()
+    if optimizer is not None and hasattr(optimizer, "load_whole_state"):
+        optimizer.load_whole_state({k[len(_OPT):]: _local_of(tensor, k, v, opt[k])
+                                    for k, v in state.items() if k.startswith(_OPT)})
+    elif optimizer is not None:
         from torch.distributed.checkpoint.state_dict import (StateDictOptions,
                                                              set_optimizer_state_dict)
 

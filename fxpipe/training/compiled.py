@@ -66,6 +66,7 @@ def _optimizer_pre_hook(optimizer, args, kwargs) -> None:
     for pipe in reversed(related):  # the newest pipeline that trains all of them
         if not pipe._foreign(params):
             pipe._check_accumulation()
+            pipe._check_sharded(params)
             return
     pipe = related[-1]
     foreign = pipe._foreign(params)
@@ -196,6 +197,7 @@ class CompiledPipeline:
             mesh.tp_rank <= 0 or (tensor is not None and id(p) in tensor.by_id))]
         self._accumulated = 0
         self._marks: list[tuple[int, int] | None] = []
+        self._cleared_seen = 0  # DataSharding.cleared at the last accumulation start
         #: train.updates: async: this rank's ParameterClient (set by compile), else None
         self.client = None
         _register(self)
@@ -232,10 +234,37 @@ class CompiledPipeline:
         ``dcp.load(sd := pipe.state_dict(), checkpoint_id=DIR)`` loads it back in place.
         Under tensor parallelism each sharded tensor comes whole (gathered over the tensor
         group: collective, and a copy)."""
+        if self.executor.sharding is not None:  # ``full`` keeps only slices between steps
+            self.executor.sharding.ensure_gathered(self.executor.timeout_s)
         state = dict(self.module.state_dict())
         if self.tensor_shards is not None:
             state = self.tensor_shards.whole_state(state)
         return state
+
+    def shard_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """``optimizer`` (built over :meth:`parameters` or :meth:`named_parameters` groups,
+        before its first step) as this rank's share under ``parallel.data_sharding``: the
+        same class, hyperparameters and groups over this replica's slices of the parameters
+        (:class:`~fxpipe.runtime.data_sharding.ShardedOptimizer`); ``optimizer`` itself when
+        the plan does not shard. Use the returned one (and build schedulers on it)."""
+        sharding = self.executor.sharding
+        if sharding is None:
+            return optimizer
+        from fxpipe.runtime.data_sharding import ShardedOptimizer
+
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        return ShardedOptimizer(optimizer, sharding, names, self.executor.timeout_s)
+
+    def _check_sharded(self, params: list) -> None:
+        """Under ``parallel.data_sharding`` an optimizer over the whole parameters would step
+        them with gradients the replicas no longer hold: it must be :meth:`shard_optimizer`'s."""
+        sharding = self.executor.sharding
+        if sharding is not None and any(sharding.owns(p) for p in params):
+            raise UsageError(
+                f"optimizer.step() on rank {self.rank}: the plan shards the data-parallel "
+                f"training state (parallel.data_sharding: {sharding.level}), so each replica "
+                "holds only its slice of the gradients; wrap the optimizer before its first "
+                "step: opt = pipe.shard_optimizer(torch.optim.AdamW(pipe.parameters(), ...))")
 
     def load_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True
                         ) -> _LoadResult:
@@ -247,6 +276,8 @@ class CompiledPipeline:
             UsageError: with ``strict``, a tensor of this rank is missing, or a key names no
                 tensor of the model.
         """
+        if self.executor.sharding is not None:  # ``full``: whole parameters to copy into
+            self.executor.sharding.ensure_gathered(self.executor.timeout_s)
         own = self.module.state_dict(keep_vars=True)
         filled: set[str] = set()
         unexpected = []
@@ -261,6 +292,8 @@ class CompiledPipeline:
                     value = self.tensor_shards.local(name, value, own[name])
                 own[name].copy_(value)
                 filled.add(name)
+        if self.executor.sharding is not None:
+            self.executor.sharding.refresh_master()
         missing = sorted(set(own) - filled)
         if strict and (missing or unexpected):
             raise UsageError(f"load_state_dict on rank {self.rank}: missing keys {missing[:5]}, "
@@ -272,6 +305,8 @@ class CompiledPipeline:
     # ------------------------------------------------------------------ gradients
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients of this rank's parameters (start a new accumulation)."""
+        if self.executor.sharding is not None:
+            self.executor.sharding.zero_grad()
         for p in self.module.parameters():
             if p.grad is None:
                 continue
@@ -289,6 +324,11 @@ class CompiledPipeline:
     def _note_cleared(self) -> None:
         """Start a new accumulation when the script cleared the gradients since the last
         ``step()`` (``optimizer.zero_grad()``, with or without ``set_to_none``)."""
+        sharding = self.executor.sharding
+        if sharding is not None and sharding.cleared != self._cleared_seen:
+            self._cleared_seen = sharding.cleared  # the sharded optimizer's zero_grad()
+            self._accumulated = 0
+            return
         now = self._grad_marks()
         if all(m is None for m in now) or (self._marks and all(
                 a is None or a != b for a, b in zip(now, self._marks))):
@@ -315,7 +355,15 @@ class CompiledPipeline:
         every rank).
         """
         norm_type = float(norm_type)
-        grads = [p.grad for p in self._norm_params if p.grad is not None]
+        sharding = self.executor.sharding
+        grads = [p.grad for p in self._norm_params if p.grad is not None
+                 and (sharding is None or not sharding.owns(p))]
+        if sharding is not None:  # every replica its slices; whole gradients once
+            if self.replica != 0:
+                grads = []
+            split = self.tensor_shards.by_id if self.tensor_shards is not None else {}
+            grads += [g for p, g in sharding.segment_grads()
+                      if self.mesh.tp_rank <= 0 or id(p) in split]
         dev = self.device
         if grads:
             norms = [torch.linalg.vector_norm(g, norm_type) for g in grads]
@@ -326,9 +374,11 @@ class CompiledPipeline:
         else:
             local = torch.zeros((), dtype=torch.float64, device=dev)
         local = local.reshape(1).to(dev)
-        if self.mesh.mp_group is not None:  # every pipeline and tensor rank of the replica
+        # every pipeline and tensor rank of the replica (with sharding, every replica too)
+        group = self.mesh.mp_group if sharding is None else None
+        if self.mesh.world_size > 1 and (sharding is not None or group is not None):
             op = dist.ReduceOp.MAX if norm_type == float("inf") else dist.ReduceOp.SUM
-            dist.all_reduce(local, op=op, group=self.mesh.mp_group)
+            dist.all_reduce(local, op=op, group=group)
         total = local[0] if norm_type == float("inf") else local[0] ** (1.0 / norm_type)
         # in the gradients' dtype, as torch's clip_grad_norm_ (its clipping factor too)
         total = total.to(self._grad_params[0].dtype if self._grad_params else torch.float32)
@@ -337,7 +387,10 @@ class CompiledPipeline:
                                f"{float(total)}, so they cannot be clipped; set "
                                "error_if_nonfinite=False to clip anyway")
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        every = [p.grad for p in self.module.parameters() if p.grad is not None]
+        every = [p.grad for p in self.module.parameters() if p.grad is not None and (
+            sharding is None or not sharding.owns(p))]
+        if sharding is not None:
+            every += sharding.grad_slices()
         if every:
             torch._foreach_mul_(every, coef.to(every[0].device))
         self._marks = self._grad_marks()
@@ -776,7 +829,8 @@ def _compile(model: nn.Module, spec_or_plan: Any, example_inputs: Any = None,
                                 grad_compression=Compression.from_train(t),
                                 precision=t.precision, needs_target=not model_loss,
                                 sync_gradients=not servers,
-                                fuse_grad_accumulation=t.fuse_grad_accumulation)
+                                fuse_grad_accumulation=t.fuse_grad_accumulation,
+                                data_sharding=plan.data_sharding)
     k = grad_accumulation if grad_accumulation is not None else t.grad_accumulation
     if not isinstance(k, int) or k < 1:
         raise UsageError(f"fxpipe.compile: grad_accumulation must be a positive integer, got {k!r}")
@@ -790,4 +844,6 @@ def _compile(model: nn.Module, spec_or_plan: Any, example_inputs: Any = None,
         pipe.client = ParameterClient(plan, mesh, canonical, timeout, wire)
     elif broadcast_weights:
         _broadcast_weights(pipe)
+    if executor.sharding is not None:  # the slices of the weights every replica now has
+        executor.sharding.refresh_master()
     return pipe

@@ -189,6 +189,8 @@ def train(plan_path: Path, out: Path, resume: bool = False) -> None:
     pipe = compile(build_model(spec), plan)
     executor = pipe.executor
     optimizer = _optimizer(spec, list(pipe.parameters()))
+    if optimizer is not None:  # parallel.data_sharding: this replica's slices
+        optimizer = pipe.shard_optimizer(optimizer)
     sched = t.lr_schedule
     scheduler = (build_scheduler(optimizer, t) if optimizer is not None
                  and (sched.warmup_steps or sched.decay != "constant") else None)
