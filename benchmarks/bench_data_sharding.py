@@ -222,7 +222,28 @@ def report(held_rows, pick_rows, layers: int, width: int, note: str) -> str:
           "-" if r["step_s"] is None else f"{r['step_s']:.2f}",
           "-" if r["state_gb"] is None else f"{r['state_gb']:.1f} GB", f"{r['plan_s']:.1f}"]
          for r in pick_rows]).splitlines()
+    lines += ["", "What sharding bought:", ""] + [f"- {t}" for t in _bought(pick_rows)]
     return "\n".join(lines) + "\n"
+
+
+def _bought(pick_rows) -> list[str]:
+    """One line per model and tensor setting: the auto pick with sharding against without."""
+    out = []
+    for r in pick_rows:
+        if r["sharding"] != "auto":
+            continue
+        plain = next(p for p in pick_rows if p["name"] == r["name"] and p["tensor"] == r["tensor"]
+                     and p["sharding"] == "none")
+        head = f"{r['name']}, tensor {r['tensor']}: "
+        if r["step_s"] is None:
+            out.append(head + "no plan either way (the model needs tensor parallelism)")
+        elif plain["step_s"] is None:
+            out.append(head + f"a plan only with sharding ({r['layout']})")
+        else:
+            out.append(head + f"{plain['layout']} -> {r['layout']}; predicted step "
+                       f"{plain['step_s']:.2f} -> {r['step_s']:.2f} s "
+                       f"({(r['step_s'] / plain['step_s'] - 1) * 100:+.1f}%)")
+    return out
 
 
 def main(argv: list[str] | None = None, out: Path | None = None) -> dict:
