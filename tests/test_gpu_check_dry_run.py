@@ -1,0 +1,78 @@
+"""benchmarks/gpu_check.py --dry-run: the prepared GPU check runs its every part on the CPU with
+tiny shapes, so the script cannot rot before a GPU runs it. Starts 2 gloo ranks (the pipeline
+part); about 25 s on 2 cores."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PARTS = ("profile_gpt", "profile_hf_gpt2", "stages_fp32", "stages_bf16", "mfu_block",
+         "pipeline_2rank")
+
+
+def _num(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+@pytest.mark.distributed
+def test_dry_run_writes_every_part(tmp_path):
+    out = tmp_path / "gc"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"),
+                           "--dry-run", "--out", str(out)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads((out / "gpu_check.json").read_text())
+    assert res["environment"]["dry_run"] is True and res["environment"]["device"] == "cpu"
+    parts = res["parts"]
+    assert set(parts) == set(PARTS)
+    for name in PARTS:
+        assert parts[name]["ok"], (name, parts[name].get("traceback"))
+    for name in ("profile_gpt", "profile_hf_gpt2"):
+        p = parts[name]
+        assert p["nodes"] > 10 and all(_num(p[k]) and p[k] > 0
+                                       for k in ("fwd_s", "bwd_input_s", "bwd_weight_s"))
+    for prec in ("fp32", "bf16"):
+        p = parts[f"stages_{prec}"]
+        # two plans (analytic and measured costs) of 2 stages each, every figure a number
+        assert sorted((r["costs"], r["stage"]) for r in p["stages"]) == [
+            ("analytic", 0), ("analytic", 1), ("measured", 0), ("measured", 1)]
+        for r in p["stages"]:
+            for k in ("predicted_fwd_s", "predicted_bwd_s", "predicted_compute_s",
+                      "measured_fwd_s", "measured_bwd_s"):
+                assert _num(r[k]) and r[k] > 0, (prec, r)
+        assert [m["stage"] for m in p["memory"]] == [0, 1]
+        for m in p["memory"]:
+            assert m["allocator_peak_bytes"] is None  # a CPU has no CUDA allocator
+            assert m["inflight"] >= 1
+            for k in ("predicted_bytes", "param_bytes", "saved_bytes",
+                      "predicted_activation_bytes"):
+                assert _num(m[k]) and m[k] > 0, (prec, m)
+    mfu = parts["mfu_block"]
+    assert mfu["width"] == 64 and _num(mfu["mfu"]) and mfu["mfu"] > 0
+    # the Megatron-LM formula and FlopCounterMode agree within the attention's share
+    assert mfu["flops_counted"] == pytest.approx(mfu["flops_formula"], rel=0.1)
+    pipe = parts["pipeline_2rank"]
+    assert pipe["gloo"]["ran"] and pipe["gloo"]["backend"] == "gloo"
+    assert pipe["gloo"]["abs_error"] < 1e-5 and _num(pipe["gloo"]["step_s"])
+    assert not pipe["nccl"]["ran"] and "CUDA" in pipe["nccl"]["outcome"]
+    md = (out / "gpu_check.md").read_text()
+    assert "DRY RUN" in md
+    for head in ("### Stage times", "### Memory per stage", "### MFU", "### 2-rank pipeline"):
+        assert head in md
+    assert "| fp32 | analytic | 0 |" in md
+
+
+def test_write_benchmarks_refuses_a_dry_run(tmp_path):
+    sys.path.insert(0, str(ROOT))
+    from benchmarks import gpu_check
+
+    with pytest.raises(SystemExit):
+        gpu_check.main(["--dry-run", "--out", str(tmp_path), "--only", "mfu_block",
+                        "--write-benchmarks"])
