@@ -210,9 +210,12 @@ class _Warmed:
         self._exact = _AllReduce(group, divisor)
         self._warm = False
         self._undo = None
+        #: the gradients' device (CUDA under NCCL): every buffer and error memory lives there
+        self._device = torch.device("cpu")
 
-    def _start(self) -> bool:
-        """Count a launch; True when this one is still in the warm-up (exact)."""
+    def _start(self, flat: torch.Tensor) -> bool:
+        """Count a launch of ``flat``; True when this one is still in the warm-up (exact)."""
+        self._device = flat.device
         self.launches += 1
         self._undo = None
         self._warm = self.launches <= self.warmup_steps
@@ -257,7 +260,7 @@ class _PowerSGD(_Warmed):
         self._phase = 0
 
     def launch(self, flat: torch.Tensor) -> None:
-        if self._start() or not self._groups:
+        if self._start(flat) or not self._groups:
             self._warm = True
             self._exact.launch(flat)
             self.bytes_sent = self._exact.bytes_sent
@@ -272,8 +275,10 @@ class _PowerSGD(_Warmed):
                 m.add_(self._error[view])
             q = self._q.get(view)
             if q is None:
+                # drawn on the CPU (the same seeded Q on every rank, whatever its device),
+                # then moved to the gradients' device
                 q = torch.randn(len(offsets), cols, self.rank, generator=self._gen,
-                                dtype=torch.float32).to(m.dtype)
+                                dtype=torch.float32).to(device=m.device, dtype=m.dtype)
             else:
                 q = q.clone()
             _orthogonalize(q, ORTHO_EPSILON)
@@ -311,7 +316,7 @@ class _PowerSGD(_Warmed):
             return self._exact.result(timeout_s)
         self.progress(timeout_s)
         _wait(self._work, timeout_s)
-        out = torch.empty(self.numel, dtype=self._dtype)
+        out = torch.empty(self.numel, dtype=self._dtype, device=self._device)
         at = 0
         for o, k in self._exact_spans:
             out[o:o + k] = self._buf1[at:at + k] / self.divisor
@@ -337,7 +342,7 @@ class _PowerSGD(_Warmed):
         self._error, self._q = state
 
     def residual(self) -> torch.Tensor:
-        out = torch.zeros(self.numel)
+        out = torch.zeros(self.numel, device=self._device)
         for view, offsets in self._groups.items():
             if view in self._error:
                 for i, o in enumerate(offsets):
@@ -355,7 +360,7 @@ class _TopK(_Warmed):
         self._error: torch.Tensor | None = None
 
     def launch(self, flat: torch.Tensor) -> None:
-        if self._start():
+        if self._start(flat):
             self._exact.launch(flat)
             self.bytes_sent = self._exact.bytes_sent
             return
@@ -367,7 +372,8 @@ class _TopK(_Warmed):
         acc[idx] = 0  # what is not sent stays for the next step
         self._error = acc
         payload = torch.cat([values.view(torch.int32), idx.to(torch.int32)])
-        self._out = torch.empty(self.size * payload.numel(), dtype=torch.int32)
+        self._out = torch.empty(self.size * payload.numel(), dtype=torch.int32,
+                                device=payload.device)
         self.bytes_sent = ring_allgather_bytes(payload.numel() * 4, self.size)
         self._work = dist.all_gather_single(self._out, payload, group=self.group, async_op=True)
 
@@ -381,7 +387,8 @@ class _TopK(_Warmed):
         got = self._out.view(self.size, 2, self.k)
         values = got[:, 0].contiguous().view(torch.float32).reshape(-1)
         idx = got[:, 1].reshape(-1).to(torch.int64)
-        dense = torch.zeros(self.numel, dtype=torch.float32).index_add_(0, idx, values)
+        dense = torch.zeros(self.numel, dtype=torch.float32,
+                            device=values.device).index_add_(0, idx, values)
         self._out = self._work = None
         return dense.div_(self.divisor).to(self._dtype)
 
@@ -389,7 +396,8 @@ class _TopK(_Warmed):
         (self._error,) = state
 
     def residual(self) -> torch.Tensor:
-        return torch.zeros(self.numel) if self._error is None else self._error.clone()
+        return (torch.zeros(self.numel, device=self._device) if self._error is None
+                else self._error.clone())
 
 
 def make_reducer(compression: Compression, shapes: Sequence[torch.Size], group, divisor: float):
