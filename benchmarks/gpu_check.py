@@ -455,10 +455,9 @@ def part_pipeline(sz: Sizes, dev: torch.device) -> dict:
         except Exception as e:  # the outcome, recorded as it is
             out[mode] = {"ran": False, "device": device, "outcome": _short(e),
                          "seconds": time.perf_counter() - t0}
-    if not any(v["ran"] for v in out.values()):
-        raise RuntimeError("no backend ran the 2-rank pipeline: " + "; ".join(
-            f"{k}: {v['outcome']}" for k, v in out.items()))
-    return out
+    if dev.type == "cpu" and not out["gloo"]["ran"]:  # on a CPU gloo must run: a real failure
+        raise RuntimeError(f"gloo did not run the 2-rank pipeline: {out['gloo']['outcome']}")
+    return out  # on one GPU, either backend refusing is a finding, recorded as it is
 
 
 def _short(e: BaseException, limit: int = 600) -> str:
