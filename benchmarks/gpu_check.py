@@ -39,7 +39,6 @@ Units in the JSON: seconds and bytes; the tables show ms and MiB.
 from __future__ import annotations
 
 import argparse
-import copy
 import datetime
 import gc
 import json
@@ -50,7 +49,7 @@ import statistics
 import sys
 import time
 import traceback
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
