@@ -17,9 +17,11 @@ caps=(default avx2)
 status=0
 for cap in "${caps[@]}"; do
   for threads in 1 2; do
-    line=$(ATEN_CPU_CAPABILITY=$cap OMP_NUM_THREADS=$threads python3 -m pytest -q \
-             -p no:cacheprovider "${FILES[@]}" "$@" 2>&1 | tail -1) || status=1
+    out=$(ATEN_CPU_CAPABILITY=$cap OMP_NUM_THREADS=$threads python3 -m pytest -q \
+             -p no:cacheprovider "${FILES[@]}" "$@" 2>&1) || status=1
+    line=$(tail -1 <<<"$out")
     echo "ATEN_CPU_CAPABILITY=$cap OMP_NUM_THREADS=$threads (native: $native): $line"
+    grep -E "^(FAILED|ERROR) " <<<"$out" || true
     [[ "$line" == *failed* || "$line" == *error* ]] && status=1
   done
 done

@@ -4,7 +4,8 @@ A section is the text between ``<!-- NAME -->`` and ``<!-- /NAME -->`` (each mar
 line). :func:`write_section` replaces that text, or appends the section (and creates the file)
 when it is missing, leaving every other section untouched, so several benchmark scripts can share
 one file. Section names in use: ``balance`` (bench_balance.py), ``plan-speed``
-(bench_plan_speed.py), ``planner-speed`` (bench_planner_speed.py), ``gpu-check`` (gpu_check.py).
+(bench_plan_speed.py), ``planner-speed`` (bench_planner_speed.py), ``gpu-check`` (gpu_check.py),
+``data-loading`` (bench_data_loading.py).
 """
 
 from __future__ import annotations

@@ -83,6 +83,13 @@ def _parser() -> argparse.ArgumentParser:
     f.add_argument("--repeats", type=int, default=5, help="timed runs per node (median)")
     f.add_argument("--no-send", action="store_true", help="skip measuring the send cost")
 
+    d = sub.add_parser("prepare", help="tokenise the spec's data.files / data.hf_dataset once "
+                                       "into token files (train.bin, val.bin)")
+    _add_spec_arg(d, required=True)
+    d.add_argument("--out", required=True, help="the folder for train.bin and val.bin")
+    d.add_argument("--workers", type=int, default=None,
+                   help="processes tokenising files in parallel (default: the CPUs, at most 8)")
+
     w = sub.add_parser("show", help="print the summary of a saved plan.json")
     w.add_argument("plan_json", help="path to plan.json (or a folder holding one)")
 
@@ -151,6 +158,20 @@ def _cmd_profile(args) -> int:
     return 0
 
 
+def _cmd_prepare(args) -> int:
+    from fxpipe.data.prepare import prepare
+    from fxpipe.specs.loader import load_spec
+
+    if args.workers is not None and args.workers < 1:
+        raise FxpipeError(f"--workers must be at least 1 (got {args.workers})")
+    res = prepare(load_spec(args.spec), Path(args.out), args.workers)
+    print(f"wrote {res['train']} ({res['train_tokens']:,} tokens) and {res['val']} "
+          f"({res['val_tokens']:,} tokens), {res['dtype']}, in {res['seconds']:.1f} s; train on "
+          f"them with\n  data: {{tokens: {res['train']}, val_tokens: {res['val']}, "
+          f"dtype: {res['dtype']}}}")
+    return 0
+
+
 def _cmd_show(args) -> int:
     from fxpipe.plans.plan import Plan
 
@@ -188,7 +209,7 @@ def _cmd_specs(args) -> int:
 
 COMMANDS = {"plan": _cmd_plan, "run": _cmd_run, "simulate": _cmd_simulate, "show": _cmd_show,
             "specs": _cmd_specs, "profile": _cmd_profile, "report": _cmd_report,
-            "export": _cmd_export}
+            "export": _cmd_export, "prepare": _cmd_prepare}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -58,6 +58,7 @@ def tiny_run(tmp_path_factory):
 #: these start first and no long file is left for the end; the others follow as collected
 HEAVY_FIRST = ("test_resume.py", "test_multinode.py", "test_real_models.py",
                "test_tensor_parallel.py", "test_real_model_inputs.py", "test_compiled.py",
+               "test_user_data.py",
                "test_faults.py", "test_bench_planning_smoke.py", "test_cli.py",
                "test_planning_at_scale.py", "test_executor.py", "test_schedules_execute.py",
                "test_async_updates.py", "test_compression.py", "test_bench_hf_smoke.py",
@@ -65,6 +66,7 @@ HEAVY_FIRST = ("test_resume.py", "test_multinode.py", "test_real_models.py",
 #: files that share a session fixture or cache run on one xdist worker, as one unit: one launch
 #: of :func:`tiny_run` rather than one per worker
 SAME_WORKER = {"test_cli.py": "tiny_run", "test_reports.py": "tiny_run",
+               "test_user_data.py": "tiny_run",
                # real_models.plan's cache: the plans both ask for are made once
                "test_real_models.py": "real_models", "test_real_model_inputs.py": "real_models"}
 

@@ -105,7 +105,7 @@ def test_dict_input_equals_yaml(tmp_path):
     from_yaml = load_spec(write(tmp_path, BASE))
     from_dict = load_spec(yaml.safe_load(BASE))
     assert from_dict == from_yaml
-    assert from_dict.train.seed == 3 and from_dict.data.dataset.endswith("python_source_text")
+    assert from_dict.train.seed == 3 and from_dict.data.dataset_ref.endswith("python_source_text")
 
 
 def test_dict_errors_name_key_path():

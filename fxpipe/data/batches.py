@@ -59,7 +59,9 @@ def make_batches(spec) -> Batches:
             short text corpus for ``data.seq_len``; it returns an object whose ``get`` is not
             callable, or something that is neither text nor such an object.
     """
-    ref = spec.data.dataset
+    if spec.data.source != "dataset":
+        return _named_data(spec)
+    ref = spec.data.dataset_ref
     fn = resolve_callable(ref, "data.dataset", spec=spec)
     try:
         params = inspect.signature(fn).parameters
@@ -103,6 +105,80 @@ def make_batches(spec) -> Batches:
         f"{_head(spec)}: {ref!r} returned {type(source).__name__}; it must return "
         "bytes/str (a text corpus) or an object with get(step, split) -> (inputs, target)"
     )
+
+
+def _named_data(spec):
+    """:class:`~fxpipe.data.token_batches.TokenBatches` over the spec's ``files``,
+    ``hf_dataset`` or ``tokens`` (errors start with the key's ``FILE:LINE``)."""
+    from fxpipe.data.text_sources import spec_tokens
+    from fxpipe.data.token_batches import TokenBatches, read_token_file
+    from fxpipe.data.tokenizer import load_tokenizer
+
+    d = spec.data
+    src = d.source
+    where = spec_location(spec, f"data.{src}")
+    head = f"{where}: data.{src}" if where else f"data.{src}"
+    try:
+        if src == "tokens":
+            train = read_token_file(d.tokens, d.dtype, "data.tokens")
+            val = (read_token_file(d.val_tokens, d.dtype, "data.val_tokens")
+                   if d.val_tokens is not None else None)
+            vocab = load_tokenizer(d.tokenizer).vocab_size if d.vocabulary_known else None
+        else:
+            train, val = spec_tokens(d)
+            vocab = load_tokenizer(d.tokenizer).vocab_size
+        return TokenBatches(train, val, d.batch_size, d.seq_len, spec.train.seed,
+                            d.val_fraction, vocab, what=f"data.{src}")
+    except SpecError as e:
+        msg = str(e)
+        raise SpecError(f"{where}: {msg}" if where and not msg.startswith(where) else msg
+                        ) from None
+    except OSError as e:
+        raise SpecError(f"{head}: {e}") from None
+
+
+def data_vocab_size(spec) -> int | None:
+    """The vocabulary the spec's named data is tokenised with (``data.tokenizer``), or None for
+    a ``data.dataset`` callable and a token file given without a tokenizer."""
+    from fxpipe.data.tokenizer import load_tokenizer
+
+    d = spec.data
+    if not d.vocabulary_known:
+        return None
+    return load_tokenizer(d.tokenizer).vocab_size
+
+
+def check_vocabulary(model, spec) -> None:
+    """The model's token embedding holds every id of the spec's tokenizer.
+
+    The embedding is the model's ``nn.Embedding`` with the most rows (or a transformers
+    model's ``get_input_embeddings()``).
+
+    Raises:
+        SpecError: the tokenizer's vocabulary is larger than the embedding.
+    """
+    import torch.nn as nn
+
+    vocab = data_vocab_size(spec)
+    if vocab is None:
+        return
+    emb = None
+    getter = getattr(model, "get_input_embeddings", None)
+    if callable(getter):
+        try:
+            emb = getter()
+        except (NotImplementedError, AttributeError):
+            emb = None
+    if not isinstance(emb, nn.Embedding):
+        embs = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+        emb = max(embs, key=lambda m: m.num_embeddings, default=None)
+    if emb is None or emb.num_embeddings >= vocab:
+        return
+    where = spec_location(spec, "data.tokenizer")
+    raise SpecError(f"{where + ': ' if where else ''}data.tokenizer: {spec.data.tokenizer} has "
+                    f"{vocab:,} tokens but the model's embedding has {emb.num_embeddings:,} rows; "
+                    f"set the model's vocabulary to at least {vocab:,} (e.g. vocab_size in "
+                    "model.args / model.config) or use a smaller tokenizer")
 
 
 @dataclass
@@ -236,7 +312,7 @@ def get_batch(batches: Batches, spec: ParallelSpec, step: int, split: str = "tra
         raise SpecError(f"{head}: get({step}, {split!r}) called sys.exit({err.code!r}); it must "
                         "return the batch") from None
     except Exception as err:  # the user's get() failed
-        raise SpecError(f"{head}: get({step}, {split!r}) of the object that {spec.data.dataset} "
+        raise SpecError(f"{head}: get({step}, {split!r}) of the object that {spec.data.dataset_ref} "
                         f"returned raised {type(err).__name__}: "
                         f"{' '.join(str(err).split())[:300]}; fix its get(step, split) method"
                         ) from err

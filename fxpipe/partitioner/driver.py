@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensor
 
-from fxpipe.data.batches import example_microbatch
+from fxpipe.data.batches import check_vocabulary, example_microbatch
 from fxpipe.errors import FxpipeError, PlanError, SpecError, TraceError
 from fxpipe.partitioner.blocks import (KEEP, UnitTable, check_run, find_block_run, fold,
                                        reduced, resolve_folded)
@@ -1817,6 +1817,7 @@ def plan_from_spec(spec: Any) -> tuple[Plan, "nx.DiGraph"]:
     else:
         with torch.device("meta"):
             model = build_model(spec, load_weights=False)
+    check_vocabulary(model, spec)
     batch = example_microbatch(spec)
     try:
         return plan_with_graph(model, spec, batch.args, batch.kwargs)
@@ -1824,6 +1825,8 @@ def plan_from_spec(spec: Any) -> tuple[Plan, "nx.DiGraph"]:
         shapes = ", ".join(f"{name}: {str(t.dtype).replace('torch.', '')}{list(t.shape)}"
                            for name, t in [*enumerate(batch.args), *batch.kwargs.items()])
         raise TraceError(
-            f"{e}\n(the example inputs came from data.dataset {spec.data.dataset}: {shapes}; if "
+            f"{e}\n(the example inputs came from data.{spec.data.source} "
+            f"{spec.data.dataset_ref if spec.data.source == 'dataset' else getattr(spec.data, spec.data.source)}"
+            f": {shapes}; if "
             "they do not fit the model, fix the dataset or data.seq_len rather than the tracer)"
         ) from None

@@ -103,8 +103,38 @@ def load_spec(source: str | Path | dict) -> ParallelSpec:
         head = (f"invalid spec {smap.label} ({len(lines)} problems):\n" if len(lines) > 1
                 else "")
         raise SpecError(head + "\n".join(lines)) from None
+    if isinstance(source, (str, Path)):
+        spec = _absolute_data_paths(spec, Path(smap.label).resolve().parent)
     remember(spec, smap)
     return spec
+
+
+def _absolute_data_paths(spec: ParallelSpec, base: Path) -> ParallelSpec:
+    """``spec`` with the relative paths of its ``data`` section (files, tokens, a saved
+    dataset, a tokenizer folder) made absolute against ``base``, the spec file's folder: the
+    plan carries the spec to the workers, whose working folder may differ."""
+    def fix(v):
+        if isinstance(v, str):
+            return v if Path(v).expanduser().is_absolute() else str(base / v)
+        if isinstance(v, list):
+            return [fix(x) for x in v]
+        if isinstance(v, dict):
+            return {k: fix(x) for k, x in v.items()}
+        return v
+
+    d = spec.data
+    update = {k: fix(getattr(d, k)) for k in ("files", "val_files", "tokens", "val_tokens")
+              if getattr(d, k) is not None}
+    if isinstance(d.hf_dataset, str):
+        update["hf_dataset"] = fix(d.hf_dataset)
+    elif d.hf_dataset is not None:
+        update["hf_dataset"] = d.hf_dataset.model_copy(
+            update={"data_files": fix(d.hf_dataset.data_files)})
+    if d.tokenizer != "bytes" and not d.tokenizer.startswith("tiktoken:"):
+        update["tokenizer"] = fix(d.tokenizer)
+    if not update:
+        return spec
+    return spec.model_copy(update={"data": d.model_copy(update=update)})
 
 
 def spec_location(spec: ParallelSpec, key_path: str = "") -> str:

@@ -153,14 +153,94 @@ class ModelSpec(_Section):
         return self.factory if self.factory is not None else self.hf
 
 
-class DataSpec(_Section):
-    """``dataset``: ``"package.module:callable"`` returning the corpus; ``batch_size``: the GLOBAL
-    batch (samples per optimizer step over all data-parallel replicas); ``seq_len``: tokens per
-    sample (language models)."""
+#: ``data.dtype`` of a token file: numpy dtype names
+TOKEN_DTYPES = ("uint16", "uint32")
+#: ``data.dataset`` when the spec names no data: the Python standard library's own sources
+DEFAULT_DATASET = "fxpipe.examples.data:python_source_text"
+#: where the data comes from: the keys of ``data`` that name a source (at most one)
+DATA_SOURCES = ("dataset", "files", "hf_dataset", "tokens")
 
-    dataset: str = "fxpipe.examples.data:python_source_text"
+
+class HFDatasetSpec(_Section):
+    """A ``datasets`` builder read from local files: ``path`` (``json``, ``csv``, ``parquet``,
+    ``text``) and its ``data_files`` (a path, a glob or a list of them)."""
+
+    path: str
+    data_files: Union[str, list[str], dict[str, Union[str, list[str]]]]
+
+
+class DataSpec(_Section):
+    """Where the training text or tokens come from (at most one source) and the batch shape.
+
+    Sources: ``dataset``: ``"package.module:callable"`` returning the corpus (when no source
+    is named: :data:`DEFAULT_DATASET`, the Python standard library's sources as bytes); ``files``: a glob (or list of globs) of
+    ``.txt``, ``.jsonl`` / ``.json`` (one JSON object per line, its ``text_field``) or
+    ``.parquet`` (column ``text_field``) files; ``hf_dataset``: a ``datasets`` dataset saved with
+    ``save_to_disk`` (a folder) or :class:`HFDatasetSpec` (``split``, ``text_field``); ``tokens``:
+    a token file (``dtype`` ``uint16`` / ``uint32``, nanoGPT's ``train.bin``), memory-mapped.
+    Validation: ``val_files`` / ``val_tokens`` / ``val_split``, else the last ``val_fraction``
+    of the corpus. ``tokenizer``: ``bytes`` (UTF-8 bytes, 256 ids), a local Hugging Face
+    tokenizer folder, or ``tiktoken:NAME``. ``batch_size``: the GLOBAL batch (samples per
+    optimizer step over all data-parallel replicas); ``seq_len``: tokens per sample (language
+    models). Relative paths are relative to the spec file's folder."""
+
+    dataset: str | None = None
+    files: Union[str, list[str], None] = None
+    val_files: Union[str, list[str], None] = None
+    text_field: str = "text"
+    hf_dataset: Union[str, HFDatasetSpec, None] = None
+    split: str = "train"
+    val_split: str | None = None
+    tokens: str | None = None
+    val_tokens: str | None = None
+    dtype: Literal[TOKEN_DTYPES] = "uint16"  # type: ignore[valid-type]
+    val_fraction: float = Field(default=0.05, gt=0, lt=1, allow_inf_nan=False)
+    tokenizer: str = "bytes"
     batch_size: PositiveInt = 32
     seq_len: PositiveInt = 128
+
+    @property
+    def dataset_ref(self) -> str:
+        """The ``dataset`` callable: the one given, else :data:`DEFAULT_DATASET`."""
+        return self.dataset or DEFAULT_DATASET
+
+    @property
+    def source(self) -> str:
+        """The key that names the data: ``files``, ``hf_dataset``, ``tokens`` or ``dataset``."""
+        return next((k for k in DATA_SOURCES[1:] if getattr(self, k) is not None), "dataset")
+
+    @property
+    def vocabulary_known(self) -> bool:
+        """Whether ``tokenizer`` says which ids the data holds: always for text (it tokenises
+        it), for a token file only when a tokenizer other than ``bytes`` is named."""
+        return self.source in ("files", "hf_dataset") or (
+            self.source == "tokens" and self.tokenizer != "bytes")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "DataSpec":
+        # a key counts as given when it differs from its default (a plan's saved spec repeats
+        # every default)
+        def given_(k: str) -> bool:
+            return getattr(self, k) != type(self).model_fields[k].default
+
+        given = [k for k in DATA_SOURCES if given_(k)]
+        if len(given) > 1:
+            raise ValueError(f"data names {len(given)} sources ({', '.join(given)}); keep one: "
+                             "dataset (a callable), files, hf_dataset or tokens")
+        src = self.source
+        wrong = {"val_files": "files", "val_tokens": "tokens", "val_split": "hf_dataset",
+                 "split": "hf_dataset", "dtype": "tokens",
+                 "text_field": ("files", "hf_dataset")}
+        for key, owner in wrong.items():
+            owners = owner if isinstance(owner, tuple) else (owner,)
+            if given_(key) and src not in owners:
+                raise ValueError(f"data.{key} goes with data.{' or data.'.join(owners)}, and "
+                                 f"this spec's data comes from data.{src}; remove data.{key}")
+        if given_("tokenizer") and src == "dataset":
+            raise ValueError("data.tokenizer goes with data.files, data.hf_dataset or "
+                             "data.tokens (a data.dataset callable returns bytes or batches); "
+                             "remove it or name the data with files/hf_dataset/tokens")
+        return self
 
 
 class ParallelSpec_(_Section):
@@ -331,7 +411,10 @@ class TrainSpec(_Section):
     the stages whose activations would not fit otherwise (``auto``, default); exact either way.
     ``nan_policy``: on a non-finite loss, ``stop`` the run with a message (default) or ``skip``
     that step's update. ``max_restarts``: torchrun elastic restarts after a failed worker (a
-    killed rank); the workers resume from the latest checkpoint (``checkpoint.every``)."""
+    killed rank); the workers resume from the latest checkpoint (``checkpoint.every``).
+    ``log``: where rank 0 writes its metrics: ``[csv]`` (``losses.csv``, always) or
+    ``[csv, tensorboard]`` (and TensorBoard event files under the run folder's ``tensorboard/``;
+    the optional ``tensorboard`` package)."""
 
     steps: int = Field(default=200, gt=0, le=10**12)
     optimizer: Literal["adamw", "sgd"] = "adamw"
@@ -356,6 +439,15 @@ class TrainSpec(_Section):
     fuse_grad_accumulation: bool = True
     nan_policy: Literal["stop", "skip"] = "stop"
     max_restarts: int = Field(default=0, ge=0, le=100)
+    log: list[Literal["csv", "tensorboard"]] = Field(default_factory=lambda: ["csv"])
+
+    @field_validator("log")
+    @classmethod
+    def _csv_logged(cls, v: list[str]) -> list[str]:
+        if "csv" not in v or len(set(v)) != len(v):
+            raise ValueError(f"got {v}; list each writer once, csv always (losses.csv feeds the "
+                             "report and --resume): [csv] or [csv, tensorboard]")
+        return v
 
     @field_validator("max_staleness")
     @classmethod

@@ -8,8 +8,9 @@ A checkpoint is the folder ``ROOT/step_NNNNNN`` holding:
   the optimizer state flattened per parameter name (``optim.state.<fqn>.exp_avg``, ...: it
   follows its parameter to whichever rank holds it under another plan), and each rank's RNG
   state (``rng.rank<r>.torch``);
-* ``train_state.json``: the step (data position: batch ``k`` of step ``s`` is batch
-  ``s * grad_accumulation + k``), the learning-rate schedule's and the loss scaler's state;
+* ``train_state.json``: the step, the data position (``data_position``: global batches read,
+  so a resumed run reads the next one, whatever its pipeline, data degree or accumulation),
+  the learning-rate schedule's and the loss scaler's state;
 * ``manifest.json``, written last: the format, the step, every key's shape and dtype, and the
   size and SHA-256 of every file.
 

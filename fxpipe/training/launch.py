@@ -314,6 +314,12 @@ def run(args) -> int:
     with planning_progress():  # a spinner with the planner's phases on a terminal
         plan, graph = plan_from_spec(spec)
     _check_loss_fits(spec, plan)
+    if "tensorboard" in spec.train.log:  # the optional package, before any worker starts
+        from fxpipe.specs.loader import spec_location
+        from fxpipe.training.tensorboard_log import require_tensorboard
+
+        where = spec_location(spec, "train.log")
+        require_tensorboard(f"{where + ': ' if where else ''}train.log")
     wait = float(spec.train.timeout_s)
     endpoint, bind = _rendezvous(args, nnodes, wait)
     if not resume:
@@ -337,6 +343,10 @@ def run(args) -> int:
             print(f"validation loss ({figures['eval_batches']} held-out batches): "
                   f"{figures['val_loss_initial']:.4f} at start -> "
                   f"{figures['val_loss_final']:.4f} after training", flush=True)
+            if "tensorboard" in spec.train.log:
+                from fxpipe.training.tensorboard_log import write_held_out
+
+                write_held_out(out, figures, spec.train.steps)
     if report:
         _write_report(out)
     print(f"done: outputs in {out}")

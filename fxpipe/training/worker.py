@@ -195,7 +195,7 @@ def train(plan_path: Path, out: Path, resume: bool = False) -> None:
     scheduler = (build_scheduler(optimizer, t) if optimizer is not None
                  and (sched.warmup_steps or sched.decay != "constant") else None)
     ckpt_root = out / t.checkpoint.dir
-    start = 0
+    start = position = 0
     if resume or restarts:
         if rank == 0:
             for stale in clean_partial(ckpt_root):
@@ -208,6 +208,8 @@ def train(plan_path: Path, out: Path, resume: bool = False) -> None:
             state = load_checkpoint(pipe.module, latest, optimizer=optimizer,
                                     tensor=pipe.tensor_shards)
             start = int(state["step"])
+            # batches read so far (older checkpoints: steps x this run's accumulation)
+            position = int(state.get("data_position") or start * t.grad_accumulation)
             if scheduler is not None and state.get("lr_schedule"):
                 scheduler.load_state_dict(state["lr_schedule"])
             if executor.loss_scaler is not None and state.get("loss_scaler"):
@@ -221,6 +223,9 @@ def train(plan_path: Path, out: Path, resume: bool = False) -> None:
                              "--steps) to continue")
     batches = make_batches(spec)
     k = t.grad_accumulation
+    # global batch index of step s's j-th accumulation part: the stream continues where the
+    # checkpoint left it, whatever the pipeline, data degree or accumulation now
+    first = position - start * k
     unit, items_per_step = _throughput_unit(plan, spec.data.batch_size * k)
     log = LossLog(out / LOSSES, unit, start) if rank == 0 else None
     env = environment(pipe.device)  # collective: every rank's device and host
@@ -229,11 +234,16 @@ def train(plan_path: Path, out: Path, resume: bool = False) -> None:
 
         write_environment(out, env)
         progress = TrainingProgress(t.steps, unit, t.log_every, start=start)
+        if "tensorboard" in t.log:
+            from fxpipe.training.tensorboard_log import TensorBoardLog
+
+            board = TensorBoardLog(out, unit)
     opt_timer = OptimizerTimer(rank)  # optimizer steps on the timeline
     skipped: list[int] = []
 
     def save(step: int) -> None:
-        state = {"lr_schedule": scheduler.state_dict() if scheduler is not None else None,
+        state = {"data_position": first + step * k,
+                 "lr_schedule": scheduler.state_dict() if scheduler is not None else None,
                  "loss_scaler": (executor.loss_scaler.state_dict()
                                  if executor.loss_scaler is not None else None)}
         save_checkpoint(pipe.module, ckpt_root, step, optimizer=optimizer, train_state=state,
@@ -245,7 +255,7 @@ def train(plan_path: Path, out: Path, resume: bool = False) -> None:
         loss = 0.0
         for j in range(k):
             try:
-                batch = get_batch(batches, spec, step * k + j)
+                batch = get_batch(batches, spec, first + step * k + j)
             except SpecError as e:
                 _stop(out, rank, f"step {step}: {e}")
                 raise TrainingStopped(f"step {step}: {e}") from None
@@ -289,6 +299,8 @@ def train(plan_path: Path, out: Path, resume: bool = False) -> None:
                                   sched.min_lr)
             extra = f"  lr {lr:.2e}" + (f"  grad norm {norm:.3f}" if norm is not None else "")
             progress.update(step, loss, items_per_step / dt, dt, extra)  # bar or plain lines
+            if "tensorboard" in t.log:
+                board.step(step, loss, dt, items_per_step / dt, lr, norm)
         every = t.checkpoint.every
         if every and (step + 1) % every == 0 and step + 1 < t.steps:
             save(step + 1)
@@ -303,6 +315,9 @@ def train(plan_path: Path, out: Path, resume: bool = False) -> None:
         log.close()
         write_chrome_trace([e for evs in events for e in evs], out / "timeline.json",
                            process_name="fxpipe measured")
+        if "tensorboard" in t.log:
+            board.timeline([e for evs in events for e in evs], start)
+            board.close()
         per_stage: dict[int, int] = {}
         for peak in peaks:
             for stage, n in peak.items():
