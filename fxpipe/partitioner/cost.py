@@ -71,6 +71,12 @@ class NodeCost:
             inputs / of parameters.
         moves_memory: False for views (the output aliases an input: ``view``, ``permute``,
             ``expand``, ``getitem``...), which read and write nothing.
+        attn_scores: for a fused attention op (``scaled_dot_product_attention`` and its
+            kernels), the elements of its score matrix (batch x heads x query length x key
+            length), which a math-path kernel writes and reads and a flash kernel never
+            stores; 0 for every other op. Read only by the GPU model
+            (:mod:`fxpipe.partitioner.gpu_model`).
+        attn_causal: the attention op masks causally (a flash kernel skips the masked half).
     """
 
     fwd_flops: int = 0
@@ -85,6 +91,8 @@ class NodeCost:
     input_grad: bool = False
     weight_grad: bool = False
     moves_memory: bool = True
+    attn_scores: int = 0
+    attn_causal: bool = False
 
     @property
     def bwd_input_flops(self) -> int:
@@ -272,6 +280,8 @@ class _Pricer(FakeInterpreter):
                                      if isinstance(v, torch.Tensor)])
         cost.input_grad, cost.weight_grad = bool(acts), bool(params)
         cost.moves_memory = not _is_view(n)
+        if n.target in ATTENTION_OPS:
+            cost.attn_scores, cost.attn_causal = _attention_scores(n.target, args, kwargs)
         if cost.fwd_flops > 0:
             self._backward(n, cost, args, kwargs, acts, params)
         return out
@@ -323,6 +333,29 @@ class _Pricer(FakeInterpreter):
             cost.bwd_flops = int(round(self.ratio * cost.fwd_flops))
             cost.bwd_weight_flops = cost.bwd_flops // 2 if params else 0
             cost.bwd_source = "ratio"
+
+
+#: fused attention ops (query, key, value first), whose score matrix :class:`NodeCost` records
+ATTENTION_OPS = frozenset({
+    aten.scaled_dot_product_attention.default,
+    aten._scaled_dot_product_flash_attention.default,
+    aten._scaled_dot_product_flash_attention_for_cpu.default,
+    aten._scaled_dot_product_efficient_attention.default,
+    aten._scaled_dot_product_cudnn_attention.default,
+})
+
+
+def _attention_scores(target, args, kwargs) -> tuple[int, bool]:
+    """(batch x heads x query length x key length, is_causal) of an attention call."""
+    q, k = args[0], args[1]
+    if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)) or q.dim() < 2:
+        return 0, False
+    scores = int(q.numel()) // max(1, int(q.shape[-1])) * int(k.shape[-2])
+    causal = bool(kwargs.get("is_causal", False))
+    if not causal:  # positional: sdpa (q, k, v, attn_mask, dropout_p, is_causal, ...); the
+        at = 5 if target is aten.scaled_dot_product_attention.default else 4  # kernels no mask
+        causal = len(args) > at and args[at] is True
+    return scores, causal
 
 
 def _is_view(n: torch.fx.Node) -> bool:

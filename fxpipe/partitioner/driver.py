@@ -31,6 +31,8 @@ from fxpipe.partitioner.blocks import (KEEP, UnitTable, check_run, find_block_ru
                                        reduced, resolve_folded)
 from fxpipe.partitioner.boundaries import GUARDS_FN, stage_boundaries
 from fxpipe.partitioner.cost import NodeCost, price
+from fxpipe.partitioner.gpu_model import GpuRates, gpu_rates, gpu_times
+from fxpipe.partitioner.gpu_model import profile as gpu_profile
 from fxpipe.partitioner.graph import PricedGraph, build_graph
 from fxpipe.partitioner.loss_cost import (analytic_loss_times, loss_node, measured_loss_times,
                                           output_bytes, with_loss)
@@ -55,6 +57,7 @@ from fxpipe.plans.values import needs_grad
 from fxpipe.runtime.grad_fusion import fuse_weight_grads
 from fxpipe.plans.placement import (global_rank, grid_slots_per_node, node_of,
                                     nodes_of_stage_rank, pair_crosses_nodes, ring_crosses_nodes,
+                                    ring_members_per_node,
                                     stage_to_rank)
 from fxpipe.schedule.lowering import compute_schedule
 from fxpipe.schedule.simulate import (Links, LoweredSchedule, SimResult, StageCosts, predict,
@@ -62,6 +65,7 @@ from fxpipe.schedule.simulate import (Links, LoweredSchedule, SimResult, StageCo
 from fxpipe.tensor.choose import DegreeError
 from fxpipe.tensor.stages import plan_stage_sharding
 from fxpipe.specs.loader import build_model, load_spec, spec_location
+from fxpipe.specs.gpus import link_curve
 from fxpipe.specs.schema import (ParallelSpec,
                                  compression_rank_problems, stages_per_rank, state_factor)
 from fxpipe.training.losses import MODEL_LOSS
@@ -189,6 +193,43 @@ def _send_cost(spec: ParallelSpec) -> SendCost:
     return SendCost(0.0, float("inf"))
 
 
+def _analytic_times(costs: dict[str, NodeCost], spec: ParallelSpec) -> dict[str, NodeTimes]:
+    """Analytic seconds per node: on CUDA the GPU model (:mod:`fxpipe.partitioner.gpu_model`),
+    else the roofline of :mod:`fxpipe.partitioner.timing`."""
+    cl = spec.cluster
+    if cl.device == "cuda":
+        return gpu_times(costs, _gpu_rates(spec))
+    return analytic_times(costs, cl.device_tflops * 1e12, cl.memory_Bps, cl.op_overhead_s)
+
+
+def _gpu_rates(spec: ParallelSpec) -> GpuRates:
+    cl = spec.cluster
+    return gpu_rates(gpu_profile(cl.gpu), cl.device_tflops, cl.memory_Bps / 1e9,
+                     spec.train.precision, cl.op_overhead_s, cl.attention)
+
+
+def _loss_Bps(spec: ParallelSpec) -> float:
+    """Memory bandwidth the analytic loss runs at: on CUDA the achievable HBM rate (the loss
+    runs in fp32 under autocast), else ``cluster.memory_Bps``."""
+    cl = spec.cluster
+    if cl.device == "cuda":
+        return cl.memory_Bps * gpu_profile(cl.gpu).hbm_efficiency
+    return cl.memory_Bps
+
+
+def _collective_curve(spec: ParallelSpec) -> dict:
+    """The tensor group's collective pricing on CUDA (message-size curve, NVLink all-reduce
+    bus bandwidth, 16-bit activations on the wire): :func:`tensor_pricing`'s keywords."""
+    cl = spec.cluster
+    if cl.device != "cuda":
+        return {}
+    prof = gpu_profile(cl.gpu)
+    # the all-reduce's extra (NVLink SHARP) in proportion to the ring bandwidth given
+    ar = cl.links.intra_node_GBps * prof.nvlink_allreduce_busbw_GBps / prof.nvlink_busbw_GBps
+    return {"half_bytes": prof.intra_half_MB * 1e6, "allreduce_GBps": ar,
+            "byte_scale": 0.5 if spec.train.precision in ("bf16", "fp16") else 1.0}
+
+
 def _node_times(traced: TracedModel, costs: dict[str, NodeCost], spec: ParallelSpec,
                 profile_model: nn.Module | None, inputs: list
                 ) -> tuple[dict[str, NodeTimes], NodeTimes]:
@@ -205,8 +246,8 @@ def _node_times(traced: TracedModel, costs: dict[str, NodeCost], spec: ParallelS
     node = loss_node(traced, costs)
     loss_name = spec.train.loss if node is not None else MODEL_LOSS  # else nothing to add it to
     if cl.costs == "analytic":
-        times = analytic_times(costs, cl.device_tflops * 1e12, cl.memory_Bps, cl.op_overhead_s)
-        loss = analytic_loss_times(loss_name, output_bytes(traced), cl.memory_Bps,
+        times = _analytic_times(costs, spec)
+        loss = analytic_loss_times(loss_name, output_bytes(traced), _loss_Bps(spec),
                                    cl.op_overhead_s)
         return with_loss(times, node, loss), loss
     precision = spec.train.precision
@@ -236,7 +277,7 @@ def _node_times(traced: TracedModel, costs: dict[str, NodeCost], spec: ParallelS
         raise PlanError(f"the measured costs do not cover nodes {missing[:5]}; re-run "
                         "`fxpipe profile SPEC`")
     if torch.device(cl.device).type == "cuda" and not torch.cuda.is_available():
-        loss = analytic_loss_times(loss_name, output_bytes(traced), cl.memory_Bps,
+        loss = analytic_loss_times(loss_name, output_bytes(traced), _loss_Bps(spec),
                                    cl.op_overhead_s)  # no device here to time the loss on
     else:
         size = next((int(t.shape[0]) for t in inputs if isinstance(t, torch.Tensor) and t.dim()),
@@ -262,14 +303,13 @@ def at_degree(pr: Priced, spec: ParallelSpec, t: int) -> Priced:
     tp = tensor_pricing(traced.gm, t, sequence_parallel=spec.parallel.sequence_parallel,
                         output_loss=None if spec.train.loss == MODEL_LOSS else spec.train.loss,
                         trainable=trainable, intra_node_GBps=cl.links.intra_node_GBps,
-                        latency_s=cl.links.latency_s, strict=spec.parallel.tensor != "auto")
+                        latency_s=cl.links.latency_s, strict=spec.parallel.tensor != "auto",
+                        **_collective_curve(spec))
     costs = scaled_costs(pr.costs, tp)
     loss = (pr.loss.scaled(tp.fraction.get(pr.loss_at, 1.0)) if pr.loss_at is not None
             else pr.loss)
     if cl.costs == "analytic":
-        times = with_comm(with_loss(analytic_times(costs, cl.device_tflops * 1e12,
-                                                   cl.memory_Bps, cl.op_overhead_s),
-                                    pr.loss_at, loss), tp)
+        times = with_comm(with_loss(_analytic_times(costs, spec), pr.loss_at, loss), tp)
     else:
         times = scaled_times(pr.times, tp)
     with warnings.catch_warnings():
@@ -765,7 +805,8 @@ def _simulate_cut(pr: Priced, prefix: np.ndarray, problem: CutProblem,
     links = Links.from_cluster(cand.pipeline, cand.dp, cl.nodes,
                                grid_slots_per_node(cl.devices_per_node, cand.tensor),
                                cl.links.intra_node_GBps, cl.links.inter_node_GBps,
-                               cl.links.latency_s, cand.layout, servers)
+                               cl.links.latency_s, cand.layout, servers,
+                               **link_curve(cl.device, cl.gpu))
     return simulate(sched, costs, fwd_bytes, links, dp=cand.dp, allreduce_bytes=list(
         result.param_bytes), grad_edge_bytes=grad_bytes, check=False, timeline=False,
         server_bytes=even_server_bytes(list(result.param_bytes), servers) if servers else None)
@@ -932,9 +973,12 @@ def _ring_s(nbytes: float, n: int, spec: ParallelSpec, pipeline: int, dp: int,
     if n <= 1 or nbytes <= 0 or spec.train.updates == "async":
         return 0.0
     links = spec.cluster.links
-    crosses = ring_crosses_nodes(0, pipeline, dp,
-                                 grid_slots_per_node(spec.cluster.devices_per_node, tensor), layout)
+    slots = grid_slots_per_node(spec.cluster.devices_per_node, tensor)
+    crosses = ring_crosses_nodes(0, pipeline, dp, slots, layout)
     bw = (links.inter_node_GBps if crosses else links.intra_node_GBps) * 1e9
+    if crosses and spec.cluster.device == "cuda":  # rails: the fastest rank's ring bounds
+        k = max(ring_members_per_node(pipeline, dp, slots, layout))
+        bw = min(links.intra_node_GBps, k * links.inter_node_GBps) * 1e9
     return 2 * (n - 1) / n * nbytes / bw + (2 * (n - 1) * links.latency_s if latency else 0.0)
 
 

@@ -63,12 +63,20 @@ class TensorPricing:
         return out
 
 
-def ring_seconds(c: Comm, t: int, bandwidth_Bps: float, latency_s: float) -> float:
-    """Seconds of one ring collective over ``t`` ranks (see the module doc)."""
+def ring_seconds(c: Comm, t: int, bandwidth_Bps: float, latency_s: float,
+                 half_bytes: float = 0.0, allreduce_Bps: float | None = None,
+                 byte_scale: float = 1.0) -> float:
+    """Seconds of one ring collective over ``t`` ranks (see the module doc). On a GPU
+    (:func:`fxpipe.partitioner.gpu_model.collective_seconds`) the bus bandwidth also saturates
+    with the message size (``half_bytes``: the size that reaches half of it) and an all-reduce
+    may run faster than a reduce-scatter plus an all-gather (``allreduce_Bps``: NVLink SHARP);
+    ``byte_scale``: bytes on the wire per traced byte (0.5 for 16-bit activations of a model
+    traced in fp32)."""
     if t <= 1 or c.nbytes <= 0:
         return 0.0
     hops = 2 * (t - 1) if c.kind == "all_reduce" else t - 1
-    return hops / t * c.nbytes / bandwidth_Bps + hops * latency_s
+    bw = allreduce_Bps if (c.kind == "all_reduce" and allreduce_Bps) else bandwidth_Bps
+    return hops / t * (c.nbytes * byte_scale + half_bytes) / bw + hops * latency_s
 
 
 def _param_fractions(gm: fx.GraphModule, choice: TensorChoice, t: int) -> dict[str, float]:
@@ -93,7 +101,9 @@ def _param_fractions(gm: fx.GraphModule, choice: TensorChoice, t: int) -> dict[s
 
 def tensor_pricing(gm: fx.GraphModule, t: int, *, sequence_parallel: bool,
                    output_loss: str | None, trainable: set[str], intra_node_GBps: float,
-                   latency_s: float, strict: bool = True) -> TensorPricing:
+                   latency_s: float, strict: bool = True, half_bytes: float = 0.0,
+                   allreduce_GBps: float | None = None, byte_scale: float = 1.0
+                   ) -> TensorPricing:
     """The sharding of ``gm`` at degree ``t`` and its costs (see the module doc).
 
     Args:
@@ -105,6 +115,9 @@ def tensor_pricing(gm: fx.GraphModule, t: int, *, sequence_parallel: bool,
         trainable: get_attr targets of the parameters that get gradients.
         intra_node_GBps, latency_s: the link the tensor group's collectives use.
         strict: the degree was asked for (a vocabulary that does not divide is an error).
+        half_bytes, allreduce_GBps: the GPU model's message-size curve and all-reduce bus
+            bandwidth, and its bytes on the wire per traced byte (:func:`ring_seconds`); the
+            defaults price plain rings of the traced bytes.
 
     Raises:
         fxpipe.tensor.choose.DegreeError: heads or the vocabulary do not divide by ``t``.
@@ -130,7 +143,8 @@ def tensor_pricing(gm: fx.GraphModule, t: int, *, sequence_parallel: bool,
         fraction[name] = ns.compute
         fs = bs = fb = bb = 0.0
         for c in ns.comm:
-            sec = ring_seconds(c, t, bw, latency_s)
+            sec = ring_seconds(c, t, bw, latency_s, half_bytes,
+                               allreduce_GBps * 1e9 if allreduce_GBps else None, byte_scale)
             if c.phase == "fwd":
                 fs, fb = fs + sec, fb + c.nbytes
             else:
@@ -151,7 +165,7 @@ def scaled_costs(costs: dict[str, NodeCost], tp: TensorPricing) -> dict[str, Nod
             c, fwd_flops=c.fwd_flops * f, bwd_flops=c.bwd_flops * f,
             bwd_weight_flops=c.bwd_weight_flops * f, out_bytes=int(c.out_bytes * f),
             in_bytes=int(c.in_bytes * f), saved_bytes=int(c.saved_bytes * f),
-            param_bytes=int(c.param_bytes * pf))
+            param_bytes=int(c.param_bytes * pf), attn_scores=int(c.attn_scores * f))
     return out
 
 

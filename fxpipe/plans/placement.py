@@ -23,6 +23,8 @@ stages with them, the runtime's mesh builds its groups with them and the views p
 
 from __future__ import annotations
 
+import functools
+
 #: the two ways of laying the pipeline x data grid onto ranks
 LAYOUTS = ("pipeline-inner", "data-inner")
 
@@ -97,6 +99,26 @@ def ring_crosses_nodes(pipe_rank: int, pipeline: int, dp: int, devices_per_node:
     return (node_of(global_rank(pipe_rank, 0, pipeline, dp, layout), devices_per_node)
             != node_of(global_rank(pipe_rank, max(0, dp - 1), pipeline, dp, layout),
                        devices_per_node))
+
+
+@functools.lru_cache(maxsize=4096)
+def ring_members_per_node(pipeline: int, dp: int, devices_per_node: int,
+                          layout: str = "pipeline-inner") -> tuple[int, ...]:
+    """Per pipeline rank, the fewest members its data-parallel group has on any node it spans
+    (``dp`` when it stays in one node). On rail-optimised GPU nodes each member has its own
+    NIC, so a ring that crosses nodes runs that many NICs in parallel."""
+    import numpy as np
+
+    r = np.arange(pipeline)[:, None]
+    d = np.arange(dp)[None, :]
+    pos = r * dp + d if layout == "data-inner" else d * pipeline + r
+    nodes = pos // max(1, int(devices_per_node))
+    out = []
+    for row in nodes:  # nodes do not decrease along a row: run lengths are the counts
+        edges = np.flatnonzero(np.diff(row)) + 1
+        runs = np.diff(np.concatenate(([0], edges, [row.size])))
+        out.append(int(runs.min()))
+    return tuple(out)
 
 
 def nodes_of_stage_rank(pipe_rank: int, pipeline: int, dp: int, devices_per_node: int,

@@ -38,8 +38,10 @@ from dataclasses import dataclass, field
 
 from fxpipe.errors import ScheduleError
 from fxpipe.plans.placement import (global_rank, grid_slots_per_node, node_of, replica_period,
+                                    ring_members_per_node,
                                     server_link_crosses_nodes)
 from fxpipe.plans.plan import Plan, Predicted
+from fxpipe.specs.gpus import link_curve
 from fxpipe.schedule.actions import Action, Op, Schedule
 from fxpipe.schedule.lowering import (add_communication, communication_peers, linear_edges,
                                      schedule_for_plan)
@@ -130,6 +132,9 @@ class Links:
         dp_rank_GBps: overrides of the ring bandwidth per pipeline rank (its stages' groups).
         server_GBps: bandwidth between a pipeline rank and a parameter server, by
             ``(pipeline rank, server index)``; default ``p2p_GBps``.
+        half_bytes: collectives only: the message size at which the bus bandwidth reaches
+            half its peak (NCCL on GPUs, :mod:`fxpipe.partitioner.gpu_model`): a ring pass
+            costs ``(bytes + half_bytes) / bw``; 0 (default) prices plain rings.
     """
 
     p2p_GBps: float = DEFAULT_INTRA_NODE_GBPS
@@ -138,6 +143,7 @@ class Links:
     pair_GBps: dict[tuple[int, int], float] = field(default_factory=dict)
     dp_rank_GBps: dict[int, float] = field(default_factory=dict)
     server_GBps: dict[tuple[int, int], float] = field(default_factory=dict)
+    half_bytes: float = 0.0
 
     def p2p_seconds(self, src: int, dst: int, nbytes: float) -> tuple[float, float]:
         """(link occupancy, latency) seconds to move ``nbytes`` from rank ``src`` to ``dst``."""
@@ -150,7 +156,8 @@ class Links:
         if n <= 1 or nbytes <= 0:
             return 0.0
         bw = self.dp_rank_GBps.get(rank, self.dp_GBps or self.p2p_GBps)
-        return 2 * (n - 1) / n * nbytes / (bw * 1e9) + 2 * (n - 1) * self.latency_s
+        return (2 * (n - 1) / n * (nbytes + self.half_bytes) / (bw * 1e9)
+                + 2 * (n - 1) * self.latency_s)
 
     def gather_seconds(self, nbytes: float, n: int, rank: int = 0) -> float:
         """Ring reduce-scatter, or all-gather, of ``nbytes`` over ``n`` ranks (each half of a
@@ -158,7 +165,7 @@ class Links:
         if n <= 1 or nbytes <= 0:
             return 0.0
         bw = self.dp_rank_GBps.get(rank, self.dp_GBps or self.p2p_GBps)
-        return (n - 1) / n * nbytes / (bw * 1e9) + (n - 1) * self.latency_s
+        return (n - 1) / n * (nbytes + self.half_bytes) / (bw * 1e9) + (n - 1) * self.latency_s
 
     def push_pull_seconds(self, rank: int, stage_bytes: Sequence[float],
                           loads: Sequence[float], dp: int) -> float:
@@ -187,11 +194,16 @@ class Links:
         latency_s: float = DEFAULT_LATENCY_S,
         layout: str = "pipeline-inner",
         servers: int = 0,
+        rails: bool = False,
+        half_bytes: float = 0.0,
     ) -> "Links":
         """Links for ``pipeline x dp`` ranks (and ``servers`` parameter servers after them) on
         ``nodes`` nodes of ``devices_per_node``, placed as :mod:`fxpipe.plans.placement` places
         them: a pipeline pair / data-parallel ring / rank-to-server link gets the inter-node
-        bandwidth when any replica's pair / the ring / the rank crosses nodes."""
+        bandwidth when any replica's pair / the ring / the rank crosses nodes. ``rails`` (GPU
+        nodes, one NIC per device): a ring crossing nodes with ``k`` members on each node runs
+        ``k`` NICs at once, ``min(intra, k x inter)``
+        (:func:`fxpipe.partitioner.gpu_model.ring_bus_GBps`); ``half_bytes``: see the class."""
         dpn = devices_per_node or max(1, (pipeline * dp) // max(nodes, 1))
         # replicas repeat with period dpn (placement.replica_period), and a rank's node does
         # not decrease with the replica: the first dpn replicas decide the pairs, the first and
@@ -205,10 +217,15 @@ class Links:
                  for a in range(pipeline) for b in range(pipeline) if a != b}
         dpr = {r: inter_node_GBps if node[0, r] != node[-1, r] else intra_node_GBps
                for r in range(pipeline)}
+        if rails:
+            k = ring_members_per_node(pipeline, dp, dpn, layout)
+            dpr = {r: bw if bw == intra_node_GBps else min(intra_node_GBps,
+                                                           k[r] * inter_node_GBps)
+                   for r, bw in dpr.items()}
         srv = {(r, j): inter_node_GBps if server_link_crosses_nodes(
                    r, pipeline * dp + j, pipeline, dp, dpn, layout) else intra_node_GBps
                for r in range(pipeline) for j in range(servers)}
-        return cls(intra_node_GBps, latency_s, intra_node_GBps, pairs, dpr, srv)
+        return cls(intra_node_GBps, latency_s, intra_node_GBps, pairs, dpr, srv, half_bytes)
 
 
 @dataclass
@@ -913,6 +930,7 @@ def links_from_plan(plan: Plan) -> Links:
         latency_s=lk.latency_s,
         layout=plan.placement,
         servers=len(plan.parameter_servers),
+        **link_curve(cl.get("device", "cpu"), cl.get("gpu")),
     )
 
 

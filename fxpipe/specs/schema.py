@@ -285,7 +285,15 @@ DEFAULT_OP_OVERHEAD_US = {"cpu": 4.0, "cuda": 6.0}
 
 class ClusterSpec(_Section):
     """``nodes`` x ``devices_per_node`` devices (one rank each). ``device``: ``cpu`` (gloo) or
-    ``cuda`` (NCCL). ``memory_gb``: per device, 10^9 bytes. ``device_tflops``: sustained
+    ``cuda`` (NCCL). ``gpu``: ``A100-80GB``, ``H100-80GB`` or ``H200``
+    (:mod:`fxpipe.specs.gpus`): implies ``device: cuda`` and fills ``device_tflops`` (dense
+    16-bit peak), ``memory_GBps`` (HBM), ``memory_gb`` and ``links`` (NCCL bus bandwidths of
+    NVLink and of one GPU's NIC) where they are not given; values given by hand win. On CUDA the
+    analytic costs come from the GPU model (:mod:`fxpipe.partitioner.gpu_model`: achievable
+    matmul and HBM rates, attention, message-size-dependent collectives); ``device: cuda``
+    without ``gpu`` applies the H100-80GB curves to the numbers given. ``attention``: the
+    attention kernel the GPU model prices, ``flash`` (PyTorch's SDPA on 16-bit inputs) or
+    ``math`` (unfused: the score matrix goes through memory). ``memory_gb``: per device, 10^9 bytes. ``device_tflops``: sustained
     10^12 FLOP/s per device used to turn FLOPs into seconds; ``memory_GBps``: the device's
     memory bandwidth (10^9 bytes/s; default 20 on CPU, 3000 on CUDA), which prices the ops that
     move bytes rather than compute (roofline: the slower of the two); ``op_overhead_us``: the
@@ -302,6 +310,8 @@ class ClusterSpec(_Section):
     nodes: PositiveInt = 1
     devices_per_node: PositiveInt = 1
     device: Literal["cpu", "cuda"] = "cpu"
+    gpu: str | None = None
+    attention: Literal["flash", "math"] = "flash"
     memory_gb: PositiveFloat = 16.0
     device_tflops: Rate = 0.05
     memory_GBps: Rate | None = None
@@ -311,6 +321,33 @@ class ClusterSpec(_Section):
     measure_stages: bool = True
     links: LinksSpec = Field(default_factory=LinksSpec)
     parameter_servers: int = Field(default=0, ge=0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _gpu_defaults(cls, data: Any) -> Any:
+        """``gpu``: check the name, fill the keys not given from its profile."""
+        if not isinstance(data, dict) or data.get("gpu") is None:
+            return data
+        from fxpipe.specs.gpus import GPU_NAMES, PROFILES
+
+        name = data["gpu"]
+        if not isinstance(name, str) or name not in PROFILES:
+            raise ValueError(f"gpu={name!r} is not a known GPU; use one of "
+                             f"{', '.join(GPU_NAMES)}, or leave gpu out and give "
+                             "device: cuda with device_tflops, memory_GBps and links by hand")
+        if data.get("device", "cuda") != "cuda":
+            raise ValueError(f"gpu={name!r} with device={data['device']!r}: a GPU profile "
+                             "needs device: cuda (or leave device out)")
+        out = dict(data)
+        for key, value in PROFILES[name].cluster_defaults().items():
+            if key == "links":
+                given = out.get("links") or {}
+                if isinstance(given, LinksSpec):
+                    given = given.model_dump(exclude_unset=True)
+                out["links"] = {**value, **dict(given)}
+            elif out.get(key) is None:
+                out[key] = value
+        return out
 
     @property
     def world_size(self) -> int:
