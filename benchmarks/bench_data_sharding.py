@@ -211,7 +211,7 @@ def report(held_rows, pick_rows, layers: int, width: int, note: str) -> str:
     lines += ["", "**Auto picks with and without sharding** (every parallel field `auto` "
               "except those named; bf16 with fp32 master weights, AdamW, sequence 2,048; "
               "nodes of 8 devices of 80 GB; GPT-3: 400 TFLOP/s, NVLink 450 GB/s, 50 GB/s per "
-              "device between nodes; 1T: A100-80GB, 312 TFLOP/s, 300 and 25 GB/s). Step "
+              "device between nodes, the GPU cost model with the H100 curves; 1T: `cluster.gpu: A100-80GB`). Step "
               "times are the analytic cost model's predictions, not measurements; state: the "
               "most weights + gradients + optimizer state one rank holds, as the plan "
               "predicts it; planning time on this machine in the last column.", ""]

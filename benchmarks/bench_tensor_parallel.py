@@ -13,7 +13,7 @@ Writes the ``tensor-parallel`` section of BENCHMARKS.md:
    on nodes of 8 A100-80GB and of 8 H100-80GB, planned with every parallel field ``auto``
    (tensor included), beside the paper's own layout (its tensor x pipeline, the rest of the
    devices data-parallel) planned and priced by the same cost model. Predicted step times are
-   the analytic cost model's (dense bf16 peak, HBM and link bandwidths below): not measured.
+   the GPU cost model's (``cluster.gpu``): not measured.
 3. **CPU step time, tensor 1 vs 2.** The same GPT trained on 2 gloo ranks of this machine as 2
    data-parallel replicas or as one tensor group of 2: the median step. Gloo over loopback on
    2 shared cores: tensor parallelism communicates in every layer and gains nothing here; it
@@ -46,13 +46,9 @@ from fxpipe.units import human_bytes  # noqa: E402
 
 SECTION = "tensor-parallel"
 
-#: GPU nodes: dense bf16 TFLOP/s, HBM GB/s, NVLink GB/s each way, network GB/s per GPU
-GPUS = {
-    "A100-80GB": dict(device_tflops=312, memory_GBps=2039,
-                      links={"intra_node_GBps": 300, "inter_node_GBps": 25}),
-    "H100-80GB": dict(device_tflops=989, memory_GBps=3350,
-                      links={"intra_node_GBps": 450, "inter_node_GBps": 50}),
-}
+#: GPU nodes: the ``cluster.gpu`` profiles (fxpipe/specs/gpus.py: dense bf16 peak, HBM, NCCL
+#: bus bandwidth of NVLink and of one GPU's NIC, and the GPU cost model's efficiency curves)
+GPUS = {"A100-80GB": {"gpu": "A100-80GB"}, "H100-80GB": {"gpu": "H100-80GB"}}
 #: (name, layers, width, heads, global batch, GPUs, the paper's tensor, pipeline)
 SHAPES = [("1.7B", 24, 2304, 24, 512, 32, 1, 1), ("7.5B", 36, 4096, 32, 512, 128, 4, 1),
           ("39.1B", 48, 8192, 64, 1536, 512, 8, 2), ("145.6B", 80, 12288, 96, 2304, 1536, 8, 8),
@@ -220,11 +216,10 @@ def report(bytes_rows, pick_rows, cpu_rows, note: str) -> str:
     lines += ["", "**Auto picks and predicted steps at scale** (every parallel field `auto`, "
               "tensor included, beside the layout of Narayanan et al., SC'21, Table 1, planned "
               "by the same model: GPT, vocabulary 51,200, sequence 2,048, bf16, AdamW; nodes "
-              "of 8 GPUs, 80 GB each; A100: 312 TFLOP/s dense bf16, 2,039 GB/s HBM, NVLink "
-              "300 GB/s and 25 GB/s per GPU between nodes; H100: 989, 3,350, 450 and 50). The "
-              "times are the analytic cost model's predictions, not measurements (issue 26 "
-              "grounds the GPU model in published runs); planning time on this machine in the "
-              "last column.", ""]
+              "of 8 GPUs, 80 GB each, `cluster.gpu: A100-80GB` / `H100-80GB`: the GPU cost "
+              "model of `fxpipe/partitioner/gpu_model.py`, flash attention). The times are "
+              "that model's predictions, not measurements (`published-runs` compares it with "
+              "published A100 runs); planning time on this machine in the last column.", ""]
     lines += _report.markdown_table(
         ["model", "GPUs", "batch", "GPU", "auto pick", "predicted ms/step", "hand layout",
          "predicted ms/step", "plan s"],
