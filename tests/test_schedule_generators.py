@@ -13,6 +13,7 @@ from fxpipe.schedule.generators import compute_schedule
 from fxpipe.schedule.lowering import add_communication, build_schedule, linear_edges
 from fxpipe.schedule.validate import validate
 from fxpipe.specs.schema import SCHEDULES as SCHEDULE_NAMES
+from fxpipe.specs.schema import V_SCHEDULES
 
 
 def v_placement(p: int) -> list[int]:
@@ -20,7 +21,7 @@ def v_placement(p: int) -> list[int]:
 
 
 def _v(name: str) -> list[int]:
-    return {"interleaved": [2, 3], "zb-v": [2]}.get(name, [1])
+    return {"interleaved": [2, 3]}.get(name, [2] if name in V_SCHEDULES else [1])
 
 
 def _cases():
@@ -53,12 +54,16 @@ def test_every_generated_schedule_validates_or_explains_its_constraint():
             with pytest.raises(ScheduleError, match=f"divisible by pipeline size: m={m}, p={p}"):
                 build_schedule(name, p, m, v)
             continue
+        if name == "dualpipev" and m < 2 * p - 1:
+            with pytest.raises(ScheduleError, match=f"microbatches >= 2 x pipeline - 1 = {2 * p - 1}"):
+                build_schedule(name, p, m, v)
+            continue
         comp = compute_schedule(name, p, m, v)
         validate(comp)  # compute-only lists: dependency-driven deadlock check
         full = build_schedule(name, p, m, v)
         validate(full)
         assert full.num_stages == p * v
-        assert full.split_backward == (name in ("zb-h1", "zb-v"))
+        assert full.split_backward == (name == "zb-h1" or name in V_SCHEDULES)
         built += 1
     assert built > 150
 
@@ -115,7 +120,59 @@ def test_zb_v_placement_and_memory_bound():
                 assert peak <= 2 * p
 
 
+def _rank_peaks(s: Schedule) -> list[int]:
+    """Per rank, the most stage micro-batches held at once (F done, W not)."""
+    out = []
+    for acts in s.actions:
+        held = peak = 0
+        for a in acts:
+            held += {Op.F: 1, Op.W: -1}.get(a.op, 0)
+            peak = max(peak, held)
+        out.append(peak)
+    return out
+
+
+def test_controllable_memory_schedules_hold_their_published_memory():
+    """V-Half / V-Min: V placement, split backward, and every rank's held stage micro-batches
+    within the published activation memory (Qi et al.: (p+2)//2 and (p+4)//3 micro-batches of a
+    1F1B stage, i.e. twice that in V stages), reached (the cap binds) once m is large; the
+    reservation rule never gets the greedy order stuck (p up to 10, every m up to 3p)."""
+    for p in range(2, 11):
+        for m in range(1, 3 * p + 1):
+            for name, cap in (("v-half", 2 * ((p + 2) // 2)), ("v-min", 2 * ((p + 4) // 3))):
+                s = compute_schedule(name, p, m, 2)
+                assert s.split_backward and s.stage_to_rank == v_placement(p)
+                peaks = _rank_peaks(s)
+                assert max(peaks) <= cap, (name, p, m, peaks)
+                if m == 3 * p:
+                    assert max(peaks) == cap
+    assert max(_rank_peaks(compute_schedule("v-min", 6, 18, 2))) < max(
+        _rank_peaks(compute_schedule("v-half", 6, 18, 2))) < max(
+        _rank_peaks(compute_schedule("zb-v", 6, 18, 2)))
+
+
+def test_dualpipev_phases():
+    """DualPipeV: V placement; rank 0 warms up with 2(p-1) forwards of stage 0; in the steady
+    phase a forward of one chunk is followed by a backward of the other (the overlapped pair);
+    2p + 1 stage micro-batches held at most (DeepSeek-V3's PP + 1 with PP = 2p stages)."""
+    for p in (2, 3, 4):
+        for m in (2 * p - 1, 2 * p, 3 * p + 1):
+            s = compute_schedule("dualpipev", p, m, 2)
+            assert s.stage_to_rank == v_placement(p) and s.split_backward
+            assert [str(a) for a in s.actions[0][:2 * (p - 1)]] == [
+                f"0F{i}" for i in range(2 * (p - 1))]
+            assert max(_rank_peaks(s)) == 2 * p + 1
+    s = compute_schedule("dualpipev", 2, 6, 2)
+    txt = " ".join(str(a) for a in s.actions[1])
+    assert "1F2 2B0 2W0 2F2 1B0 1W0" in txt  # F chunk 0 + B chunk 1, F chunk 1 + B chunk 0
+
+
 def test_parameter_errors_are_explained():
+    with pytest.raises(ScheduleError, match="microbatches >= 2 x pipeline - 1 = 7, got m=6"):
+        build_schedule("dualpipev", 4, 6, 2)
+    for name in ("v-half", "v-min", "dualpipev"):
+        with pytest.raises(ScheduleError, match=f"'{name}' places exactly 2 stages.*virtual_stages: 2"):
+            build_schedule(name, 2, 4, 3)
     with pytest.raises(ScheduleError, match="m=6, p=4.*use m = 4 or 8"):
         build_schedule("interleaved", 4, 6, 2)
     with pytest.raises(ScheduleError, match="virtual_stages=2.*set virtual_stages: 1"):
@@ -150,7 +207,8 @@ def test_skip_edge_is_sent_directly_and_gradients_flow_back():
 
 
 def test_skip_edge_every_schedule_p3():
-    for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-v", 2)):
+    for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-v", 2),
+                    ("v-half", 2), ("v-min", 2), ("dualpipev", 2)):
         n = 3 * v
         edges = linear_edges(n) | {(0, 2)}
         validate(build_schedule(name, 3, 6, v, edges=edges), edges)

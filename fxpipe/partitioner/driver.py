@@ -983,7 +983,7 @@ def _ring_s(nbytes: float, n: int, spec: ParallelSpec, pipeline: int, dp: int,
 
 
 #: schedules whose backward is split into B (input gradients) and W (weight gradients)
-_SPLIT_BACKWARD = frozenset({"zb-h1", "zb-v"})
+_SPLIT_BACKWARD = frozenset({"zb-h1", "zb-v", "v-half", "v-min", "dualpipev"})
 
 
 def _cut_bound(prefix: np.ndarray, result: PartitionResult, cand: Candidate, spec: ParallelSpec,

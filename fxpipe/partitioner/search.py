@@ -14,11 +14,12 @@ from dataclasses import dataclass
 
 from fxpipe.errors import PlanError
 from fxpipe.plans.placement import stage_to_rank
-from fxpipe.schedule.generators import compute_schedule
+from fxpipe.schedule.generators import compute_schedule, v_memory_limit
 from fxpipe.schedule.lowering import linear_edges
 from fxpipe.schedule.simulate import LoweredSchedule, StageCosts, simulate
 from fxpipe.specs.loader import spec_location
-from fxpipe.specs.schema import AUTO_VIRTUAL_STAGES, SCHEDULES, ParallelSpec, stages_per_rank
+from fxpipe.specs.schema import (AUTO_VIRTUAL_STAGES, SCHEDULES, V_SCHEDULES, ParallelSpec,
+                                 stages_per_rank)
 from fxpipe.units import plural
 
 #: schedules tried by ``schedule: auto`` (interleaved is tried with v = 2): all of them
@@ -41,7 +42,8 @@ class Candidate:
 
     @property
     def num_stages(self) -> int:
-        """Stages of the pipeline: ``pipeline * virtual_stages`` (2 per rank for zb-v)."""
+        """Stages of the pipeline: ``pipeline * virtual_stages`` (2 per rank for the V
+        schedules)."""
         return self.pipeline * stages_per_rank(self.schedule, self.virtual_stages)
 
     def label(self) -> str:
@@ -175,7 +177,8 @@ def candidates(spec: ParallelSpec, max_stages: int | None = None,
                     if too_many is None or pp * per_rank < too_many[0]:
                         too_many = (pp * per_rank, pp, per_rank)
                     continue
-                if s == "interleaved" and m % pp:  # the one arithmetic rule of the generators
+                # the arithmetic rules of the generators
+                if (s == "interleaved" and m % pp) or (s == "dualpipev" and m < 2 * pp - 1):
                     if par.schedule != "auto" and par.microbatches != "auto":
                         compute_schedule(s, pp, m, v)  # raises, explaining the rule
                     continue
@@ -213,9 +216,11 @@ def stage_inflight(cand: Candidate) -> tuple[list[int], list[int]]:
 @functools.lru_cache(maxsize=4096)
 def _inflight(schedule: str, p: int, m: int, v: int) -> tuple[int, ...]:
     """Closed forms for GPipe (``m``), 1F1B (``p - s``, at most ``m``) and ZB-H1 (``p``, at most
-    ``m``); interleaved and ZB-V simulated with uniform costs (their peaks stop growing once
-    ``m`` passes a few times ``p``, so ``m`` is capped there), or bounded by ``2p`` when even that
-    is too large to simulate."""
+    ``m``); interleaved and the V schedules (ZB-V, V-Half, V-Min, DualPipeV) simulated with
+    uniform costs (their peaks stop growing once ``m`` passes a few times ``p``, so ``m`` is
+    capped there), or bounded when even that is too large to simulate: ``2p`` per stage
+    (interleaved), and for a V schedule the cap on the rank's held stage micro-batches
+    (:func:`~fxpipe.schedule.generators.v_memory_limit`), which bounds each of its stages."""
     if schedule == "gpipe":
         return (m,) * p
     if schedule == "1f1b":
@@ -223,12 +228,14 @@ def _inflight(schedule: str, p: int, m: int, v: int) -> tuple[int, ...]:
     if schedule == "zb-h1":
         return (max(1, min(p, m)),) * p
     k = p * stages_per_rank(schedule, v)
-    cap = 4 * p if schedule == "zb-v" else 4 * p * max(1, v)
+    vee = schedule in V_SCHEDULES
+    cap = 4 * p if vee else 4 * p * max(1, v)
     m_sim = min(m, cap - cap % p if schedule == "interleaved" else cap)
     if schedule == "interleaved":
         m_sim = max(p, m_sim - m_sim % p)
     if k * m_sim * 3 > _SIMULATE_ACTIONS:
-        return tuple(min(m, 2 * p) for _ in range(k))
+        bound = v_memory_limit(schedule, p) if vee else 2 * p
+        return tuple(max(1, min(m, bound)) for _ in range(k))
     sched = compute_schedule(schedule, p, m_sim, v)
     full = LoweredSchedule(sched, linear_edges(k))  # add_communication's, for the simulator
     res = simulate(full, StageCosts([1.0] * k, [1.0] * k, [1.0] * k), check=False,

@@ -5,8 +5,9 @@ stages with them, the runtime's mesh builds its groups with them and the views p
 
 * Stage -> pipeline rank: one stage per rank, stage ``s`` on rank ``s``. With several stages per
   rank, the loop placement of interleaved 1F1B (Narayanan et al., SC'21): rank ``s % p``; for
-  ``zb-v`` the V shape of Zero Bubble Pipeline Parallelism (Qi et al., 2024): chunks alternate
-  direction, so rank ``r`` holds stages ``r`` and ``2p-1-r``.
+  ``zb-v``, ``v-half``, ``v-min`` and ``dualpipev`` the V shape of Zero Bubble Pipeline
+  Parallelism (Qi et al., 2024), also DualPipeV's: chunks alternate direction, so rank ``r``
+  holds stages ``r`` and ``2p-1-r``.
 * (pipeline rank, replica, tensor rank) -> global rank, by the plan's layout: the tensor
   group is innermost (its ``t`` ranks adjacent, inside one node: its collectives run on every
   layer), then ``pipeline-inner`` (default) ``replica * pipeline + pipeline_rank``, so a
@@ -25,6 +26,8 @@ from __future__ import annotations
 
 import functools
 
+from fxpipe.specs.schema import V_SCHEDULES
+
 #: the two ways of laying the pipeline x data grid onto ranks
 LAYOUTS = ("pipeline-inner", "data-inner")
 
@@ -35,7 +38,7 @@ def stage_to_rank(schedule: str, pipeline: int, num_stages: int) -> list[int]:
     out = []
     for s in range(num_stages):
         chunk, pos = divmod(s, p)
-        out.append(p - 1 - pos if schedule == "zb-v" and chunk % 2 == 1 else pos)
+        out.append(p - 1 - pos if schedule in V_SCHEDULES and chunk % 2 == 1 else pos)
     return out
 
 

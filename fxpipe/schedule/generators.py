@@ -1,4 +1,5 @@
-"""Schedule generators: per-rank action lists for GPipe, 1F1B, interleaved 1F1B, ZB-H1 and ZB-V.
+"""Schedule generators: per-rank action lists for GPipe, 1F1B, interleaved 1F1B, ZB-H1, ZB-V,
+V-Half, V-Min and DualPipeV.
 
 Every generator first builds the *compute-only* lists (F, B and, for zero-bubble schedules, W
 actions; see :mod:`fxpipe.schedule.actions`), then :func:`add_communication` inserts the
@@ -12,7 +13,9 @@ may skip stages (``(0, 2)``).
 
 References: GPipe (Huang et al., 2019); 1F1B (PipeDream-Flush, Narayanan et al., 2021);
 interleaved 1F1B (Megatron-LM, Narayanan et al., SC'21); ZB-H1 and ZB-V (Qi et al., "Zero Bubble
-Pipeline Parallelism", ICLR 2024 / "Pipeline Parallelism with Controllable Memory", 2024).
+Pipeline Parallelism", ICLR 2024 / "Pipeline Parallelism with Controllable Memory", 2024);
+V-Half and V-Min (Qi et al., "Pipeline Parallelism with Controllable Memory", NeurIPS 2024);
+DualPipeV (DeepSeek-V3 technical report, 2024, DualPipe; torch.distributed.pipelining).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from typing import Callable
 from fxpipe.errors import ScheduleError
 from fxpipe.plans.placement import stage_to_rank
 from fxpipe.schedule.actions import Action, Op, Schedule
-from fxpipe.specs.schema import SCHEDULES, stages_per_rank
+from fxpipe.specs.schema import SCHEDULES, V_SCHEDULES, stages_per_rank
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -155,7 +158,8 @@ def compute_schedule(name: str, p: int, m: int, v: int = 1) -> Schedule:
     of a cached one (the planner asks for the same schedules for many cuts).
 
     ``v`` is the number of stages per rank: 1 for ``gpipe``, ``1f1b``, ``zb-h1``; any ``v >= 1``
-    for ``interleaved``; 2 for ``zb-v`` (``v=1`` is accepted and read as 2).
+    for ``interleaved``; 2 for the V schedules ``zb-v``, ``v-half``, ``v-min``, ``dualpipev``
+    (``v=1`` is accepted and read as 2).
 
     Raises:
         ScheduleError: unknown name, or parameters the schedule cannot satisfy (the message says
@@ -167,10 +171,13 @@ def compute_schedule(name: str, p: int, m: int, v: int = 1) -> Schedule:
         "interleaved": lambda: interleaved_1f1b(p, m, v),
         "zb-h1": lambda: zb_h1(p, m),
         "zb-v": lambda: zb_v(p, m),
+        "v-half": lambda: v_half(p, m),
+        "v-min": lambda: v_min(p, m),
+        "dualpipev": lambda: dualpipev(p, m),
     }
     key = name.lower().replace("_", "-")
     aliases = {"one-f-one-b": "1f1b", "interleaved-1f1b": "interleaved", "zbh1": "zb-h1",
-               "zbv": "zb-v"}
+               "zbv": "zb-v", "vhalf": "v-half", "vmin": "v-min", "dual-pipe-v": "dualpipev"}
     key = aliases.get(key, key)
     if key not in gens:
         raise ScheduleError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
@@ -179,10 +186,10 @@ def compute_schedule(name: str, p: int, m: int, v: int = 1) -> Schedule:
             f"schedule {key!r} places one stage per rank, but virtual_stages={v}; set "
             f"virtual_stages: 1, or use 'interleaved' (any v) or 'zb-v' (v=2)"
         )
-    if key == "zb-v" and v not in (1, stages_per_rank(key)):
+    if key in V_SCHEDULES and v not in (1, stages_per_rank(key)):
         raise ScheduleError(
-            f"schedule 'zb-v' places exactly 2 stages per rank (V shape), but virtual_stages={v}; "
-            f"set virtual_stages: 2"
+            f"schedule {key!r} places exactly 2 stages per rank (V shape), but "
+            f"virtual_stages={v}; set virtual_stages: 2"
         )
     s = _cached(key, p, m, v, gens[key])
     return Schedule(s.name, s.num_ranks, s.num_stages, s.microbatches, list(s.stage_to_rank),
@@ -256,14 +263,20 @@ def zb_h1(p: int, m: int) -> Schedule:
 
 def _list_schedule(
     name: str, p: int, m: int, stage_to_rank: list[int], limit: int,
-    f_s: float = 1.0, b_s: float = 1.0, w_s: float = 1.0,
+    f_s: float = 1.0, b_s: float = 1.0, w_s: float = 1.0, reserve: bool = False,
 ) -> Schedule:
     """Greedy list scheduling with a split backward (the approach of Qi et al.'s automatic
     schedules): simulate with costs ``f_s``/``b_s``/``w_s`` over the linear stage chain; a rank
     that becomes free starts the earliest-ready action, ties broken B > F > W, then B of the
     lower stage (its gradient unblocks the previous rank) and F of the later stage; an F is
     admitted only while fewer than ``limit`` micro-batches (F done, W not) are held on the rank.
-    Deterministic."""
+    With ``reserve`` (the V-shape memory-capped schedules, :func:`v_half` / :func:`v_min`) a
+    micro-batch entering a rank (F of the rank's lowest stage) reserves a slot for each of the
+    rank's stages at once and is admitted only while the reservations fit in ``limit``; F of the
+    rank's other stages needs no admission (its slot is reserved), each W frees one. The oldest
+    unfinished micro-batch can then always go on (a rank it has not reached yet holds no younger
+    one), so the order never gets stuck for ``limit >=`` stages per rank, where the plain count
+    can fill a rank with first-arm forwards whose return arm has no room. Deterministic."""
     n = len(stage_to_rank)
     own: list[list[int]] = [[] for _ in range(p)]
     for s, r in enumerate(stage_to_rank):  # O(n), not O(n p)
@@ -289,6 +302,8 @@ def _list_schedule(
         tr = t[r]
         best = None
         admit = held[r] < limit
+        if reserve:
+            admit = held[r] + len(own[r]) <= limit
         for s in own[r]:
             i = nextb[s]
             if i < m:
@@ -301,7 +316,7 @@ def _list_schedule(
                         if best is None or c < best:
                             best = c
             i = nextf[s]
-            if i < m and admit:
+            if i < m and (admit or (reserve and s != own[r][0] and held[r] < limit)):
                 dep = 0.0 if s == 0 else done_f[s - 1][i]
                 if dep is not None:
                     c = (dep if dep > tr else tr, 1, -s, F, s, i)
@@ -409,3 +424,162 @@ def zb_v(p: int, m: int) -> Schedule:
     """
     _check_pm(p, m)
     return _list_schedule("zb-v", p, m, stage_to_rank("zb-v", p, 2 * p), limit=2 * p)
+
+
+# ----------------------------------------------------------------------------- controllable memory
+def v_memory_limit(name: str, p: int) -> int:
+    """Stage micro-batches (F done, W not) a rank may hold under the V schedule ``name``: the
+    published activation memory of Qi et al. ("Pipeline Parallelism with Controllable Memory",
+    NeurIPS 2024, V-shape building blocks), in micro-batches of a 1F1B stage, times 2 (a rank's
+    V stage is half a 1F1B stage): ``zb-v`` ``p`` (1F1B's), ``v-half`` ``(p+2)//2``, ``v-min``
+    ``(p+4)//3``; ``dualpipev`` ``2p + 1`` stage micro-batches (DeepSeek-V3's "PP+1" with
+    PP = 2p stages), which its phases give rather than a cap."""
+    if name == "v-half":
+        return 2 * ((p + 2) // 2)
+    if name == "v-min":
+        return 2 * ((p + 4) // 3)
+    if name == "dualpipev":
+        return 2 * p + 1
+    return 2 * p
+
+
+def v_half(p: int, m: int) -> Schedule:
+    """V-Half (Qi et al., "Pipeline Parallelism with Controllable Memory", NeurIPS 2024): ZB-V's
+    placement (2 stages per rank in a V, backward split into B and W) with about half of 1F1B's
+    activation memory.
+
+    Published: peak activation memory ``(p+2)//2`` micro-batches of a 1F1B stage (1F1B: ``p``),
+    bubble rate about ``p/(2m)`` (1F1B: about ``p/m``) with ``T_F = T_B = T_W``.
+
+    Construction (fxpipe's, not the paper's hand-made building block): the greedy list
+    scheduler of ZB-V (:func:`_list_schedule`, unit costs, B > F > W, W filling gaps) with the
+    rank's held stage micro-batches capped at :func:`v_memory_limit` ``= 2 * ((p+2)//2)``; a
+    forward of the rank's first (down-arm) stage is admitted only while it leaves a slot for the
+    return arm, so the order never gets stuck. The cap bounds the rank's peak exactly; the bubble
+    is what the greedy order gives (BENCHMARKS.md, "Controllable-memory schedules": measured
+    against the formula). Any ``m >= 1``.
+
+    Raises:
+        ScheduleError: ``p`` or ``m`` is not a positive integer.
+    """
+    _check_pm(p, m)
+    return _list_schedule("v-half", p, m, stage_to_rank("v-half", p, 2 * p),
+                          limit=v_memory_limit("v-half", p), reserve=True)
+
+
+def v_min(p: int, m: int) -> Schedule:
+    """V-Min (Qi et al., NeurIPS 2024): ZB-V's placement with about a third of 1F1B's activation
+    memory.
+
+    Published: peak activation memory ``(p+4)//3`` micro-batches of a 1F1B stage (1F1B: ``p``),
+    bubble rate about ``2p/(3m)`` with ``T_F = T_B = T_W``.
+
+    Construction: as :func:`v_half`, capped at :func:`v_memory_limit` ``= 2 * ((p+4)//3)`` stage
+    micro-batches per rank. The greedy order pays more bubble than the paper's building block
+    at this cap (measured in BENCHMARKS.md); the memory bound is exact. Any ``m >= 1``.
+
+    Raises:
+        ScheduleError: ``p`` or ``m`` is not a positive integer.
+    """
+    _check_pm(p, m)
+    return _list_schedule("v-min", p, m, stage_to_rank("v-min", p, 2 * p),
+                          limit=v_memory_limit("v-min", p), reserve=True)
+
+
+def dualpipev(p: int, m: int) -> Schedule:
+    """DualPipeV (DeepSeek-V3's DualPipe cut to a V: DeepSeek-AI, 2024; torch 2.13's
+    ``ScheduleDualPipeV``): ZB-V's placement (rank ``r`` holds stages ``r`` and ``2p-1-r``: one
+    copy of the parameters), backward split into B and W.
+
+    Rank ``r``'s order, in eight phases (chunk 0 = stage ``r``, chunk 1 = stage ``2p-1-r``; each
+    chunk runs its micro-batches in order; a "deferred" B queues its W, which a later "W" pops
+    in FIFO order; an undeferred B is followed by its W at once):
+
+    1. ``2(p-1-r)`` forwards of chunk 0;
+    2. ``r+1`` times: F chunk 0, F chunk 1;
+    3. ``p-1-r`` times: B chunk 1 (deferred), W, F chunk 1;
+    4. ``m - 2p + r + 1`` times: F chunk 0 + B chunk 1, then F chunk 1 + B chunk 0 (the
+       overlapped pairs of DualPipe; on rank ``p-1`` the first pair runs unpaired);
+    5. ``p-1-r`` times: B chunk 1, then F chunk 1 + B chunk 0;
+    6. ``r+1`` times: B chunk 1, B chunk 0 (deferred from the middle of the phase on);
+    7. ``p-1-r`` times: W, B chunk 0 (deferred);
+    8. the remaining W's.
+
+    An overlapped "F + B" pair is two consecutive actions (F first) in this IR: on one CPU
+    nothing overlaps, so the simulator and executor run them one after the other.
+
+    Published (DeepSeek-V3 / DualPipe): bubble ``(PP/2-1)(F&B + B - 3W)`` and activation memory
+    ``PP+1`` micro-batches of a stage, with PP = 2p stages: ``(p-1)(F&B + B - 3W)`` seconds per
+    rank and ``2p+1`` stage micro-batches (1F1B: ``2p``), where ``F&B`` is an overlapped pair's
+    time. Without overlap (``F&B = F + B``) and ``F = B = W`` the formula gives 0; the
+    simulator gives the ``p-1`` stage-passes of fill that no schedule avoids (BENCHMARKS.md).
+
+    Constraint: ``m >= 2p - 1`` (phase 4 of rank 0 runs ``m - 2p + 1`` times).
+
+    Raises:
+        ScheduleError: ``p`` or ``m`` is not a positive integer, or ``m < 2p - 1``.
+    """
+    _check_pm(p, m)
+    if m < 2 * p - 1:
+        raise ScheduleError(
+            f"dualpipev needs microbatches >= 2 x pipeline - 1 = {2 * p - 1}, got m={m} with "
+            f"p={p} (rank 0 warms up with 2(p-1) forwards of its first stage); set "
+            f"parallel.microbatches >= {2 * p - 1}, or use 'zb-v'"
+        )
+    acts: list[list[Action]] = []
+    for r in range(p):
+        chunk = (r, 2 * p - 1 - r)
+        nf, nb = [0, 0], [0, 0]
+        deferred: deque[Action] = deque()
+        lst: list[Action] = []
+
+        def fwd(c: int) -> None:
+            lst.append(_F(chunk[c], nf[c]))
+            nf[c] += 1
+
+        def bwd(c: int, defer: bool) -> None:
+            s, i = chunk[c], nb[c]
+            nb[c] += 1
+            lst.append(_B(s, i))
+            (deferred.append if defer else lst.append)(_W(s, i))
+
+        def weight() -> None:
+            lst.append(deferred.popleft())
+
+        for _ in range(2 * (p - 1 - r)):                     # 1
+            fwd(0)
+        for _ in range(r + 1):                               # 2
+            fwd(0)
+            fwd(1)
+        for _ in range(p - 1 - r):                           # 3
+            bwd(1, True)
+            weight()
+            fwd(1)
+        for _ in range(m - 2 * p + r + 1):                   # 4
+            fwd(0)
+            bwd(1, False)
+            fwd(1)
+            bwd(0, False)
+        for _ in range(p - 1 - r):                           # 5
+            bwd(1, False)
+            fwd(1)
+            bwd(0, False)
+        half, defer = (r + 1) // 2, False                    # 6
+        for k in range(r + 1):
+            if k == half and r % 2 == 1:
+                defer = True
+            bwd(1, defer)
+            if k == half and r % 2 == 0:
+                defer = True
+            bwd(0, defer)
+        for _ in range(p - 1 - r):                           # 7
+            weight()
+            bwd(0, True)
+        while deferred:                                      # 8
+            weight()
+        if nf != [m, m] or nb != [m, m]:  # the phase counts add up for every m >= 2p - 1
+            raise ScheduleError(f"dualpipev: rank {r} ran {nf} forwards / {nb} backwards of "
+                                f"its chunks, not {m} each (p={p}, m={m})")
+        acts.append(lst)
+    return Schedule("dualpipev", p, 2 * p, m, stage_to_rank("dualpipev", p, 2 * p), acts,
+                    split_backward=True)

@@ -31,7 +31,11 @@ Rate = Annotated[float, Field(ge=1e-6, allow_inf_nan=False)]
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
 
 #: The pipeline schedules, spelled as in ``parallel.schedule`` (the one list every module uses).
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "v-half", "v-min", "dualpipev")
+
+#: The schedules on the V placement (rank ``r`` holds stages ``r`` and ``2p-1-r``): always 2 stages
+#: per rank, backward split into B and W.
+V_SCHEDULES = ("zb-v", "v-half", "v-min", "dualpipev")
 
 #: Bytes of training state per parameter byte for each ``train.optimizer``: weights and
 #: gradients, plus AdamW's two moments (SGD here has no momentum buffer).
@@ -87,9 +91,10 @@ def low_rank_view(shape) -> tuple[int, int] | None:
 
 
 def stages_per_rank(schedule: str, virtual_stages: int = 1) -> int:
-    """(Virtual) stages each pipeline rank holds under ``schedule``: ``zb-v`` always 2 (its V
+    """(Virtual) stages each pipeline rank holds under ``schedule``: the V schedules
+    (:data:`V_SCHEDULES`: ``zb-v``, ``v-half``, ``v-min``, ``dualpipev``) always 2 (the V
     shape), ``interleaved`` ``virtual_stages``, every other schedule 1."""
-    if schedule == "zb-v":
+    if schedule in V_SCHEDULES:
         return 2
     return virtual_stages if schedule == "interleaved" else 1
 
@@ -569,7 +574,8 @@ def cross_section_problems(spec: ParallelSpec) -> list[tuple[tuple[str, ...], st
     ``data x microbatches`` equal micro-batches (with ``microbatches: auto``, at least into
     ``data`` replicas); ``virtual_stages > 1`` only with the ``interleaved`` schedule; the
     schedule's own constraints on concrete values (``interleaved``: microbatches a multiple of
-    pipeline; ``interleaved`` / ``zb-v``: pipeline >= 2).
+    pipeline; ``interleaved`` / the V schedules: pipeline >= 2; ``dualpipev``: microbatches >=
+    2 x pipeline - 1).
     """
     out: list[tuple[tuple[str, ...], str]] = []
     par, world = spec.parallel, spec.cluster.trainers
@@ -628,7 +634,7 @@ def cross_section_problems(spec: ParallelSpec) -> list[tuple[tuple[str, ...], st
         out.append((("parallel", "virtual_stages"),
                     f"virtual_stages={v} needs schedule 'interleaved' (schedule is "
                     f"{par.schedule!r}); set parallel.schedule: interleaved, or virtual_stages: 1 "
-                    "(zb-v always uses 2 stages per rank by itself)"))
+                    "(zb-v, v-half, v-min and dualpipev always use 2 stages per rank by themselves)"))
     out += _schedule_problems(par)
     out += _train_problems(spec.train)
     out += _compression_problems(spec.train)
@@ -738,7 +744,8 @@ def _schedule_problems(par: ParallelSpec_) -> list[tuple[tuple[str, ...], str]]:
     """The constraints the schedule generators (``fxpipe.schedule.generators.compute_schedule``)
     enforce, checked here with plain arithmetic (no schedule is built) when the values involved
     are concrete (not ``auto``), so the user gets them with ``FILE:LINE`` at load time:
-    ``interleaved`` and ``zb-v`` place several stages per rank and need ``pipeline >= 2``;
+    ``interleaved`` and the V schedules place several stages per rank and need ``pipeline >= 2``;
+    ``dualpipev`` needs ``microbatches >= 2 x pipeline - 1`` (its phases, DeepSeek-V3's);
     ``interleaved`` runs micro-batches in groups of ``pipeline`` (Megatron-LM), so
     ``microbatches % pipeline == 0``. (``virtual_stages`` vs schedule is checked above.)"""
     out: list[tuple[tuple[str, ...], str]] = []
@@ -756,4 +763,11 @@ def _schedule_problems(par: ParallelSpec_) -> list[tuple[tuple[str, ...], str]]:
                     f"through each virtual stage, so microbatches must be a multiple of {p}, got "
                     f"{m}; set parallel.microbatches to {hint} (keeping data.batch_size "
                     "divisible by data x microbatches), or use schedule '1f1b'"))
+    elif s == "dualpipev" and isinstance(p, int) and isinstance(m, int) and m < 2 * p - 1:
+        out.append((("parallel", "microbatches"),
+                    f"schedule 'dualpipev' needs at least 2 x pipeline - 1 = {2 * p - 1} "
+                    f"micro-batches (its warm-up runs 2 x (pipeline - 1) forwards of the first "
+                    f"stage on rank 0), got {m}; set parallel.microbatches >= {2 * p - 1} "
+                    "(keeping data.batch_size divisible by data x microbatches), or use "
+                    "schedule 'zb-v'"))
     return out
