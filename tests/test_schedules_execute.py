@@ -115,15 +115,16 @@ _PLANS: dict[tuple, Plan] = {}
 _REFS: dict[tuple, tuple[list[float], dict[str, torch.Tensor]]] = {}
 
 
-def make_plan(name: str, p: int, dp: int, schedule: str) -> Plan:
-    """The real partitioner's plan for ``name`` on ``p`` pipeline ranks x ``dp`` replicas."""
-    key = (name, p, dp, schedule)
+def make_plan(name: str, p: int, dp: int, schedule: str, m: int = M) -> Plan:
+    """The real partitioner's plan for ``name`` on ``p`` pipeline ranks x ``dp`` replicas, ``m``
+    micro-batches."""
+    key = (name, p, dp, schedule, m)
     if key not in _PLANS:
         model = MODELS[name][0]()
         x, _ = MODELS[name][1](torch.Generator().manual_seed(0), MBS)
         spec = {"model": {"factory": f"test_schedules_execute:{name}"},
-                "data": {"batch_size": dp * M * MBS, "seq_len": SEQ},
-                "parallel": {"pipeline": p, "data": dp, "microbatches": M, "schedule": schedule,
+                "data": {"batch_size": dp * m * MBS, "seq_len": SEQ},
+                "parallel": {"pipeline": p, "data": dp, "microbatches": m, "schedule": schedule,
                              "virtual_stages": 2 if schedule == "interleaved" else 1},
                 "cluster": {"nodes": 1, "devices_per_node": p * dp},
                 "train": {"optimizer": "sgd"}}
@@ -152,17 +153,18 @@ def reference(name: str, global_batch: int, steps: int = STEPS):
     return _REFS[key]
 
 
-def run_spec(name, p, dp, schedule, precision="fp32", steps=STEPS, scale=None, poison=None):
+def run_spec(name, p, dp, schedule, precision="fp32", steps=STEPS, scale=None, poison=None,
+             m=M):
     """One case for the workers: its plan, the fp32 reference and the precision settings
     (``scale``: a LossScaler's initial scale; ``poison``: the global rank whose first stage
-    parameter gets an inf gradient in the first step)."""
-    plan = make_plan(name, p, dp, schedule)
+    parameter gets an inf gradient in the first step; ``m``: micro-batches per step)."""
+    plan = make_plan(name, p, dp, schedule, m)
     if precision == "fp16" and scale is None:
         scale = FP16_INIT_SCALE
-    return dict(model=name, schedule=schedule, p=p, dp=dp, plan=plan, precision=precision,
+    return dict(model=name, schedule=schedule, p=p, dp=dp, m=m, plan=plan, precision=precision,
                 steps=steps, scale0=scale,
                 # a poisoned run skips its first step: compare with one step less
-                ref=reference(name, dp * M * MBS, steps - (poison is not None)),
+                ref=reference(name, dp * m * MBS, steps - (poison is not None)),
                 poison=poison)
 
 
@@ -253,9 +255,19 @@ def _worker(rank: int, runs: list[dict]):
 
 
 # ----------------------------------------------------------------------------- fixtures
+#: the controllable-memory V schedules and DualPipeV (issue 28)
+V_NEW = ("v-half", "v-min", "dualpipev")
+
+
+def _m_for(schedule: str, p: int) -> int:
+    """Micro-batches for a case: ``M``, or DualPipeV's least multiple of 4 >= 2p - 1."""
+    return max(M, -(-(2 * p - 1) // 4) * 4) if schedule == "dualpipev" else M
+
+
 def _world2_runs():
     runs = [run_spec(n, 2, 1, s) for n in ("gpt", "cnn") for s in ("interleaved", "zb-h1", "zb-v")]
     runs += [run_spec("skip4", 2, 1, s) for s in ("interleaved", "zb-v")]
+    runs += [run_spec("gpt", 2, 1, s) for s in V_NEW] + [run_spec("skip4", 2, 1, "dualpipev")]
     return runs
 
 
@@ -266,19 +278,21 @@ def _world4_runs():
     runs += [run_spec("cnn", 2, 2, "zb-h1", scale=1.0, poison=3)]
     runs += [run_spec("skip4", 4, 1, s) for s in ("gpipe", "1f1b", "zb-h1")]
     runs += [run_spec("skip8", 4, 1, s) for s in ("interleaved", "zb-v")]
+    runs += [run_spec("cnn", 2, 2, s) for s in V_NEW]
+    runs += [run_spec("skip8", 4, 1, s, m=_m_for(s, 4)) for s in V_NEW]
     return runs
 
 
 @pytest.fixture(scope="module")
 def world2():
     runs = _world2_runs()
-    return runs, run_ranks(_worker, 2, runs, timeout_s=150, dist_timeout_s=60)
+    return runs, run_ranks(_worker, 2, runs, timeout_s=200, dist_timeout_s=60)
 
 
 @pytest.fixture(scope="module")
 def world4():
     runs = _world4_runs()
-    return runs, run_ranks(_worker, 4, runs, timeout_s=240, dist_timeout_s=60)
+    return runs, run_ranks(_worker, 4, runs, timeout_s=330, dist_timeout_s=60)
 
 
 def _rows(results, **match):
@@ -291,7 +305,7 @@ def _rows(results, **match):
 def _assert_exact(rows):
     for r in rows:
         tag = f"{r['model']} {r['schedule']} p={r['p']} dp={r['dp']} rank {r['rank']}"
-        loss_tol, param_tol = reference(r["model"], r["dp"] * M * MBS,
+        loss_tol, param_tol = reference(r["model"], r["dp"] * r["m"] * MBS,
                                         r["steps"] - (r["poison"] is not None))[2]
         assert r["loss_err"] < loss_tol, (tag, r["loss_err"], loss_tol)
         assert r["param_err"] < param_tol, (tag, r["param_err"], param_tol)
@@ -567,3 +581,27 @@ if __name__ == "__main__":  # print the measured figures
                       f"{r['loss_err']:.2e} param_err {r['param_err']:.2e} losses "
                       f"{[round(x, 5) for x in r['losses']]} skipped {r['skipped']} "
                       f"sent {sorted({str(d) for _, d, _ in r['sent']})} raw16 {r['raw16']}")
+
+
+# ----------------------------------------------------------------------------- issue 28
+@pytest.mark.distributed
+@pytest.mark.parametrize("schedule", V_NEW)
+def test_controllable_memory_and_dualpipev_are_exact(world2, world4, schedule):
+    """V-Half, V-Min and DualPipeV equal single-process fp32 training: p=2 dp=1 (CharGPT, tied
+    weight; LongSkip for DualPipeV), p=2 dp=2 (SkipCNN: its stem output skips from stage 0 to
+    stage 3, gradients all-reduced per replica group) and p=4 dp=1 (LongSkip over 8 stages:
+    a value of stage 0 read by every later stage, on this rank and others)."""
+    rows = _rows(world2, model="gpt", schedule=schedule)
+    assert len(rows) == 2 and next(r for r in rows if r["rank"] == 0)["stages"] == [0, 3]
+    _assert_exact(rows)
+    if schedule == "dualpipev":
+        _assert_exact(_rows(world2, model="skip4", schedule=schedule))
+    rows = _rows(world4, model="cnn", schedule=schedule, p=2, dp=2)
+    assert len(rows) == 4 and (0, 3) in make_plan("cnn", 2, 2, schedule).stage_edges()
+    _assert_exact(rows)
+    m = _m_for(schedule, 4)
+    plan = make_plan("skip8", 4, 1, schedule, m)
+    assert (0, 2) in plan.stage_edges() and plan.microbatches == m
+    rows = _rows(world4, model="skip8", schedule=schedule, p=4)
+    assert len(rows) == 4 and next(r for r in rows if r["rank"] == 1)["stages"] == [1, 6]
+    _assert_exact(rows)

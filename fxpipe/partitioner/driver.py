@@ -1226,6 +1226,7 @@ def _search(pr_at: Callable[[int], Priced], spec: ParallelSpec, prune: bool = Tr
     pruned = 0
     capacity = spec.cluster.memory_gb * 1e9
     solved: dict = {}  # identical cut problems (e.g. the two placements of one grid) solve once
+    fit: dict[tuple, str] = {}  # (layout key, schedule) -> how it fits device memory
     for i, (lb, label, cand, mbs, pr, prefix, rc_only) in enumerate(bounds):
         _progress.info("auto search: candidate %d/%d (%s)%s", i + 1, len(bounds), label,
                        f", best so far {best.step_s * 1e3:.3g} ms/step" if best else "")
@@ -1233,8 +1234,10 @@ def _search(pr_at: Callable[[int], Priced], spec: ParallelSpec, prune: bool = Tr
             pruned += 1
             continue
         scale = mbs / pr.batch
+        fkey = (_layout_key(cand), cand.schedule)
         if _static_share(pr, spec, cand) > capacity:  # cannot fit, whatever the cut
             failed.append((lb, cand, scale, pr))
+            fit[fkey] = "does not fit"
             continue
         found = None
         for rc in ((False,) if mode == "off" else (True,) if rc_only else (False, True)):
@@ -1246,7 +1249,9 @@ def _search(pr_at: Callable[[int], Priced], spec: ParallelSpec, prune: bool = Tr
                 continue
         if found is None:
             failed.append((lb, cand, scale, pr))
+            fit[fkey] = "does not fit"
             continue
+        fit[fkey] = "fits only with recomputation" if found[0].recompute else "fits"
         cand, problem, result, rc = found
         if prune and best is not None and _cut_bound(prefix, result, cand, spec, scale,
                                                      problem.slow, rc.flags) > best.step_s:
@@ -1268,7 +1273,35 @@ def _search(pr_at: Callable[[int], Priced], spec: ParallelSpec, prune: bool = Tr
                 for i, r in enumerate(ranked[:5])]
     explain += _degree_notes(left_out, ranked, degrees)
     explain += _sharding_notes(priced[best.cand.tensor], spec, best.cand, ranked, failed)
+    explain += _memory_schedule_notes(best.cand, fit)
     return best.cand, best.result, best.mbs, explain
+
+
+#: schedules that trade bubble for activation memory, and the ones they are weighed against
+_LOW_MEMORY = ("v-half", "v-min")
+_FULL_MEMORY = ("zb-v", "1f1b", "zb-h1", "dualpipev", "interleaved", "gpipe")
+
+
+def _layout_key(cand: Candidate) -> tuple:
+    """A candidate's layout without its schedule (and recomputation)."""
+    return (cand.pipeline, cand.dp, cand.microbatches, cand.tensor, cand.sharding, cand.layout)
+
+
+def _memory_schedule_notes(best: Candidate, fit: dict[tuple, str]) -> list[str]:
+    """Where the search picked a memory-capped V schedule (V-Half, V-Min) without
+    recomputation, why: the schedules that hold more activations at the same layout and how
+    they fared against the device memory (only those the search tried)."""
+    if best.schedule not in _LOW_MEMORY or best.recompute:
+        return []
+    key = _layout_key(best)
+    others = [f"{s} {fit[(key, s)]}" for s in _FULL_MEMORY if (key, s) in fit
+              and fit[(key, s)] != "fits"]
+    if not others:
+        return []
+    return [f"memory: {best.schedule} keeps {'half' if best.schedule == 'v-half' else 'a third'}"
+            f" of 1F1B's activations in flight and fits device memory without activation "
+            f"recomputation at pp={best.pipeline} dp={best.dp} m={best.microbatches}, where "
+            + ", ".join(others) + " (chosen by step time among what fits)"]
 
 
 def _sharding_notes(pr: Priced, spec: ParallelSpec, cand: Candidate,
