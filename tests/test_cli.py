@@ -104,7 +104,7 @@ def test_simulate_prints_every_schedule(tmp_path):
     spec.write_text(TINY)
     r = fxpipe_in_process("simulate", str(spec), "--out", str(tmp_path / "sim"))
     assert r.returncode == 0, r.stderr
-    for name in ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"):
+    for name in ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "v-half", "v-min", "dualpipev"):
         assert name in r.stdout
     assert (tmp_path / "sim" / "simulated_1f1b.json").exists()
     both = (tmp_path / "sim" / "simulated.svg").read_text()  # every schedule, 2 rows each

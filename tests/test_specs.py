@@ -19,7 +19,7 @@ from fxpipe.specs import (
     spec_location,
 )
 from fxpipe.specs.messages import describe
-from fxpipe.specs.schema import SCHEDULES, ParallelSpec_
+from fxpipe.specs.schema import SCHEDULES, V_SCHEDULES, ParallelSpec_
 
 BASE = """\
 model:
@@ -547,7 +547,7 @@ def test_interleaved_needs_microbatches_multiple_of_pipeline(tmp_path):
     load_spec(write(tmp_path, text.replace("microbatches: 3", "microbatches: auto"), "auto.yaml"))
 
 
-@pytest.mark.parametrize("schedule", ["interleaved", "zb-v"])
+@pytest.mark.parametrize("schedule", ["interleaved", "zb-v", "v-min", "dualpipev"])
 def test_multi_stage_per_rank_schedules_need_two_ranks(tmp_path, schedule):
     text = (BASE.replace("schedule: 1f1b", f"schedule: {schedule}")
             .replace("pipeline: 2", "pipeline: 1").replace("data: 2", "data: 4")
@@ -573,7 +573,7 @@ def test_spec_schedule_rules_agree_with_the_generators():
                 v = 2 if s == "interleaved" else 1
                 try:
                     compute_schedule(s, p, m, v)
-                    builds = not (p == 1 and s in ("interleaved", "zb-v"))
+                    builds = not (p == 1 and (s == "interleaved" or s in V_SCHEDULES))
                 except ScheduleError:
                     builds = False
                 assert builds == (not _schedule_problems(par)), (s, p, m)

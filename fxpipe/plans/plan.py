@@ -128,7 +128,7 @@ class Plan:
         pipeline: pipeline-parallel degree (ranks per pipeline group).
         dp: data-parallel degree (replicas of every stage).
         microbatches: micro-batches per step per replica.
-        schedule: schedule name: ``gpipe``, ``1f1b``, ``interleaved``, ``zb-h1``, ``zb-v``.
+        schedule: schedule name: one of :data:`fxpipe.specs.schema.SCHEDULES`.
         virtual_stages: stages per pipeline rank (``v``); 1 unless interleaved / V-shaped.
         microbatch_size: samples per micro-batch.
         stages: the stages, in pipeline order.

@@ -108,7 +108,7 @@ class Schedule:
     """A complete pipeline schedule for one training step of one pipeline group.
 
     Attributes:
-        name: schedule name (``gpipe``, ``1f1b``, ``interleaved``, ``zb-h1``, ``zb-v``).
+        name: schedule name (one of :data:`fxpipe.specs.schema.SCHEDULES`).
         num_ranks: ranks in the pipeline group (``p``).
         num_stages: (virtual) stages (``p * v``).
         microbatches: micro-batches per step (``m``).

@@ -170,7 +170,7 @@ def build_schedule(
     """Full schedule (compute + communication + ALLREDUCE + STEP) for one pipeline group.
 
     Args:
-        name: ``gpipe``, ``1f1b``, ``interleaved``, ``zb-h1`` or ``zb-v``.
+        name: one of :data:`fxpipe.specs.schema.SCHEDULES`.
         num_ranks: pipeline ranks ``p``.
         microbatches: micro-batches per step ``m``.
         virtual_stages: stages per rank ``v`` (see :func:`compute_schedule`).
