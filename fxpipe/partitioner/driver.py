@@ -16,6 +16,7 @@ import functools
 import logging
 import math
 import warnings
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple, Sequence
 
@@ -43,7 +44,8 @@ from fxpipe.partitioner.profile import (SendCost, cache_dir, load_profile, load_
 from fxpipe.partitioner.recompute import apply_recompute, cheap_values, is_clone
 from fxpipe.partitioner.refine import MAX_CUTS, MAX_RIVALS, NEAR, refine_cuts
 from fxpipe.partitioner.servers import assign_servers, even_server_bytes
-from fxpipe.partitioner.search import Candidate, candidates, stage_inflight, tensor_degrees
+from fxpipe.partitioner.search import (Candidate, candidates, rank_inflight, stage_inflight,
+                                       tensor_degrees)
 from fxpipe.partitioner.solvers import chain_bottleneck, optimal_partition
 from fxpipe.partitioner.split import build_stages
 from fxpipe.partitioner.stage_timing import (StageTimes, side_by_side_groups, stage_times_key,
@@ -365,10 +367,10 @@ def _recompute_held(values: list[Value]) -> float:
     return max((v.nbytes for v in values), default=0.0)
 
 
-def _held_note(capacity: float, inflight: int, held: float, mbs: float, whole: bool) -> str:
+def _held_note(capacity: float, inflight: float, held: float, mbs: float, whole: bool) -> str:
     """Why recomputation leaves less (or no) device memory: the stage inputs it keeps."""
     keep = (f"{human_bytes(held, True)} per micro-batch in flight on the stage (the largest "
-            f"value between units at micro-batch size {mbs:g}; up to {inflight} in flight: "
+            f"value between units at micro-batch size {mbs:g}; up to {inflight:g} in flight: "
             f"{human_bytes(inflight * held, True)})")
     if whole:
         return (f"with activation recomputation each stage keeps its input for every "
@@ -379,14 +381,16 @@ def _held_note(capacity: float, inflight: int, held: float, mbs: float, whole: b
 
 
 def _cut_problem(pr: Priced, spec: ParallelSpec, cand: Candidate, scale: float,
-                 share: int = 1) -> CutProblem:
+                 share: int = 1, inflight: Sequence[float] | None = None) -> CutProblem:
     """The cut problem of one candidate layout at ``scale`` x the traced micro-batch, over the
     priced units (node-level, or blocks when the model folds); cheap values are not in it
     (each stage rebuilds them). ``share``: each stage may use 1/share of its device (a rank
-    that holds several stages)."""
+    that holds several stages); ``inflight``: micro-batches in flight per stage to bound each
+    stage's memory by, instead of the stage's own peak (:func:`_shared_inflight`)."""
     tb = pr.table
     values = [Value(v.producer, v.users, v.nbytes * scale, v.grad, v.name) for v in tb.values]
-    inflight, stage_to_rank = stage_inflight(cand)
+    peaks, stage_to_rank = stage_inflight(cand)
+    inflight = list(peaks) if inflight is None else list(inflight)
     k = cand.num_stages
     capacity: float | list[float] = spec.cluster.memory_gb * 1e9 / share
     if cand.recompute:  # keep each stage's input per micro-batch, run the forward again
@@ -451,28 +455,62 @@ def _recompute_stages(pr: Priced, spec: ParallelSpec, cand: Candidate, cuts: Seq
                      list(cuts), method="given")
     device = spec.cluster.memory_gb * 1e9
     flags = [True] * k
-    for r in sorted(set(s2r)):
-        mine = [j for j in range(k) if s2r[j] == r]
-        used = sum(memory[j] for j in mine)
-        for j in sorted(mine, key=lambda j: (plain.compute_s[j] - with_rc.compute_s[j], j)):
-            keep = float(plain.memory_bytes[j])
-            if used - memory[j] + keep <= device:
-                flags[j], used, memory[j] = False, used - memory[j] + keep, keep
+    static = [float(with_rc.memory_bytes[j]) for j in range(k)]  # nothing saved per micro-batch
+    per_mb = [held] * k
+    for st, tops in rank_inflight(cand):
+        for j in sorted(st, key=lambda j: (plain.compute_s[j] - with_rc.compute_s[j], j)):
+            was, per_mb[j] = per_mb[j], float(plain.saved_bytes[j])
+            if _rank_peak(st, tops, static, per_mb) <= device:
+                flags[j], memory[j] = False, float(plain.memory_bytes[j])
+            else:
+                per_mb[j] = was
     return _Recompute(flags, None if all(flags) else plain, memory)
+
+
+def _rank_peak(stages: Sequence[int], tops: Sequence[Sequence[int]], static: Sequence[float],
+               per_mb: Sequence[float]) -> float:
+    """Peak bytes of a rank holding ``stages``: their static bytes and, at the worst moment
+    (``tops``: :func:`~fxpipe.partitioner.search.rank_inflight`), the micro-batches in flight
+    on each times its bytes per micro-batch."""
+    return (sum(static[j] for j in stages)
+            + max(sum(n * per_mb[j] for n, j in zip(top, stages)) for top in tops))
+
+
+def _stage_bytes(spec: ParallelSpec, cand: Candidate, result: PartitionResult,
+                 rc: _Recompute) -> tuple[list[float], list[float]]:
+    """Per stage of a cut: the bytes held whatever is in flight (parameters, gradients,
+    optimizer state) and the bytes per micro-batch in flight (its activations, or the input a
+    recomputing stage keeps)."""
+    peaks = stage_inflight(cand)[0]
+    mem = rc.memory if rc.memory is not None else [float(b) for b in result.memory_bytes]
+    mult = state_factor(spec.train.optimizer, cand.sharding, cand.dp)
+    static = [mult * float(b) for b in result.param_bytes]
+    return static, [max(0.0, (mem[j] - static[j]) / peaks[j]) for j in range(len(static))]
+
+
+def _shared_inflight(cand: Candidate) -> list[float]:
+    """Per stage, the micro-batches in flight of its rank at the rank's peak, shared evenly by
+    the rank's stages: a rank's activations fit when each of its ``n`` stages holds this many
+    within 1/n of the device and the stages' activations per micro-batch are alike."""
+    out = [0.0] * cand.num_stages
+    for st, tops in rank_inflight(cand):
+        for j in st:
+            out[j] = max(sum(t) for t in tops) / len(st)
+    return out
 
 
 def _rank_memory(spec: ParallelSpec, cand: Candidate, result: PartitionResult,
                  rc: _Recompute) -> str | None:
     """Why the ranks' devices cannot hold the cut's stages (each fits alone, but a rank that
-    holds several holds them all), or None when every rank's stages fit."""
-    s2r = stage_inflight(cand)[1]
-    mem = rc.memory if rc.memory is not None else [float(b) for b in result.memory_bytes]
+    holds several holds them all, at its peak: :func:`_rank_peak`, not the sum of each stage's
+    own peak), or None when every rank's stages fit."""
+    static, per_mb = _stage_bytes(spec, cand, result, rc)
     device = spec.cluster.memory_gb * 1e9
-    for r in sorted(set(s2r)):
-        mine = [j for j in range(len(s2r)) if s2r[j] == r]
-        if len(mine) > 1 and sum(mem[j] for j in mine) > device:
+    for r, (mine, tops) in enumerate(rank_inflight(cand)):
+        need = _rank_peak(mine, tops, static, per_mb) if len(mine) > 1 else 0.0
+        if need > device:
             return (f"rank {r} holds stages {', '.join(map(str, mine))}, which need "
-                    f"{human_bytes(sum(mem[j] for j in mine), True)} together but the device "
+                    f"{human_bytes(need, True)} together at their peak but the device "
                     f"has {human_bytes(device, True)}")
     return None
 
@@ -482,8 +520,10 @@ def _solve_fitting(pr: Priced, spec: ParallelSpec, cand: Candidate, scale: float
                    ) -> tuple[CutProblem, PartitionResult, _Recompute]:
     """The candidate's optimal cut and its recomputation, such that every rank's device holds
     all of its stages: the solver bounds each stage by the device; where a rank holds several
-    (interleaved, ZB-V) and they do not fit together, the cut is solved again with each stage
-    bounded by its share of the device (the device / stages per rank).
+    (interleaved, the V schedules) and they do not fit together at the rank's peak, the cut is
+    solved again with each stage bounded by its share of the device (the device / stages per
+    rank), first with the rank's peak in flight shared by its stages (:func:`_shared_inflight`),
+    then, if that cut does not fit either, with each stage's own peak.
 
     Raises:
         PlanError: no cut fits.
@@ -498,14 +538,20 @@ def _solve_fitting(pr: Priced, spec: ParallelSpec, cand: Candidate, scale: float
     if over is None:
         return first
     share = cand.num_stages // cand.pipeline
-    try:
-        again = solve(_cut_problem(pr, spec, cand, scale, share))
-    except PlanError as e:
-        raise PlanError(f"{over}; with each stage held to 1/{share} of the device: {e}") from None
-    still = _rank_memory(spec, cand, again[1], again[2])
-    if still is not None:
-        raise PlanError(still)
-    return again
+    shared = _shared_inflight(cand)
+    tries = [shared, None] if shared != [float(x) for x in stage_inflight(cand)[0]] else [None]
+    why: str | None = None
+    for inflight in tries:
+        try:
+            again = solve(_cut_problem(pr, spec, cand, scale, share, inflight))
+        except PlanError as e:
+            why = why or f"{over}; with each stage held to 1/{share} of the device: {e}"
+            continue
+        still = _rank_memory(spec, cand, again[1], again[2])
+        if still is None:
+            return again
+        why = why or still
+    raise PlanError(why)
 
 
 def _slowest(stages: list[StagePlan], result: PartitionResult) -> int:
@@ -1204,16 +1250,20 @@ def _search(pr_at: Callable[[int], Priced], spec: ParallelSpec, prune: bool = Tr
             if mbs < 1:
                 continue
             scale, k = mbs / pr.batch, cand.num_stages
-            rc_only = (mode == "on" or (mode == "auto" and not _fits_without_recompute(
-                pr, spec, cand, scale)))
-            if (k, rc_only) not in floors:
-                floors[(k, rc_only)] = chain_bottleneck(with_rc if rc_only else cumulative, k)
-            floor = floors[(k, rc_only)] if k == cand.pipeline else 0.0  # one stage per rank
+            if cand.schedule in _LOW_MEMORY and mode == "auto":
+                rc_only = None  # told in the loop below, if the candidate is tried at all
+            else:
+                rc_only = (mode == "on" or (mode == "auto" and not _fits_without_recompute(
+                    pr, spec, cand, scale)))
+            rcb = bool(rc_only)  # (not recomputing: a lower bound either way)
+            if (k, rcb) not in floors:
+                floors[(k, rcb)] = chain_bottleneck(with_rc if rcb else cumulative, k)
+            floor = floors[(k, rcb)] if k == cand.pipeline else 0.0  # one stage per rank
             split = cand.schedule in _SPLIT_BACKWARD
-            if (rc_only, split) not in shares:
-                shares[(rc_only, split)] = _unit_shares(prefix, rc_only, split)
+            if (rcb, split) not in shares:
+                shares[(rcb, split)] = _unit_shares(prefix, rcb, split)
             lb = _candidate_bound(cand, scale, spec, total, total_params, biggest, fastest,
-                                  floor, shares[(rc_only, split)])
+                                  floor, shares[(rcb, split)])
             bounds.append((lb, cand.label(), cand, mbs, pr, prefix, rc_only))
     if not bounds:
         if len(degrees) == 1 and first_error is not None:
@@ -1227,7 +1277,17 @@ def _search(pr_at: Callable[[int], Priced], spec: ParallelSpec, prune: bool = Tr
     capacity = spec.cluster.memory_gb * 1e9
     solved: dict = {}  # identical cut problems (e.g. the two placements of one grid) solve once
     fit: dict[tuple, str] = {}  # (layout key, schedule) -> how it fits device memory
-    for i, (lb, label, cand, mbs, pr, prefix, rc_only) in enumerate(bounds):
+    # V-Half / V-Min are tried at a layout only where ZB-V (for V-Min, also V-Half) does not
+    # fit it without recomputation, and then only without it: they are ZB-V's placement with
+    # fewer micro-batches in flight, so where it fits they only add bubble; with recomputation
+    # on, only where those do not fit at all. One met before those waits for them (twice: V-Min
+    # for V-Half, which may wait for ZB-V).
+    enough = "fits only with recomputation" if mode == "on" else "fits"
+    queue, waited, skipped = list(bounds), Counter(), 0
+    i = -1
+    while i + 1 < len(queue):
+        i += 1
+        lb, label, cand, mbs, pr, prefix, rc_only = queue[i]
         _progress.info("auto search: candidate %d/%d (%s)%s", i + 1, len(bounds), label,
                        f", best so far {best.step_s * 1e3:.3g} ms/step" if best else "")
         if prune and best is not None and lb > best.step_s:
@@ -1235,12 +1295,26 @@ def _search(pr_at: Callable[[int], Priced], spec: ParallelSpec, prune: bool = Tr
             continue
         scale = mbs / pr.batch
         fkey = (_layout_key(cand), cand.schedule)
+        if cand.schedule in _LOW_MEMORY:
+            full = [fit.get((fkey[0], s)) for s in _LOW_MEMORY_VERSUS[cand.schedule]]
+            if "fits" in full or enough in full:
+                skipped += 1
+                continue
+            if None in full and waited[label] < 2:
+                waited[label] += 1
+                queue.append(queue[i])
+                continue
+            if mode == "auto" and not _fits_without_recompute(pr, spec, cand, scale):
+                skipped += 1
+                continue
+            rc_only = mode == "on"
         if _static_share(pr, spec, cand) > capacity:  # cannot fit, whatever the cut
             failed.append((lb, cand, scale, pr))
             fit[fkey] = "does not fit"
             continue
         found = None
-        for rc in ((False,) if mode == "off" else (True,) if rc_only else (False, True)):
+        low = cand.schedule in _LOW_MEMORY and mode == "auto"  # tried without recomputation
+        for rc in ((False,) if mode == "off" or low else (True,) if rc_only else (False, True)):
             c = dataclasses.replace(cand, recompute=rc)
             try:
                 found = (c, *_solve_fitting(pr, spec, c, scale, solved))
@@ -1274,12 +1348,19 @@ def _search(pr_at: Callable[[int], Priced], spec: ParallelSpec, prune: bool = Tr
     explain += _degree_notes(left_out, ranked, degrees)
     explain += _sharding_notes(priced[best.cand.tensor], spec, best.cand, ranked, failed)
     explain += _memory_schedule_notes(best.cand, fit)
+    if skipped:
+        explain.append(f"v-half / v-min not tried at {skipped} candidate layouts: they are tried "
+                       "only where zb-v (for v-min, also v-half) needs activation recomputation "
+                       "and they do not (elsewhere they would only add bubble)")
     return best.cand, best.result, best.mbs, explain
 
 
 #: schedules that trade bubble for activation memory, and the ones they are weighed against
 _LOW_MEMORY = ("v-half", "v-min")
 _FULL_MEMORY = ("zb-v", "1f1b", "zb-h1", "dualpipev", "interleaved", "gpipe")
+#: a layout tries V-Half / V-Min only where none of these fits it without recomputation (the
+#: same placement with more micro-batches in flight: less bubble)
+_LOW_MEMORY_VERSUS = {"v-half": ("zb-v",), "v-min": ("zb-v", "v-half")}
 
 
 def _layout_key(cand: Candidate) -> tuple:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from fxpipe.errors import PlanError
 from fxpipe.plans.placement import stage_to_rank
+from fxpipe.schedule.actions import Op
 from fxpipe.schedule.generators import compute_schedule, v_memory_limit
 from fxpipe.schedule.lowering import linear_edges
 from fxpipe.schedule.simulate import LoweredSchedule, StageCosts, simulate
@@ -211,6 +212,56 @@ def stage_inflight(cand: Candidate) -> tuple[list[int], list[int]]:
     stage -> rank placement (cached per schedule, pipeline, micro-batches, stages per rank)."""
     peaks = _inflight(cand.schedule, cand.pipeline, cand.microbatches, cand.virtual_stages)
     return list(peaks), stage_to_rank(cand.schedule, cand.pipeline, cand.num_stages)
+
+
+
+def rank_inflight(cand: Candidate) -> list[tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]]:
+    """Per pipeline rank: its stages (ascending) and the in-flight counts of those stages that
+    can be the rank's peak, one tuple per moment (none dominated by another). A rank's bytes of
+    activations peak at ``max over the tuples of sum(n_j x activation_bytes[j])``: for a rank
+    that holds two V stages this is less than the sum of each stage's own peak (they do not
+    peak together; V-Half at p = 4: 6 micro-batch-stages, not 7). Read off the schedule's
+    action lists (what a rank holds depends only on the order of its own actions); where the
+    schedule is too large to build (:func:`stage_inflight` bounds it), the stages' own peaks."""
+    return list(_rank_states(cand.schedule, cand.pipeline, cand.microbatches,
+                             cand.virtual_stages))
+
+
+@functools.lru_cache(maxsize=4096)
+def _rank_states(schedule: str, p: int, m: int, v: int
+                 ) -> tuple[tuple[tuple[int, ...], tuple[tuple[int, ...], ...]], ...]:
+    peaks = _inflight(schedule, p, m, v)
+    k = len(peaks)
+    s2r = stage_to_rank(schedule, p, k)
+    mine: list[list[int]] = [[] for _ in range(p)]
+    for s, r in enumerate(s2r):
+        mine[r].append(s)
+    if k == p or m < 1:
+        return tuple((tuple(st), (tuple(peaks[j] for j in st),)) for st in mine)
+    vee = schedule in V_SCHEDULES
+    cap = 4 * p if vee else 4 * p * max(1, v)
+    m_sim = min(m, cap - cap % p if schedule == "interleaved" else cap)
+    if schedule == "interleaved":
+        m_sim = max(p, m_sim - m_sim % p)
+    if k * m_sim * 3 > _SIMULATE_ACTIONS:
+        return tuple((tuple(st), (tuple(peaks[j] for j in st),)) for st in mine)
+    sched = compute_schedule(schedule, p, m_sim, v)
+    release = Op.W if sched.split_backward else Op.B
+    out = []
+    for r, st in enumerate(mine):
+        pos = {s: i for i, s in enumerate(st)}
+        now = [0] * len(st)
+        seen: set[tuple[int, ...]] = set()
+        for a in sched.actions[r]:
+            if a.op is Op.F and a.stage in pos:
+                now[pos[a.stage]] += 1
+                seen.add(tuple(min(x, m) for x in now))
+            elif a.op is release and a.stage in pos:
+                now[pos[a.stage]] -= 1
+        top = [x for x in seen if not any(y != x and all(b >= a for a, b in zip(x, y))
+                                          for y in seen)]
+        out.append((tuple(st), tuple(sorted(top, reverse=True)) or (tuple(peaks[j] for j in st),)))
+    return tuple(out)
 
 
 @functools.lru_cache(maxsize=4096)
