@@ -1,4 +1,4 @@
-"""Command line: ``fxpipe plan|run|simulate|report|show|specs|profile|export``.
+"""Command line: ``fxpipe plan|run|check|simulate|report|show|specs|profile|export``.
 
 Every user error (a bad spec, an untraceable model, an impossible plan, a failed run) is printed
 as one clear message on stderr with exit code 2, never as a traceback. ``FXPIPE_DEBUG=1`` shows
@@ -61,6 +61,13 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--no-report", action="store_true",
                    help="skip the pictures and report.html (a few seconds of drawing); "
                         "`fxpipe report RUN_DIR` writes them later")
+
+    c = sub.add_parser("check", help="train N steps of the planned pipeline and of the same "
+                                     "model in one process; compare losses and parameters "
+                                     "(exit 0 equivalent, 1 not)")
+    _add_spec_arg(c)
+    c.add_argument("--steps", type=int, default=None,
+                   help="optimizer steps to compare (default: 3, or train.steps if fewer)")
 
     e = sub.add_parser("export", help="write a run's latest checkpoint as a plain state_dict "
                                       "(torch.save) that the original model loads")
@@ -191,6 +198,12 @@ def _cmd_run(args) -> int:
     return run(args)
 
 
+def _cmd_check(args) -> int:
+    from fxpipe.training.check import check
+
+    return check(args.spec, args.steps)
+
+
 def _cmd_export(args) -> int:
     from fxpipe.training.export import export_run
 
@@ -209,7 +222,7 @@ def _cmd_specs(args) -> int:
 
 COMMANDS = {"plan": _cmd_plan, "run": _cmd_run, "simulate": _cmd_simulate, "show": _cmd_show,
             "specs": _cmd_specs, "profile": _cmd_profile, "report": _cmd_report,
-            "export": _cmd_export, "prepare": _cmd_prepare}
+            "export": _cmd_export, "prepare": _cmd_prepare, "check": _cmd_check}
 
 
 def main(argv: list[str] | None = None) -> int:
