@@ -12,8 +12,8 @@ global batch, and a step carries an earlier difference forward and adds its own,
 
     bound = eps x terms x steps x magnitude
 
-with ``eps`` the precision's machine epsilon (fp32 2^-23; bf16 2^-8 and fp16 2^-11: autocast
-rounds the activations to them), ``terms`` the samples per optimizer step and ``magnitude``
+with ``eps`` the precision's machine epsilon (fp32 2^-23; bf16 2^-7 and fp16 2^-10: autocast
+rounds the activations and matmul outputs to them), ``terms`` the samples per optimizer step and ``magnitude``
 the size of what is compared (the largest loss, the largest parameter, the largest update).
 
 AdamW divides by ``sqrt(v) + 1e-8``: an entry whose gradient is (almost) zero turns rounding
@@ -33,8 +33,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-#: machine epsilon of each ``train.precision``'s compute dtype
-EPS = {"fp32": 2.0 ** -23, "bf16": 2.0 ** -8, "fp16": 2.0 ** -11}
+#: machine epsilon (the gap after 1.0, ``torch.finfo(dtype).eps``) of each ``train.precision``'s
+#: compute dtype: fp32 2^-23, bf16 2^-7, fp16 2^-10 (twice the unit roundoff, as for fp32)
+EPS = {"fp32": torch.finfo(torch.float32).eps, "bf16": torch.finfo(torch.bfloat16).eps,
+       "fp16": torch.finfo(torch.float16).eps}
 
 
 def bound(magnitude: float, terms: int, steps: int, eps: float) -> float:
@@ -189,7 +191,7 @@ def likely_causes(model: nn.Module, *, microbatches: int, dp: int, mbs: int,
     if bn and parts > 1:
         causes.append(Cause(
             "BatchNorm statistics per micro-batch",
-            f"{_names(bn)} normalise with the mean and variance of the batch they see: "
+            f"BatchNorm {_names(bn)} normalises with the mean and variance of the batch they see: "
             f"{mbs} samples per micro-batch in the pipeline ({parts} micro-batches per step), "
             "the whole batch in one process (and their running statistics differ too)",
             "Use a per-sample normalisation (LayerNorm, GroupNorm), or freeze BatchNorm "
@@ -199,7 +201,7 @@ def likely_causes(model: nn.Module, *, microbatches: int, dp: int, mbs: int,
     if drop:
         causes.append(Cause(
             "dropout without a fixed generator",
-            f"{_names(drop)} (p = {_p(model, drop[0]):g}) draw their masks from each rank's "
+            f"dropout {_names(drop)} (p = {_p(model, drop[0]):g}) draws its masks from each rank's "
             "own random generator, per micro-batch: the pipeline drops other units than one "
             "process does",
             "Check with dropout off (p: 0, e.g. resid_pdrop/embd_pdrop/attn_pdrop: 0.0 in a "
@@ -219,7 +221,7 @@ def likely_causes(model: nn.Module, *, microbatches: int, dp: int, mbs: int,
     if hooks:
         causes.append(Cause(
             "a hook with side effects",
-            f"{_names(hooks)} carry forward/backward hooks: the traced pipeline runs what a "
+            f"hooks on {_names(hooks)}: the traced pipeline runs what a "
             "hook computed while tracing, not the hook itself, so a hook that counts, "
             "records or changes state per call acts differently",
             "Remove the hooks for training, or do their work in forward() itself"))
