@@ -10,7 +10,7 @@ FILES=(tests/test_executor.py tests/test_schedules_execute.py tests/test_compres
        tests/test_compiled.py tests/test_real_models.py tests/test_async_updates.py
        tests/test_resume.py tests/test_multinode.py tests/test_grad_fusion.py tests/test_split.py
        tests/test_runtime_benchmarks_smoke.py tests/test_bench_hf_smoke.py
-       tests/test_tensor_parallel.py tests/test_data_sharding.py)
+       tests/test_tensor_parallel.py tests/test_data_sharding.py tests/test_check.py)
 native=$(python3 -c "import torch; print(torch.backends.cpu.get_cpu_capability().lower())")
 caps=(default avx2)
 [[ "$native" == avx512* ]] && caps+=(avx512)

@@ -191,7 +191,7 @@ def likely_causes(model: nn.Module, *, microbatches: int, dp: int, mbs: int,
     if bn and parts > 1:
         causes.append(Cause(
             "BatchNorm statistics per micro-batch",
-            f"BatchNorm {_names(bn)} normalises with the mean and variance of the batch they see: "
+            f"BatchNorm {_names(bn)} normalises with the mean and variance of the batch it sees: "
             f"{mbs} samples per micro-batch in the pipeline ({parts} micro-batches per step), "
             "the whole batch in one process (and their running statistics differ too)",
             "Use a per-sample normalisation (LayerNorm, GroupNorm), or freeze BatchNorm "
