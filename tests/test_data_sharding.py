@@ -377,3 +377,19 @@ def test_an_unwrapped_optimizer_on_a_sharded_pipeline_is_refused():
     for msg in run_ranks(_unwrapped, 2, _plan(1, 2, "optimizer"), timeout_s=120,
                          dist_timeout_s=60):
         assert "pipe.shard_optimizer" in msg
+
+
+def test_optimizers_that_would_train_differently_over_slices_are_refused():
+    """Adafactor (factored moments of a matrix's rows and columns) over flat slices, or a
+    scheduler left on the optimizer that shard_optimizer replaces, would silently train
+    differently: both are refused before any step."""
+    from fxpipe.runtime.data_sharding import _check_shardable
+
+    params = [torch.nn.Parameter(torch.zeros(4, 4))]
+    with pytest.raises(UsageError, match="element-wise optimizers.*Adafactor"):
+        _check_shardable(torch.optim.Adafactor(params))
+    opt = torch.optim.AdamW(params)
+    _check_shardable(opt)  # element-wise: accepted
+    torch.optim.lr_scheduler.LambdaLR(opt, lambda e: 1.0)
+    with pytest.raises(UsageError, match="wrap first, then build the scheduler"):
+        _check_shardable(opt)

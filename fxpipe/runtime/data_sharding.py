@@ -417,6 +417,32 @@ def state_storage_bytes(trained: Iterable[nn.Parameter], optimizer=None,
     return out
 
 
+#: optimizers whose update of an element reads only that element's gradient and state (and
+#: scalars): stepping slices of flattened parameters equals stepping the whole tensors
+ELEMENTWISE = ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "RMSprop", "ASGD",
+               "Rprop")
+
+
+def _check_shardable(optimizer: torch.optim.Optimizer) -> None:
+    """Raises UsageError for what would silently train differently over slices: an optimizer
+    whose update reads a tensor's shape or whole-tensor norms (Adafactor's factored moments,
+    LAMB's trust ratio, Muon's orthogonalisation), or a learning-rate scheduler already built
+    on the optimizer passed in (it would drive the discarded optimizer)."""
+    name = type(optimizer).__name__
+    if type(optimizer).__module__.split(".")[0] != "torch" or name not in ELEMENTWISE:
+        raise UsageError(
+            f"parallel.data_sharding steps each replica's slice of the flattened parameters, "
+            f"which equals whole-tensor training only for element-wise optimizers "
+            f"({', '.join(ELEMENTWISE)} from torch.optim); {type(optimizer).__module__}.{name} "
+            "may read a tensor's shape or whole-tensor norms (Adafactor, LAMB, Muon do): use "
+            "one of those, or data_sharding: none")
+    if getattr(optimizer.step, "_wrapped_by_lr_sched", False):
+        raise UsageError("a learning-rate scheduler is already built on this optimizer, and "
+                         "shard_optimizer returns a new one that the scheduler would not drive: "
+                         "wrap first, then build the scheduler on the returned optimizer "
+                         "(opt = pipe.shard_optimizer(opt); sched = LambdaLR(opt, ...))")
+
+
 class ShardedOptimizer(torch.optim.Optimizer):
     """``optimizer``'s class, hyperparameters and parameter groups over this rank's master
     slices of the sharded parameters, and over the shared (whole) ones as they are.
@@ -431,6 +457,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, optimizer: torch.optim.Optimizer, sharding: DataSharding,
                  names: dict[int, str], timeout_s: float = 300.0):
+        _check_shardable(optimizer)
         self.sharding, self.timeout_s, self.names = sharding, float(timeout_s), names
         #: whole parameter id -> (its master slice, first, last element, bucket, offset)
         self._slices: dict[int, list[tuple[nn.Parameter, int, int, ShardedBucket, int]]] = {}
