@@ -389,3 +389,27 @@ def test_bf16_under_tensor_parallelism_trains_close_to_fp32():
         assert all(math.isfinite(x) for x in losses)
         gap = max(abs(a - b) for a, b in zip(losses, ref))
         assert 0 < gap < 0.05, (losses, ref)  # bf16 computes (2^-8 relative), close to fp32
+
+
+def test_auto_degree_explains_degrees_left_out_and_sequence_parallel_dropped():
+    """tensor: auto with pipeline and data given: a degree whose product with them is not the
+    device count is left out saying so (not a batch-size hint), and sequence_parallel asked
+    for but unused at the chosen tensor 1 is said."""
+    from fxpipe.examples.gpt import CharGPT
+
+    def plan(par):
+        spec = {"model": {"factory": "fxpipe.examples.gpt:CharGPT"},
+                "data": {"batch_size": 8, "seq_len": 16},
+                "parallel": {"microbatches": 2, **par}, "cluster": {"devices_per_node": 4}}
+        with torch.device("meta"):
+            model = CharGPT(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32)
+        return fxpipe.plan(model, spec, (torch.zeros(1, 16, dtype=torch.long, device="meta"),))
+
+    p = plan({"pipeline": 2, "data": 1, "tensor": "auto"})
+    assert p.tensor == 2
+    lines = "\n".join(p.explain)
+    assert "left out tensor 1: pipeline 2 x data 1 x tensor 1 = 2 ranks, which is not the 4" in lines
+    assert "left out tensor 4: pipeline 2 x data 1 x tensor 4 = 8 ranks" in lines
+    p = plan({"pipeline": "auto", "data": "auto", "tensor": "auto", "sequence_parallel": True})
+    assert p.tensor == 1  # on this tiny model a tensor group's collectives cost more than they save
+    assert any("sequence_parallel is off in this plan" in e for e in p.explain)

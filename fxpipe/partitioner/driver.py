@@ -1346,6 +1346,9 @@ def _search(pr_at: Callable[[int], Priced], spec: ParallelSpec, prune: bool = Tr
     explain += [f"  {i + 1}. {r.label:40s} {r.step_s * 1e3:10.2f} ms/step"
                 for i, r in enumerate(ranked[:5])]
     explain += _degree_notes(left_out, ranked, degrees)
+    if spec.parallel.sequence_parallel and best.cand.tensor == 1:
+        explain.append("parallel.sequence_parallel is off in this plan: it splits the sequence "
+                       "over a tensor group, and the search chose tensor 1")
     explain += _sharding_notes(priced[best.cand.tensor], spec, best.cand, ranked, failed)
     explain += _memory_schedule_notes(best.cand, fit)
     if skipped:

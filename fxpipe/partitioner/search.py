@@ -9,6 +9,8 @@ the exact stage cut inside).
 
 from __future__ import annotations
 
+import math
+
 import functools
 from dataclasses import dataclass
 
@@ -193,6 +195,16 @@ def candidates(spec: ParallelSpec, max_stages: int | None = None,
         if par.pipeline == "auto" and par.data == "auto" and world // max(fits) > max_stages:
             raise _batch_leaves_too_many_stages(spec, world, max_stages, fits)
         raise _too_many_stages(spec, max_stages, *too_many)
+    if not out and (par.pipeline != "auto" or par.data != "auto"):
+        fixed = [f"{k} {v}" for k, v in (("pipeline", par.pipeline), ("data", par.data))
+                 if v != "auto"]
+        product = math.prod(v for v in (par.pipeline, par.data) if v != "auto") * tensor
+        both = len(fixed) == 2
+        if (product != world * tensor) if both else (world * tensor % product != 0):
+            raise PlanError(
+                f"{' x '.join(fixed)} x tensor {tensor} = {product} ranks, which "
+                f"{'is not' if both else 'does not divide'} the {world * tensor} devices; "
+                f"choose degrees whose product {'is' if both else 'divides'} them")
     if not out:
         raise PlanError(
             f"no pipeline x data x micro-batch x schedule combination fits {world} devices and "
