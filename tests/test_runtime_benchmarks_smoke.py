@@ -24,6 +24,7 @@ if str(ROOT) not in sys.path:
 from benchmarks import _report  # noqa: E402
 from benchmarks import _runtime_bench as rb  # noqa: E402
 from fxpipe.schedule.lowering import schedule_for_plan  # noqa: E402
+from fxpipe.specs.schema import V_SCHEDULES  # noqa: E402
 
 try:
     from tolerances import bound  # noqa: E402
@@ -155,7 +156,8 @@ def test_predicted_vs_measured_benchmark_tiny(tmp_path):
     assert [r.spec.schedule for r in rows] == list(bp.SCHEDULES)
     for r in rows:
         n = r.spec.num_stages
-        assert n == (4 if r.spec.schedule in ("interleaved", "zb-v") else 2)
+        # two (virtual) stages per rank for interleaved and every V schedule, one otherwise
+        assert n == (4 if r.spec.schedule == "interleaved" or r.spec.schedule in V_SCHEDULES else 2)
         # in-flight peaks depend only on the action order: executor and simulator agree exactly
         assert r.peak_measured == r.peak_simulated and len(r.peak_measured) == n
         assert len(r.measured) == len(r.predicted) == 2
