@@ -250,5 +250,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def console() -> None:
+    """The ``fxpipe`` console script and ``python -m fxpipe``: :func:`main`, then exit with its
+    code. The objects alive at the end are frozen out of the garbage collector first: the
+    interpreter's final collections over torch's modules would otherwise take most of a
+    second of CPU per command (each ``fxpipe`` and each planning process pays it)."""
+    code = main()
+    import gc
+
+    gc.freeze()
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    console()

@@ -163,16 +163,19 @@ def test_resume_errors_are_clean(reference, tmp_path):
     assert r.returncode == 2 and "drop --out" in r.stderr
 
 
-def _worker_pid(run: Path, rank: int) -> int | None:
+def _worker_pid(launcher: int, rank: int) -> int | None:
+    """The worker of ``rank`` under the ``fxpipe run`` process ``launcher``: named
+    ``fxpipe-rank<R>`` and forked from the launcher's fork server."""
+    def parent(pid: str) -> int:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:
+            if Path(f"/proc/{pid}/comm").read_text().strip() == f"fxpipe-rank{rank}" \
+                    and parent(str(parent(pid))) == launcher:
+                return int(pid)
+        except (OSError, ValueError, IndexError):
             continue
-        if b"fxpipe.training.worker" in cmd and str(run).encode() in cmd \
-                and f"RANK={rank}".encode() in env:
-            return int(pid)
     return None
 
 
@@ -217,7 +220,7 @@ def test_killed_rank_restarts_from_the_latest_checkpoint(reference, tmp_path):
         rows = (run / "losses.csv").read_text().count("\n") - 1 \
             if (run / "losses.csv").exists() else 0
         if rows >= 6:
-            workers = [_worker_pid(run, r) for r in range(4)]
+            workers = [_worker_pid(p.pid, r) for r in range(4)]
             # everything the launcher and its workers listen on is the loopback
             addresses = listening_addresses([p.pid, *filter(None, workers)])
             killed = workers[1]

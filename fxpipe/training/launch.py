@@ -413,15 +413,18 @@ def _launch(spec, out: Path, nnodes: int, endpoint: str, bind: str, run_id: str,
         run_id=run_id, rdzv_backend=register(), rdzv_endpoint=endpoint,
         rdzv_configs={"join_timeout": wait, "bind": bind, "fingerprint": fingerprint,
                       "node_rank": -1 if node_rank is None else node_rank},
-        max_restarts=restarts, monitor_interval=0.5, start_method="spawn", local_addr=bind,
+        max_restarts=restarts, monitor_interval=0.1, start_method="forkserver", local_addr=bind,
     )
-    worker_args = ["-m", "fxpipe.training.worker", "--plan", str(out / "plan.json"), "--out",
-                   str(out), *(["--resume"] if resume else [])]
+    import torch.multiprocessing as mp
+
+    from fxpipe.training.worker import PRELOAD, launched
+
+    mp.set_forkserver_preload(PRELOAD)  # workers fork from a server that imported these once
     print(f"launching {nnodes} x {plural(per_node, 'worker')}, rendezvous at {endpoint} "
           f"(listening on {bind} only)"
           + (f", up to {plural(restarts, 'restart')}" if restarts else ""), flush=True)
     try:
-        elastic_launch(config, sys.executable)(*worker_args)
+        elastic_launch(config, launched)(str(out / "plan.json"), str(out), resume)
     except SignalException:
         raise KeyboardInterrupt from None
     except ChildFailedError as e:

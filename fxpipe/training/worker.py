@@ -337,10 +337,24 @@ def train(plan_path: Path, out: Path, resume: bool = False) -> None:
     dist.destroy_process_group()
 
 
+def _name_process(name: str) -> None:
+    """Linux: the name ``ps``, ``top`` and ``/proc/PID/comm`` show for this process (at most 15
+    bytes): every worker is a fork of the same fork server, with its command line."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    try:
+        ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):
+        pass
+
+
 def _die_with_launcher() -> None:
-    """Linux: end this worker when its launcher (the torchrun agent, which starts workers in
-    their own sessions) dies, as on a node that goes down: a launcher killed by SIGKILL cannot
-    stop its workers, and an orphaned worker would go on training with the other nodes."""
+    """Linux: end this worker when its parent dies, as on a node that goes down: a launcher
+    killed by SIGKILL cannot stop its workers, and an orphaned worker would go on training with
+    the other nodes. The parent is the fork server of torchrun's launcher (:func:`launched`),
+    which exits when the launcher does."""
     if not sys.platform.startswith("linux"):
         return
     import ctypes
@@ -497,6 +511,26 @@ def train_async(plan_path: Path, out: Path, *, resume: bool = False, restarts: i
           + ", ".join(f"replica {d}: {n}" for d, n in sorted(steps.items()))
           + "; " + "; ".join(f"server {j}: {n} gradients in {rounds} updates, staleness at "
                              f"most {s}" for j, n, s, rounds in sorted(servers)), flush=True)
+
+
+#: what torchrun's fork server imports once before ``fxpipe run`` forks its workers from it
+#: (:func:`launched`): about 3 s of CPU per worker (torch, dynamo for torch.export, fxpipe) paid
+#: once per launch instead of once per worker; the server never runs an op, so no worker is the
+#: fork of a process with a live OpenMP pool
+PRELOAD = ["torch", "torch.distributed", "torch.export", "torch._dynamo",
+           "torch.distributed.checkpoint", "fxpipe.training.compiled",
+           "fxpipe.training.checkpoint", "fxpipe.runtime.executor", "fxpipe.data.batches",
+           "fxpipe.training.fork_server"]  # last: freezes what the others imported
+
+
+def launched(plan: str, out: str, resume: bool) -> None:
+    """One worker of ``fxpipe run``: torchrun's launcher forks it from its fork server
+    (``start_method="forkserver"``, :data:`PRELOAD`) and sets the rank's environment first.
+    Exits with :func:`main`'s code when it is not 0 (the launcher then sees a failed worker)."""
+    _name_process(f"fxpipe-rank{os.environ.get('RANK', '?')}")
+    code = main(["--plan", plan, "--out", out, *(["--resume"] if resume else [])])
+    if code:
+        sys.exit(code)
 
 
 def main(argv: list[str] | None = None) -> int:
