@@ -1750,6 +1750,12 @@ def _plan_with_graph(model: nn.Module, spec: ParallelSpec, example_inputs: Any,
         args, kwargs = tuple(example_inputs or ()), dict(example_kwargs or {})
     tensors = [t for t in [*args, *kwargs.values()] if isinstance(t, torch.Tensor) and t.dim()]
     b0 = int(tensors[0].shape[0]) if tensors else 1
+    par = spec.parallel
+    if "auto" not in (par.data, par.microbatches) and \
+            spec.data.batch_size % (par.data * par.microbatches) == 0:
+        # the micro-batch size is fixed: trace once, at it, rather than at the example's size
+        # for the search and again at the micro-batch's for the plan
+        b0 = spec.data.batch_size // (par.data * par.microbatches)
     run = find_block_run(model)
     given = model
     key = spec.loss_output
