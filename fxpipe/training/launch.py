@@ -311,6 +311,7 @@ def run(args) -> int:
 
     from fxpipe.reports.progress import planning_progress
 
+    start_fork_server()  # its imports run while this process plans
     with planning_progress():  # a spinner with the planner's phases on a terminal
         plan, graph = plan_from_spec(spec)
     _check_loss_fits(spec, plan)
@@ -385,6 +386,21 @@ def _report_restarts(restarts: int, world: int) -> None:
     agent.addFilter(Restarts())
 
 
+def start_fork_server() -> None:
+    """Start the fork server that the workers of ``fxpipe run`` fork from (torchrun's launcher
+    with ``start_method="forkserver"``), importing :data:`fxpipe.training.worker.PRELOAD`: done
+    before planning, the server's imports (seconds of torch and dynamo) overlap the planner's
+    work instead of following it."""
+    import multiprocessing.forkserver as forkserver
+
+    import torch.multiprocessing as mp
+
+    from fxpipe.training.worker import PRELOAD
+
+    mp.set_forkserver_preload(PRELOAD)
+    forkserver.ensure_running()
+
+
 def _launch(spec, out: Path, nnodes: int, endpoint: str, bind: str, run_id: str,
             resume: bool, node_rank: int | None = None, fingerprint: str = "{}") -> None:
     """Start ``cluster.devices_per_node`` workers with torchrun's launcher (the ``fxpipe``
@@ -415,16 +431,18 @@ def _launch(spec, out: Path, nnodes: int, endpoint: str, bind: str, run_id: str,
                       "node_rank": -1 if node_rank is None else node_rank},
         max_restarts=restarts, monitor_interval=0.1, start_method="forkserver", local_addr=bind,
     )
-    import torch.multiprocessing as mp
+    from fxpipe.training.worker import launched
 
-    from fxpipe.training.worker import PRELOAD, launched
-
-    mp.set_forkserver_preload(PRELOAD)  # workers fork from a server that imported these once
+    start_fork_server()  # started before planning; a no-op here then
+    # the fork server's environment is the one it started with: the workers get these too
+    env = {k: os.environ[k] for k in (
+        "OMP_NUM_THREADS", PROGRESS_ENV, "TORCH_CPP_LOG_LEVEL", "TORCH_SHOW_CPP_STACKTRACES",
+        "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME") if k in os.environ}
     print(f"launching {nnodes} x {plural(per_node, 'worker')}, rendezvous at {endpoint} "
           f"(listening on {bind} only)"
           + (f", up to {plural(restarts, 'restart')}" if restarts else ""), flush=True)
     try:
-        elastic_launch(config, launched)(str(out / "plan.json"), str(out), resume)
+        elastic_launch(config, launched)(str(out / "plan.json"), str(out), resume, env)
     except SignalException:
         raise KeyboardInterrupt from None
     except ChildFailedError as e:

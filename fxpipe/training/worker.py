@@ -523,10 +523,13 @@ PRELOAD = ["torch", "torch.distributed", "torch.export", "torch._dynamo",
            "fxpipe.training.fork_server"]  # last: freezes what the others imported
 
 
-def launched(plan: str, out: str, resume: bool) -> None:
+def launched(plan: str, out: str, resume: bool, env: dict[str, str]) -> None:
     """One worker of ``fxpipe run``: torchrun's launcher forks it from its fork server
-    (``start_method="forkserver"``, :data:`PRELOAD`) and sets the rank's environment first.
-    Exits with :func:`main`'s code when it is not 0 (the launcher then sees a failed worker)."""
+    (``start_method="forkserver"``, :data:`PRELOAD`) and sets the rank's environment first;
+    ``env`` is what the launcher set after the server started (threads, progress, the socket
+    interface). Exits with :func:`main`'s code when it is not 0 (the launcher then sees a
+    failed worker)."""
+    os.environ.update(env)
     _name_process(f"fxpipe-rank{os.environ.get('RANK', '?')}")
     code = main(["--plan", plan, "--out", out, *(["--resume"] if resume else [])])
     if code:
