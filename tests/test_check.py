@@ -1,7 +1,7 @@
 """``fxpipe check SPEC``: the planned pipeline against the same model trained in one process.
 
-Passes (exit 0, ``verdict: EQUIVALENT``) on the bundled GPT's model and on a transformers GPT-2
-(small configurations of gpt-char and hf-gpt2, so the suite stays quick); fails (exit 1) naming
+Passes (exit 0, ``verdict: EQUIVALENT``) on the bundled gpt-char spec as shipped and on a
+transformers GPT-2 (a small configuration of hf-gpt2, so the suite stays quick); fails (exit 1) naming
 the first diverging parameter, its stage and the cause on a model with BatchNorm and one with
 dropout; the non-mean-loss and hook detectors are checked in this process; spec errors exit 2.
 The checks run in this process (``fxpipe_in_process``): the ranks come from one fork server,
@@ -24,16 +24,6 @@ except ImportError:  # tests/ collected as a package
 
 from fxpipe.training.equivalence import (EPS, bound, hooked_modules, likely_causes,
                                          loss_not_a_mean)
-
-GPT = """
-model:
-  factory: "fxpipe.examples.gpt:CharGPT"
-  args: {vocab_size: 256, block_size: 32, n_layer: 2, n_head: 2, n_embd: 32}
-data: {batch_size: 8, seq_len: 32}
-parallel: {pipeline: 2, data: 2, microbatches: 2, schedule: 1f1b}
-cluster: {devices_per_node: 4, memory_gb: 2}
-train: {steps: 50, optimizer: adamw, lr: 1.0e-3, seed: 0, timeout_s: 60, grad_clip: 1.0}
-"""
 
 HF = """
 model:
@@ -67,8 +57,9 @@ def _loss_rows(out: str) -> list[tuple[float, float]]:
 
 
 @pytest.mark.distributed
-def test_passes_on_the_bundled_gpt_model(tmp_path):
-    r = _check(tmp_path, "gpt", GPT)
+def test_passes_on_the_bundled_gpt_spec():
+    """The shipped gpt-char spec as a user runs it (its model, data, layout and AdamW)."""
+    r = fxpipe_in_process("check", "gpt-char", "--steps", 2)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "2 stages x 2 replicas" in r.stdout and "fp32, adamw" in r.stdout
     rows = _loss_rows(r.stdout)
