@@ -3,8 +3,7 @@
 CNN with BatchNorm (:mod:`real_models`), with the default attention and config (dropout 0).
 
 Each is planned into 2 and 4 stages from its meta-device copy, then trained 3 steps on 2 stages x
-2 replicas under GPipe, 1F1B or ZB-H1 (GPT-2 under all three; one process group of 4 gloo ranks
-runs every case) and
+2 replicas under GPipe, 1F1B and ZB-H1 (one process group of 4 gloo ranks runs every case) and
 compared with single-process training on the whole batch: losses and final parameters within
 the float32 bounds of their reordered sums (tests/tolerances.py; fp32, SGD). The transformers models get dict batches and compute their own loss from
 ``labels``; the loss is the mean over the tokens that count in the whole batch. BatchNorm
@@ -42,13 +41,6 @@ PIPE, DP, M = 2, 2, 2
 MBS = zoo.B // (DP * M)
 STEPS = 3
 SCHEDULES = ("gpipe", "1f1b", "zb-h1")
-#: the schedules each model trains under: GPT-2 under all three, the others under one each in
-#: turn, so that every schedule runs at least three models. A schedule only orders the same
-#: stage computations (tests/test_schedules_execute.py runs every schedule exactly); what each
-#: model adds is its graph cut and run in stages, the same under any of them
-TRAINED = {"gpt2": SCHEDULES, "bert": ("gpipe",), "llama": ("zb-h1",), "t5": ("1f1b",),
-           "vit": ("zb-h1",), "transformer": ("gpipe",), "resnet": ("1f1b",),
-           "gpt2_deep": ("zb-h1",)}
 
 
 def _plan(name: str, pipeline: int, data: int, microbatches: int, schedule: str,
@@ -152,7 +144,7 @@ def _reference(name: str):
 
 @pytest.fixture(scope="module")
 def trained():
-    cases = [(name, {s: _plan(name, PIPE, DP, M, s).to_dict() for s in TRAINED[name]})
+    cases = [(name, {s: _plan(name, PIPE, DP, M, s).to_dict() for s in SCHEDULES})
              for name in zoo.NAMES]
     flipped = _plan("gpt2", PIPE, DP, M, "1f1b")  # each stage's replicas on adjacent ranks
     flipped.placement = "data-inner"
@@ -186,7 +178,7 @@ def test_plans_into_two_and_four_stages(name):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("name, schedule", [(n, s) for n in zoo.NAMES for s in TRAINED[n]]
+@pytest.mark.parametrize("name, schedule", [(n, s) for s in SCHEDULES for n in zoo.NAMES]
                          + [("gpt2", "1f1b data-inner"), ("llama", "1f1b recompute"),
                             ("llama", "zb-h1 recompute")])
 def test_trains_like_single_process(trained, name, schedule):
