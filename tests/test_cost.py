@@ -131,12 +131,13 @@ def test_fused_fast_path_formulas():
 
 
 def test_meta_gpt2_small_prices_fast():
-    t0 = time.perf_counter()
+    # CPU time of this process: a speed bound that other load on the machine cannot break
+    t0 = time.process_time()
     with torch.device("meta"):
         model = CharGPT(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768)
     x = torch.zeros(1, 1024, dtype=torch.long, device="meta")
     costs = price(trace(model, (x,)))
-    elapsed = time.perf_counter() - t0
+    elapsed = time.process_time() - t0
     T, C, V, L = 1024, 768, 50257, 12
     expected = L * (24 * T * C * C + 4 * T * T * C) + 2 * T * C * V
     assert sum(c.fwd_flops for c in costs.values()) == expected

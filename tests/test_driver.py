@@ -142,10 +142,11 @@ def test_more_stages_than_units_fails_fast(pipeline):
     from fxpipe.specs import load_spec
 
     spec = load_spec(gpt_spec(pipeline=pipeline))
-    t0 = time.perf_counter()
+    # CPU time of this process: a speed bound that other load on the machine cannot break
+    t0 = time.process_time()
     with pytest.raises(PlanError, match=rf"cannot cut (\d+) units into {pipeline} stages") as err:
         fxpipe.plan(tiny_gpt(), spec, example_inputs=(torch.randint(0, 64, (4, 16)),))
-    assert time.perf_counter() - t0 < 5.0  # no schedule of that size is ever built
+    assert time.process_time() - t0 < 5.0  # no schedule of that size is ever built
     n = int(err.value.args[0].split("cannot cut ")[1].split()[0])
     assert f"use at most {n} pipeline stages" in str(err.value)
     # the search never builds a schedule with more stages than units; with nothing left, the

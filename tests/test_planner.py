@@ -451,9 +451,10 @@ def test_large_chain_is_fast_and_beats_baselines():
     import time
 
     prob = _random_chain(20_000, 8, 0)
-    t0 = time.perf_counter()
+    # CPU time of this process: a speed bound that other load on the machine cannot break
+    t0 = time.process_time()
     got = optimal_partition(prob)
-    assert time.perf_counter() - t0 < 5.0  # generous on shared cores; the benchmark tracks 100k
+    assert time.process_time() - t0 < 5.0  # generous on shared cores; the benchmark tracks 100k
     eq = equal_layers_partition(prob)
     pb = param_balanced_partition(prob)
     assert got.lower_bound_s <= got.bottleneck_s <= min(eq.bottleneck_s, pb.bottleneck_s)

@@ -111,9 +111,10 @@ def test_deep_model_plans_as_blocks_in_seconds():
     with torch.device("meta"):
         model = CharGPT(vocab_size=50257, block_size=512, n_layer=48, n_head=16, n_embd=1024)
     spec = _all_auto_on_gpus({"batch_size": 256, "seq_len": 512}, nodes=8)
-    t0 = time.perf_counter()
+    # CPU time of this process: a speed bound that other load on the machine cannot break
+    t0 = time.process_time()
     plan = fxpipe.plan(model, spec, (torch.zeros(1, 512, dtype=torch.long, device="meta"),))
-    took = time.perf_counter() - t0
+    took = time.process_time() - t0
     assert plan.folded and len(plan.folded["blocks"]) == 48
     assert plan.pipeline * plan.dp == 64
     assert any("pruned by a lower bound" in e for e in plan.explain)
@@ -133,9 +134,9 @@ def test_a_trillion_parameters_plan_with_tensor_parallelism():
     spec["cluster"].update(device_tflops=312, links={"intra_node_GBps": 300,
                                                      "inter_node_GBps": 25})
     spec["train"] = {"optimizer": "adamw", "precision": "bf16"}
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     plan = fxpipe.plan(model, spec, (torch.zeros(1, 2048, dtype=torch.long, device="meta"),))
-    took = time.perf_counter() - t0
+    took = time.process_time() - t0
     assert plan.tensor == 8 and plan.pipeline * plan.dp * plan.tensor == 3072
     assert plan.tensor_params["h.77.attn.qkv.weight"] == "S(0,3)"
     assert any("tensor 8 chosen" in e for e in plan.explain), plan.explain
@@ -208,9 +209,9 @@ def test_blocks_whose_residual_add_is_the_parents_plan_as_blocks():
     with torch.device("meta"):
         model = _ResidualOutside(d=1024, n=48)
     spec = _all_auto_on_gpus({"batch_size": 512}, nodes=64)
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     plan = fxpipe.plan(model, spec, (torch.zeros(1, 1024, device="meta"),))
-    assert time.perf_counter() - t0 < 30
+    assert time.process_time() - t0 < 30
     assert plan.folded["run"] == {"path": "blocks", "start": 0, "count": 48, "glue": 1}
     spec = {"model": {"factory": "x:y"}, "data": {"batch_size": 8},
             "parallel": {"pipeline": 2, "data": 1, "microbatches": 2, "schedule": "1f1b"},

@@ -337,9 +337,10 @@ def test_stages_of_rank_is_cached_not_quadratic_and_stays_plain_data():
 
     p = 20_000  # a quadratic scan would take ~10 s here
     sched = Schedule("1f1b", p, 2 * p, 1, v_placement(p), [])
-    t0 = time.perf_counter()
+    # CPU time of this process: a speed bound that other load on the machine cannot break
+    t0 = time.process_time()
     got = [sched.stages_of_rank(r) for r in range(p)]
-    assert time.perf_counter() - t0 < 2.0
+    assert time.process_time() - t0 < 2.0
     assert got[0] == [0, 2 * p - 1] and got[p - 1] == [p - 1, p]
     assert sched.stages_of_rank(p + 5) == []
     got[0].append(99)  # callers get a copy: the cache cannot be corrupted
@@ -361,9 +362,9 @@ def test_add_communication_is_linear_in_the_pipeline_size():
     import time
 
     p = 20_000  # ~11 s with a per-rank scan of stage_to_rank
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     full = add_communication(compute_schedule("1f1b", p, 1), linear_edges(p))
-    assert time.perf_counter() - t0 < 5.0
+    assert time.process_time() - t0 < 5.0
     assert [str(a) for a in full.actions[1]] == ["1RECV_F0@0", "1F0", "1SEND_F0@2", "1RECV_B0@2",
                                                  "1B0", "1SEND_B0@0", "1ALLREDUCE", "1STEP"]
 

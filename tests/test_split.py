@@ -440,7 +440,8 @@ def test_split_gpt_into_four_stages_is_fast(gpt):
     _, _, gm = gpt
     node_stage = contiguous_assignment(gm, 4)
     split_graph(gm, node_stage, 4)  # warm-up (imports, code caches)
-    t0 = time.perf_counter()
+    # CPU time of this process: a speed bound that other load on the machine cannot break
+    t0 = time.process_time()
     split_graph(gm, node_stage, 4)
-    elapsed = time.perf_counter() - t0
+    elapsed = time.process_time() - t0
     assert elapsed < 1.0, f"split took {elapsed:.3f} s"
