@@ -54,6 +54,15 @@ _PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken p
               "Connection was likely closed", "Socket closed")
 
 
+#: what :func:`comm_error_text` says of a peer that closed its connection
+PEER_GONE_TEXT = "the peer closed the connection (it stopped or failed)"
+
+
+def peer_gone(e: BaseException) -> bool:
+    """Whether ``e`` says that another process closed its connection (it ended first)."""
+    return any(p in str(e) for p in (*_PEER_GONE, PEER_GONE_TEXT))
+
+
 def comm_error_text(e: BaseException) -> str:
     """What a gloo / NCCL / c10d exception says, in one short line: no C++ source locations
     (``[/__w/pytorch/.../pair.cc:537]``), no advice paragraphs, no stack frames; a peer that
@@ -62,7 +71,7 @@ def comm_error_text(e: BaseException) -> str:
                     and not ln.startswith(("Traceback", "Exception raised from", "frame #")))
     text = _SOURCE_LOCATION.sub("", text).strip()
     if any(p in text for p in _PEER_GONE):
-        return "the peer closed the connection (it stopped or failed)"
+        return PEER_GONE_TEXT
     end = text.find(". ")
     if 0 < end < 200:
         text = text[:end]

@@ -184,7 +184,7 @@ def test_dataset_failing_mid_run_keeps_what_was_done(tmp_path):
     out = tmp_path / "run"
     r = fxpipe_cli("run", spec, "--out", out, "--no-report", timeout=300)
     err = clean_failure(r, "step 3:", "shard 3 is unreadable", "it would meet it again")
-    assert err.count("shard 3 is unreadable") == 2  # rank 0, once more on the restart, no more
+    assert err.count("shard 3 is unreadable") == 1  # said once, by the launcher
     rows = (out / "losses.csv").read_text().splitlines()
     assert [r.split(",")[0] for r in rows[1:]] == ["0", "1", "2"]  # every finished step
     assert (out / "checkpoint" / "latest").read_text().strip() == "step_000002"
@@ -308,6 +308,47 @@ def test_comm_errors_lose_their_cpp_locations_and_say_the_peer_went_away():
                         "x at y.cpp:1 (most recent call first):\nframe #0: foo")
     assert comm_error_text(slow) == "Timed out waiting 5000ms for recv operation to complete"
     assert first_line(ValueError("plain words")) == "ValueError: plain words"
+
+
+def test_a_rank_that_lost_its_peer_is_not_named_as_where_the_failure_began(tmp_path, capsys,
+                                                                             monkeypatch):
+    """A rank killed without a word (SIGKILL, out of memory) makes the others fail with a lost
+    connection, and torchrun reports whichever rank exited first: the worker records the lost
+    peer and says so without "please report it", and the launcher names the silent rank."""
+    from types import SimpleNamespace
+
+    from fxpipe.training import worker
+    from fxpipe.training.launch import _first_failure
+
+    def lost(*_args):
+        raise RuntimeError("[../gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:8629: "
+                           "Connection closed by peer")
+
+    monkeypatch.setattr(worker, "train", lost)
+    for rank in ("0", "2", "3"):
+        monkeypatch.setenv("RANK", rank)
+        assert worker.main(["--plan", "p.json", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("lost contact with another rank: it ended first") == 3, err
+    assert "please report" not in err and "pair.cc" not in err
+    assert worker.lost_peer_ranks(tmp_path) == {0, 2, 3}
+
+    def failed(**codes):  # torchrun's failures: rank -> exit code, timestamps in rank order
+        return {int(r[1:]): SimpleNamespace(exitcode=c, timestamp=i)
+                for i, (r, c) in enumerate(codes.items())}
+
+    said = _first_failure(failed(r0=2), tmp_path, world=4)
+    assert said.startswith("rank 1 ended first") and "lost contact with it" in said
+    # more ranks unaccounted for (another node's): the first to exit is not blamed
+    said = _first_failure(failed(r0=2), tmp_path, world=8)
+    assert said.startswith("rank 0 exited first, having lost contact")
+    # a rank torchrun saw die of a signal, and a rank that failed on its own, are named as such
+    assert _first_failure(failed(r1=-9), tmp_path, world=4) == \
+        "first failure: rank 1, exit code -9 (SIGKILL)"
+    assert _first_failure(failed(r1=2, r0=2), tmp_path, world=4) == \
+        "first failure: rank 1, exit code 2"
+    worker.clear_exit_records(tmp_path)
+    assert worker.lost_peer_ranks(tmp_path) == set()
 
 
 def test_skipping_stops_once_the_weights_themselves_are_not_finite(tmp_path):

@@ -293,7 +293,7 @@ def run(args) -> int:
     """
     from fxpipe.partitioner.driver import plan_from_spec
     from fxpipe.specs.loader import load_spec
-    from fxpipe.training.worker import STOPPED
+    from fxpipe.training.worker import clear_exit_records
 
     spec = load_spec(args.spec)
     if args.steps is not None:
@@ -326,7 +326,7 @@ def run(args) -> int:
     if not resume:
         prepare_output_dir(out, args.overwrite)
     check_checkpoint_dir(out, spec)
-    (out / STOPPED).unlink(missing_ok=True)
+    clear_exit_records(out)
     plan.dump(out, graph)
     report = not args.no_report
     if report:
@@ -368,18 +368,59 @@ def _write_report(out: Path) -> None:
     print(f"report: {path} (pictures: partition, timeline and training .png/.svg)", flush=True)
 
 
-def _report_restarts(restarts: int, world: int) -> None:
+def _after(restarts: int) -> str:
+    return f" after {plural(restarts, 'restart')}" if restarts else ""
+
+
+def _first_failure(failures: dict, out: Path, world: int) -> str:
+    """Where a failed run's failure began, from torchrun's failures (global rank -> exit code
+    and time) and the ranks that only lost a peer (:func:`~fxpipe.training.worker.main`
+    records them): torchrun reports the first rank to exit, which is often one that lost
+    contact with a rank killed without a word (SIGKILL, out of memory)."""
+    from fxpipe.training.worker import lost_peer_ranks
+
+    rank, failure = min(failures.items(), key=lambda kv: kv[1].timestamp or 0)
+    said = f"first failure: rank {rank}, exit code {failure.exitcode}"
+    if failure.exitcode is not None and failure.exitcode < 0:
+        import signal
+
+        try:
+            said += f" ({signal.Signals(-failure.exitcode).name})"
+        except ValueError:
+            pass
+    lost = lost_peer_ranks(out)
+    if rank not in lost:
+        return said
+    others = sorted(set(range(world)) - lost)
+    if len(others) == 1:
+        return (f"rank {others[0]} ended first and the others lost contact with it (with no "
+                f"message of its own above, it was killed: out of memory?)")
+    return (f"rank {rank} exited first, having lost contact with a rank that ended before it "
+            f"(one with no message of its own above was killed: out of memory?)")
+
+
+def _report_restarts(restarts: int, world: int, out: Path) -> None:
     """Print one line when torchrun's agent restarts the workers (it logs the decision at INFO,
-    which is otherwise silenced)."""
+    which is otherwise silenced); when training stopped for a reason a restart would meet again
+    (:func:`fxpipe.training.worker.stop_messages`), the restarted workers end at once."""
+    import shutil
+
+    from fxpipe.training.worker import LOST_PEER, stop_messages
+
     agent = logging.getLogger("torch.distributed.elastic.agent.server.api")
 
     class Restarts(logging.Filter):
         def filter(self, record: logging.LogRecord) -> bool:
             if "attempts left" in record.msg and len(record.args) >= 3:
-                left = int(record.args[2])
-                print(f"fxpipe: a worker failed ({record.args[1]}); restarting all "
-                      f"{plural(world, 'worker')} from the latest checkpoint (restart "
-                      f"{restarts - left + 1} of {restarts})", flush=True)
+                which = f"restart {restarts - int(record.args[2]) + 1} of {restarts}"
+                shutil.rmtree(out / LOST_PEER, ignore_errors=True)  # this round's failure only
+                if stop_messages(out):
+                    print(f"fxpipe: training stopped (why: below); {which} ends at once, as "
+                          "it would meet it again", file=sys.stderr, flush=True)
+                else:
+                    print(f"fxpipe: a worker failed ({record.args[1]}); restarting all "
+                          f"{plural(world, 'worker')} from the latest checkpoint ({which})",
+                          flush=True)
             return False
 
     agent.setLevel(logging.INFO)
@@ -422,8 +463,11 @@ def _launch(spec, out: Path, nnodes: int, endpoint: str, bind: str, run_id: str,
     os.environ.update(TORCH_CPP_LOG_LEVEL=os.environ.get("TORCH_CPP_LOG_LEVEL", "FATAL"),
                       TORCH_SHOW_CPP_STACKTRACES="0", **socket_env(bind))
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    # "Terminating process N via signal SIGTERM" when a worker fails: said by fxpipe's own line
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
+    world = per_node * nnodes
     if restarts:
-        _report_restarts(restarts, per_node * nnodes)
+        _report_restarts(restarts, world, out)
     config = LaunchConfig(
         min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=per_node,
         run_id=run_id, rdzv_backend=register(), rdzv_endpoint=endpoint,
@@ -442,21 +486,22 @@ def _launch(spec, out: Path, nnodes: int, endpoint: str, bind: str, run_id: str,
           f"(listening on {bind} only)"
           + (f", up to {plural(restarts, 'restart')}" if restarts else ""), flush=True)
     try:
-        elastic_launch(config, launched)(str(out / "plan.json"), str(out), resume, env)
+        elastic_launch(config, launched)(str(out / "plan.json"), str(out), resume, env,
+                                         os.getpid())
     except SignalException:
         raise KeyboardInterrupt from None
     except ChildFailedError as e:
-        from fxpipe.training.worker import STOPPED
+        from fxpipe.training.worker import stop_messages
 
-        if (out / STOPPED).exists():
-            raise FxpipeError(f"training stopped (rank 0's message above); outputs so far are "
-                              f"kept in {out}") from None
-        first = min(e.failures.items(), key=lambda kv: kv[1].timestamp or 0)
-        rank, failure = first
-        after = f" after {plural(restarts, 'restart')}" if restarts else ""
+        stops = stop_messages(out)
+        if stops:  # said here: the first rank to exit ends the others before they could
+            said = list(dict.fromkeys(stops.values()))  # the same reason on every rank: once
+            for other in said[1:]:  # asynchronous replicas may stop for reasons of their own
+                print(f"fxpipe: {other}", file=sys.stderr, flush=True)
+            raise FxpipeError(f"{said[0].rstrip('.')}. Outputs so far are kept in {out}") from None
         raise FxpipeError(
-            f"training failed{after} (first failure: rank {rank}, exit code "
-            f"{failure.exitcode}); the ranks' messages are printed above. Outputs so far are "
+            f"training failed{_after(restarts)}: {_first_failure(e.failures, out, world)}. "
+            f"The ranks' messages are printed above. Outputs so far are "
             f"kept in {out}" + ("; continue with --resume " + str(out)
                                 if (out / spec.train.checkpoint.dir / "latest").exists() else "")
         ) from None

@@ -20,6 +20,7 @@ import contextlib
 import errno
 import ipaddress
 import os
+import select
 import socket
 import subprocess
 import sys
@@ -346,6 +347,7 @@ def socket_env(address: str) -> dict[str, str]:
 _PROBE = """
 import datetime, sys
 import torch.distributed as dist
+print("imported", flush=True)
 host, port, t = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
 try:
     s = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=t))
@@ -354,6 +356,10 @@ except Exception as e:
     print(type(e).__name__ + ": " + (str(e).splitlines() or [""])[0])
     sys.exit(1)
 """
+
+
+#: seconds the endpoint check's child process may take to import torch
+PROBE_START_S = 120.0
 
 
 def probe_endpoint(endpoint: str, timeout_s: float) -> None:
@@ -379,16 +385,29 @@ def probe_endpoint(endpoint: str, timeout_s: float) -> None:
             time.sleep(0.5)
     left = max(1.0, deadline - time.monotonic())
     env = dict(os.environ, TORCH_CPP_LOG_LEVEL="FATAL", TORCH_SHOW_CPP_STACKTRACES="0")
+    proc = subprocess.Popen([sys.executable, "-c", _PROBE, host, port, str(left)],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            env=env)
     try:
-        done = subprocess.run([sys.executable, "-c", _PROBE, host, port, str(left)],
-                              capture_output=True, text=True, timeout=left + 10, env=env)
+        # the child's import of torch is not the endpoint's time (seconds of CPU, many more on
+        # a loaded machine): the store's answer is timed from the child's "imported" line; the
+        # client's own retries after a refused or reset connection take a few seconds more
+        ready, _, _ = select.select([proc.stdout], [], [], PROBE_START_S)
+        if not ready or proc.stdout.readline().strip() != "imported":
+            raise FxpipeError(f"could not check the rendezvous at {endpoint}: the checking "
+                              f"process did not start within {PROBE_START_S:g} s")
+        out, _ = proc.communicate(timeout=left + 10)
     except subprocess.TimeoutExpired:
         raise FxpipeError(f"the rendezvous at {endpoint} accepted the connection but did not "
                           f"answer within {timeout_s:g} s (train.timeout_s): another program "
                           "holds that port, or the node hosting it is stuck; pick a free port "
                           "for --rdzv-endpoint") from None
-    if done.returncode != 0:
-        why = (done.stdout.strip().splitlines() or ["no answer"])[-1]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    if proc.returncode != 0:
+        why = (out.strip().splitlines() or ["no answer"])[-1]
         raise FxpipeError(f"the rendezvous at {endpoint} is not reachable or is not an fxpipe/"
                           f"torch store ({why}); start `fxpipe run` on the node at {host} first "
                           "(it hosts the rendezvous), or pick a free port for --rdzv-endpoint")

@@ -17,8 +17,8 @@ Resuming (``--resume``, or a restart after a failure under ``train.max_restarts`
 loads the latest checkpoint (under any plan: keys are parameter names), ``losses.csv`` keeps
 the rows before its step, and training continues from there; on CPU the losses equal an
 uninterrupted run's bit for bit. A run that stopped for a reason a restart would meet again
-(a non-finite loss, a bad dataset) leaves ``stopped.json``: restarts end at once with its
-message instead of training again.
+(a non-finite loss, a bad dataset) leaves each stopped rank's reason in ``.stopped/``: the
+launcher prints it, and restarts end at once instead of training again.
 
 Under ``train.updates: async`` the servers serve and the replicas train at their own pace
 (:func:`train_async`, on :mod:`fxpipe.training.async_updates`: its logs, its final
@@ -29,20 +29,24 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import os
 import sys
 import time
 from pathlib import Path
 from typing import Callable
 
-from fxpipe.errors import FxpipeError, RuntimeFailure, SpecError, TrainingStopped, first_line
+from fxpipe.errors import (FxpipeError, RuntimeFailure, SpecError, TrainingStopped, first_line,
+                           peer_gone)
 
 # torch is imported inside the functions: a Ctrl-C while a worker is still starting then ends
 # in main()'s handler instead of a traceback from the middle of `import torch`.
 
-#: written by rank 0 when training stopped for a reason a restart would meet again
-STOPPED = "stopped.json"
+#: folder of the run where each rank that stopped training for a reason a restart would meet
+#: again records why (``rank<R>.txt``); the launcher says it (:func:`stop_messages`)
+STOPPED = ".stopped"
+#: folder of the run where each rank that failed because another rank ended first leaves an
+#: empty ``rank<R>`` (:func:`lost_peer_ranks`): not where a failure began
+LOST_PEER = ".lost_peer"
 LOSSES = "losses.csv"
 _HEADER = ["step", "loss", "step_time_s"]
 
@@ -120,11 +124,40 @@ def _weights_finite(pipe) -> bool:
 
 
 def _stop(out: Path, rank: int, message: str) -> None:
-    """Record that training stopped for a reason a restart would meet again (every rank writes
-    the same file atomically: whichever rank the launcher stops first, it is there)."""
-    tmp = out / f".{STOPPED}.{rank}.tmp"
-    tmp.write_text(json.dumps({"message": message}))
-    os.replace(tmp, out / STOPPED)
+    """Record why this rank stopped training (a reason a restart would meet again), atomically
+    and before the rank exits: the launcher prints it (:func:`stop_messages`), as no rank can:
+    the launcher ends the other ranks as soon as the first one exits."""
+    folder = out / STOPPED
+    folder.mkdir(exist_ok=True)
+    tmp = folder / f".rank{rank}.tmp"
+    tmp.write_text(message)
+    os.replace(tmp, folder / f"rank{rank}.txt")
+
+
+def stop_messages(out: Path) -> dict[int, str]:
+    """Why the ranks of the run in ``out`` stopped training (:func:`_stop`): rank -> message,
+    by rank; empty when none did."""
+    found = {}
+    for f in (out / STOPPED).glob("rank*.txt"):
+        try:
+            found[int(f.stem[4:])] = f.read_text()
+        except (OSError, ValueError):
+            continue
+    return dict(sorted(found.items()))
+
+
+def lost_peer_ranks(out: Path) -> set[int]:
+    """The ranks of the run in ``out`` that failed because another rank ended first."""
+    return {int(f.name[4:]) for f in (out / LOST_PEER).glob("rank*") if f.name[4:].isdigit()}
+
+
+def clear_exit_records(out: Path) -> None:
+    """Forget earlier runs' :func:`_stop` and lost-peer records in ``out`` (a resumed run
+    starts anew)."""
+    import shutil
+
+    for folder in (STOPPED, LOST_PEER):
+        shutil.rmtree(out / folder, ignore_errors=True)
 
 
 def restart_count() -> int:
@@ -178,9 +211,8 @@ def train(plan_path: Path, out: Path, resume: bool = False) -> None:
     init_distributed(spec.cluster.device, t.timeout_s)
     rank = dist.get_rank()
     restarts = restart_count()
-    if restarts and (out / STOPPED).exists():
-        message = json.loads((out / STOPPED).read_text())["message"]
-        raise TrainingStopped(f"{message} (restart {restarts} not run: it would meet it again)")
+    if restarts and stop_messages(out):  # the launcher said why: it would meet it again
+        raise TrainingStopped(next(iter(stop_messages(out).values())))
     if t.updates == "async":  # parameter servers: fxpipe.training.async_updates
         train_async(plan_path, out, resume=resume, restarts=restarts)
         dist.barrier()
@@ -350,11 +382,38 @@ def _name_process(name: str) -> None:
         pass
 
 
+def _watch_launcher(pid: int) -> None:
+    """End this process (exit code 2) as soon as process ``pid`` has ended, from a daemon
+    thread. The fork server a worker is forked from outlives a launcher killed with SIGKILL
+    (every worker holds the server's keep-alive pipe), so the parent-death signal of
+    :func:`_die_with_launcher` alone would leave the workers training on."""
+    import threading
+
+    def wait() -> None:
+        try:
+            import select
+
+            fd = os.pidfd_open(pid)  # Linux 5.3+: readable once the process has ended
+            select.select([fd], [], [])
+        except (AttributeError, OSError):  # no pidfd: poll whether it still exists
+            while True:
+                time.sleep(0.5)
+                try:
+                    state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+                except (OSError, IndexError):
+                    break
+                if state in ("Z", "X"):
+                    break
+        os._exit(2)
+
+    threading.Thread(target=wait, name="fxpipe-launcher-watch", daemon=True).start()
+
+
 def _die_with_launcher() -> None:
     """Linux: end this worker when its parent dies, as on a node that goes down: a launcher
     killed by SIGKILL cannot stop its workers, and an orphaned worker would go on training with
-    the other nodes. The parent is the fork server of torchrun's launcher (:func:`launched`),
-    which exits when the launcher does."""
+    the other nodes. Under ``fxpipe run`` the parent is the launcher's fork server
+    (:func:`launched` also watches the launcher itself)."""
     if not sys.platform.startswith("linux"):
         return
     import ctypes
@@ -460,8 +519,6 @@ def train_async(plan_path: Path, out: Path, *, resume: bool = False, restarts: i
         except BaseException as e:
             if isinstance(e, TrainingStopped):
                 _stop(out, rank, str(e))
-                if pipe.replica != 0 and pipe.pipe_rank == 0:  # main() prints rank 0's only
-                    sys.stderr.write(f"fxpipe: rank {rank}: {e}\n")
             if rlog is not None:
                 rlog.close()
                 rlog = None
@@ -513,24 +570,27 @@ def train_async(plan_path: Path, out: Path, *, resume: bool = False, restarts: i
                              f"most {s}" for j, n, s, rounds in sorted(servers)), flush=True)
 
 
-#: what torchrun's fork server imports once before ``fxpipe run`` forks its workers from it
-#: (:func:`launched`): about 3 s of CPU per worker (torch, dynamo for torch.export, fxpipe) paid
-#: once per launch instead of once per worker; the server never runs an op, so no worker is the
-#: fork of a process with a live OpenMP pool
-PRELOAD = ["torch", "torch.distributed", "torch.export", "torch._dynamo",
-           "torch.distributed.checkpoint", "fxpipe.training.compiled",
-           "fxpipe.training.checkpoint", "fxpipe.runtime.executor", "fxpipe.data.batches",
-           "fxpipe.training.fork_server"]  # last: freezes what the others imported
+#: the fork server's preload (:mod:`fxpipe.training.fork_server` imports the rest)
+PRELOAD = ["fxpipe.training.fork_server"]
 
 
-def launched(plan: str, out: str, resume: bool, env: dict[str, str]) -> None:
-    """One worker of ``fxpipe run``: torchrun's launcher forks it from its fork server
-    (``start_method="forkserver"``, :data:`PRELOAD`) and sets the rank's environment first;
-    ``env`` is what the launcher set after the server started (threads, progress, the socket
-    interface). Exits with :func:`main`'s code when it is not 0 (the launcher then sees a
-    failed worker)."""
+def launched(plan: str, out: str, resume: bool, env: dict[str, str], launcher: int) -> None:
+    """One worker of ``fxpipe run``: torchrun's launcher (process ``launcher``) forks it from
+    its fork server (``start_method="forkserver"``, :data:`PRELOAD`) and sets the rank's
+    environment first; ``env`` is what the launcher set after the server started (threads,
+    progress, the socket interface). Exits with :func:`main`'s code when it is not 0 (the
+    launcher then sees a failed worker).
+
+    Like torchrun's own subprocess workers, each worker runs in a session of its own: a Ctrl-C
+    on the terminal reaches the launcher only, which stops the workers. A worker ends when the
+    launcher ends (:func:`_watch_launcher`), even when it was killed with SIGKILL."""
+    os.setsid()
+    import signal
+
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # the server ignored it
     os.environ.update(env)
     _name_process(f"fxpipe-rank{os.environ.get('RANK', '?')}")
+    _watch_launcher(launcher)
     code = main(["--plan", plan, "--out", out, *(["--resume"] if resume else [])])
     if code:
         sys.exit(code)
@@ -555,10 +615,20 @@ def main(argv: list[str] | None = None) -> int:
 
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else \
             os.environ.get("RANK", "?")
-        if isinstance(e, TrainingStopped) and str(rank) != "0":
-            return 2  # every rank stopped for the same reason: rank 0 says it once
-        what = str(e) if isinstance(e, FxpipeError) else (
-            f"unexpected {first_line(e)} (please report it with the spec)")
+        if isinstance(e, TrainingStopped):
+            return 2  # recorded (_stop): the launcher says it once
+        if peer_gone(e):  # a consequence: the launcher names the rank that ended first
+            try:
+                (args.out / LOST_PEER).mkdir(exist_ok=True)
+                (args.out / LOST_PEER / f"rank{rank}").touch()
+            except OSError:
+                pass
+        if isinstance(e, FxpipeError):
+            what = str(e)
+        elif peer_gone(e):
+            what = "lost contact with another rank: it ended first (stopped, failed or killed)"
+        else:
+            what = f"unexpected {first_line(e)} (please report it with the spec)"
         sys.stderr.write(f"fxpipe: error on rank {rank}: {what}\n")  # one write: whole lines
         sys.stderr.flush()
         return 2
