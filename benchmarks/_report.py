@@ -98,8 +98,13 @@ def write_section(name: str, body: str, path: str | Path = BENCHMARKS_MD) -> Pat
 
 
 def markdown_table(header: list[str], rows: list[list[str]]) -> str:
-    """A GitHub Markdown table; the first column left-aligned, the others right-aligned."""
+    """A GitHub Markdown table; the first column left-aligned, the others right-aligned. A
+    cell's ``|`` is escaped and its line breaks become spaces (an error message stays in its
+    cell)."""
+    def cell(c) -> str:
+        return " ".join(str(c).split()).replace("|", "\\|")
+
     align = [":--"] + ["--:"] * (len(header) - 1)
     lines = ["| " + " | ".join(header) + " |", "| " + " | ".join(align) + " |"]
-    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    lines += ["| " + " | ".join(cell(c) for c in r) + " |" for r in rows]
     return "\n".join(lines)

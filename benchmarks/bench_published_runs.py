@@ -171,8 +171,8 @@ def report(rows: list[dict], note: str) -> str:
             "published one; published steps are derived from the published TFLOP/s per GPU "
             "with Narayanan et al.'s FLOP formula (recomputation counted), except MT-NLG whose "
             "paper gives the step (60.1 s). No constant of the GPU model was fitted to these "
-            "runs (sources in `fxpipe/specs/gpus.py`); no fxpipe run on a GPU has been "
-            "measured yet. The model planned is fxpipe's bundled GPT, not the papers' code "
+            "runs (sources in `fxpipe/specs/gpus.py`), nor to the one GPU fxpipe has run on "
+            "(the gpu-check section). The model planned is fxpipe's bundled GPT, not the papers' code "
             "(no dropout; BLOOM's ALiBi and MT-NLG's vocabulary of 50,272 not reproduced). "
             "Where there is no pipeline the micro-batch size is fxpipe's choice; the papers "
             "do not give it.\n\n" + table +

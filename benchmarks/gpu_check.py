@@ -65,10 +65,9 @@ from benchmarks._report import BENCHMARKS_MD, markdown_table, write_section  # n
 SECTION = "gpu-check"
 #: dense bf16 peak FLOP/s by GPU name (datasheets; 1,979 is the sparse figure)
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
-#: the analytic model's device speed per precision for ``cluster.device: cuda`` (H100/H200
-#: datasheet dense figures: fp32 without tensor cores, bf16 tensor cores). Remove once the
-#: spec's CUDA defaults are grounded, so that the check prices with what users get.
-ANALYTIC_TFLOPS = {"cuda": {"fp32": 67.0, "bf16": 989.0}, "cpu": {"fp32": 0.05, "bf16": 0.05}}
+#: ``cluster.gpu`` (:mod:`fxpipe.specs.gpus`) by what CUDA calls the device: the analytic plans
+#: price the stages with the GPU model a user of that GPU gets
+GPU_PROFILES = {"H200": "H200", "H100": "H100-80GB", "A100": "A100-80GB"}
 #: what BENCHMARKS.md says until a real run fills the section
 PENDING = """## GPU check (CUDA): no figures yet
 
@@ -150,17 +149,30 @@ def autocast(dev: torch.device, precision: str):
     return torch.autocast(dev.type, dtype=amp or torch.float32, enabled=amp is not None)
 
 
-def gpt_spec(sz: Sizes, device: str, precision: str, costs: str) -> dict:
-    """The CharGPT on 2 pipeline stages of ``device`` (1F1B), priced with ``costs``."""
-    mem = 140 if device == "cuda" else 16
+def gpu_profile(dev: torch.device) -> str | None:
+    """The ``cluster.gpu`` of ``dev`` (None on a CPU); a GPU fxpipe has no profile of is priced
+    as ``device: cuda`` without one (the H100-80GB curves)."""
+    if dev.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(dev)
+    return next((v for k, v in GPU_PROFILES.items() if k in name), None)
+
+
+def gpt_spec(sz: Sizes, device: str, precision: str, costs: str,
+             gpu: str | None = None) -> dict:
+    """The CharGPT on 2 pipeline stages of ``device`` (1F1B), priced with ``costs``: on CUDA
+    with the GPU model of ``gpu`` (:func:`gpu_profile`), on a CPU with the spec's defaults."""
+    if device == "cuda":
+        hw = {"gpu": gpu} if gpu else {"memory_gb": 80}
+    else:
+        hw = {"memory_gb": 16}
     return {"model": {"factory": "fxpipe.examples.gpt:CharGPT", "args": dict(sz.gpt)},
             "data": {"dataset": "fxpipe.examples.data:python_source_text",
                      "batch_size": sz.gpt_mbs * sz.microbatches, "seq_len": sz.gpt_seq},
             "parallel": {"pipeline": 2, "data": 1, "microbatches": sz.microbatches,
                          "schedule": "1f1b"},
-            "cluster": {"nodes": 1, "devices_per_node": 2, "device": device, "memory_gb": mem,
-                        "device_tflops": ANALYTIC_TFLOPS[device][precision], "costs": costs,
-                        "measure_stages": False},
+            "cluster": {"nodes": 1, "devices_per_node": 2, "device": device, **hw,
+                        "costs": costs, "measure_stages": False},
             "train": {"steps": 1, "optimizer": "adamw", "precision": precision, "seed": 0}}
 
 
@@ -260,6 +272,25 @@ def _time_stage(fwd, bwd, dev, warmup, repeats) -> tuple[float, float]:
     return statistics.median(f), statistics.median(b)
 
 
+def _kernel_seconds(fwd, bwd, dev) -> tuple[float | None, float | None]:
+    """Seconds the GPU spent in kernels (and copies) during one forward and one backward
+    (``torch.profiler``, CUDA activity only): beside the wall-clock seconds they tell a
+    host-bound stage (Python and launch overhead between short kernels) from a slow kernel.
+    None on a CPU."""
+    if dev.type != "cuda":
+        return None, None
+    from torch.profiler import ProfilerActivity, profile
+
+    def busy(fn) -> float:
+        sync(dev)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            sync(dev)
+        return sum(getattr(e, "self_device_time_total", None) or
+                   getattr(e, "self_cuda_time_total", 0) for e in prof.key_averages()) * 1e-6
+    return busy(fwd), busy(bwd)
+
+
 def _saved_bytes(fwd, params: set[int]) -> int:
     """Bytes autograd saves for backward in one forward (distinct storages, parameters and
     their autocast copies' sources excluded)."""
@@ -324,7 +355,8 @@ def part_stages(sz: Sizes, dev: torch.device, precision: str, cache: Path) -> di
     rows, memory = [], []
     for costs in ("analytic", "measured"):
         t0 = time.perf_counter()
-        plan = fxpipe.plan(model, gpt_spec(sz, dev.type, precision, costs), example_inputs=(tokens,))
+        plan = fxpipe.plan(model, gpt_spec(sz, dev.type, precision, costs, gpu_profile(dev)),
+                            example_inputs=(tokens,))
         plan_s = time.perf_counter() - t0
         traced = trace_for_plan(plan, model, dev)
         mods = build_stages(plan, traced, list(range(plan.num_stages)))
@@ -333,13 +365,15 @@ def part_stages(sz: Sizes, dev: torch.device, precision: str, cache: Path) -> di
             fwd, bwd, state = _run_stage(plan, sp, mods[sp.index], make, target, dev,
                                          precision)
             f, b = _time_stage(fwd, bwd, dev, sz.warmup, sz.repeats)
+            kf, kb = _kernel_seconds(fwd, bwd, dev)
             rows.append({"costs": costs, "stage": sp.index, "nodes": len(sp.nodes),
                          "plan_s": plan_s,
                          "predicted_fwd_s": sp.fwd_time_s,
                          "predicted_bwd_s": sp.bwd_input_time_s + sp.bwd_weight_time_s,
                          "predicted_compute_s": sp.compute_time_s,
                          "predicted_loss_s": sp.loss_time_s,
-                         "measured_fwd_s": f, "measured_bwd_s": b})
+                         "measured_fwd_s": f, "measured_bwd_s": b,
+                         "kernel_fwd_s": kf, "kernel_bwd_s": kb})
             if costs == "analytic":
                 inflight = (plan.predicted.peak_inflight[sp.index]
                             if plan.predicted and plan.predicted.peak_inflight
@@ -491,6 +525,15 @@ def peak_for(dev: torch.device, given: float | None) -> tuple[float, str]:
     return 1e12, "nominal 1 TFLOP/s (CPU dry run: the MFU means nothing)"
 
 
+def _analytic_model(dev: torch.device) -> str:
+    gpu = gpu_profile(dev)
+    if gpu:
+        return f"cluster.gpu: {gpu} (fxpipe.partitioner.gpu_model)"
+    if dev.type == "cuda":
+        return "device: cuda without a GPU profile (the H100-80GB curves)"
+    return "the CPU defaults of the spec"
+
+
 def run_check(dev: torch.device, sz: Sizes, out: Path, budget_s: float,
               peak_tflops: float | None, only: list[str] | None = None) -> dict:
     """Every part in turn, each in its own try; returns the JSON document."""
@@ -499,7 +542,7 @@ def run_check(dev: torch.device, sz: Sizes, out: Path, budget_s: float,
     cache = out / "cache"  # measured costs of this run only
     shutil.rmtree(cache, ignore_errors=True)
     result = {"environment": environment(dev, dev.type != "cuda"), "sizes": asdict(sz),
-              "analytic_tflops": ANALYTIC_TFLOPS[dev.type], "budget_s": budget_s, "parts": {}}
+              "analytic_model": _analytic_model(dev), "budget_s": budget_s, "parts": {}}
     peak, note = peak_for(dev, peak_tflops) if dev.type == "cpu" or peak_tflops else (None, "")
     parts: list[tuple[str, Callable[[], dict]]] = [
         ("profile_gpt", lambda: part_profile(gpt_spec(sz, dev.type, "fp32", "measured"), sz,
@@ -559,7 +602,7 @@ def markdown(res: dict) -> str:
              "",
              f"Written by `python benchmarks/gpu_check.py`; torch {env['torch']}, CUDA "
              f"{env['cuda'] or 'none'}, {env['started']}, {res['seconds']:.0f} s in all. "
-             f"Analytic model speeds (TFLOP/s): {res['analytic_tflops']}.", ""]
+             f"Analytic cost model: {res['analytic_model']}.", ""]
     failed = [(k, v) for k, v in parts.items() if not v.get("ok")]
     for name in ("profile_gpt", "profile_hf_gpt2"):
         p = parts.get(name, {})
@@ -577,7 +620,8 @@ def markdown(res: dict) -> str:
             rows.append([prec, r["costs"], r["stage"], r["nodes"], _ms(r["predicted_fwd_s"]),
                          _ms(r["measured_fwd_s"]), _ms(r["predicted_bwd_s"]),
                          _ms(r["measured_bwd_s"]), _ms(r["predicted_compute_s"]), _ms(meas),
-                         _ratio(meas, r["predicted_compute_s"])])
+                         _ratio(meas, r["predicted_compute_s"]),
+                         _ms(r.get("kernel_fwd_s")), _ms(r.get("kernel_bwd_s"))])
         for m in p["memory"]:
             mem.append([prec, m["stage"], m["inflight"], _mib(m["predicted_bytes"]),
                         _mib(m["allocator_peak_bytes"]),
@@ -589,7 +633,10 @@ def markdown(res: dict) -> str:
                   "device, ms per micro-batch", "",
                   markdown_table(["precision", "costs", "stage", "nodes", "pred fwd", "fwd",
                                   "pred bwd", "bwd", "pred total", "total",
-                                  "measured / pred"], rows)]
+                                  "measured / pred", "GPU busy fwd", "GPU busy bwd"], rows),
+                  "", "GPU busy: the seconds of kernels in one forward / backward (torch.profiler); "
+                  "far below the wall-clock time, the stage waits on the host (Python, "
+                  "dispatch, launches) rather than on its kernels."]
     if mem:
         lines += ["", "### Memory per stage (analytic plan), MiB: predicted peak vs the stage's "
                   "parameters + the allocator's peak above the resident model; activations "

@@ -35,7 +35,7 @@ if str(ROOT) not in sys.path:
 
 from benchmarks import _runtime_bench as rb  # noqa: E402
 from fxpipe.errors import RuntimeFailure  # noqa: E402
-from fxpipe.runtime import p2p, precision  # noqa: E402
+from fxpipe.runtime import compression, p2p, precision  # noqa: E402
 from fxpipe.runtime.compression import Compression, make_reducer  # noqa: E402
 from fxpipe.runtime.executor import PipelineExecutor  # noqa: E402
 from fxpipe.runtime.mesh import Mesh, init_distributed  # noqa: E402
@@ -240,7 +240,7 @@ def fake_group():
         return fn
     with mock.patch.object(dist, "get_world_size", return_value=2), \
             mock.patch.object(dist, "all_reduce", side_effect=record("all_reduce")), \
-            mock.patch.object(dist, "all_gather_single", side_effect=record("all_gather")):
+            mock.patch.object(compression, "_ALL_GATHER", side_effect=record("all_gather")):
         yield calls
 
 
@@ -270,3 +270,31 @@ def test_gradient_reducers_keep_every_buffer_on_the_gradients_device(method, ste
         assert residual.device.type == "meta" and residual.shape == flat.shape
     else:
         assert residual is None
+
+
+def test_backward_in_sequence_times_cuda_nodes_between_stream_events(monkeypatch):
+    """``costs: measured`` on CUDA: a node's share of the whole backward is the time between
+    events the output hooks record on the stream; the host's clock would time the queueing of
+    kernels and put their work on whichever later node waits for the GPU."""
+    from fxpipe.partitioner import profile
+
+    class Event:
+        recorded = 0
+
+        def __init__(self, enable_timing=False):
+            assert enable_timing
+            self.ms = None
+
+        def record(self):
+            Event.recorded += 1
+            self.ms = 0.25 * Event.recorded
+
+        def elapsed_time(self, other):
+            return other.ms - self.ms
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    first, second = (profile._stamp(torch.device("cuda")) for _ in range(2))
+    assert isinstance(first, Event) and Event.recorded == 2
+    assert profile._between(first, second) == pytest.approx(0.25e-3)
+    t = profile._stamp(torch.device("cpu"))
+    assert isinstance(t, float) and profile._between(t, t + 0.5) == pytest.approx(0.5)

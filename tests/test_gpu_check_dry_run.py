@@ -47,6 +47,7 @@ def test_dry_run_writes_every_part(tmp_path):
             for k in ("predicted_fwd_s", "predicted_bwd_s", "predicted_compute_s",
                       "measured_fwd_s", "measured_bwd_s"):
                 assert _num(r[k]) and r[k] > 0, (prec, r)
+            assert r["kernel_fwd_s"] is None and r["kernel_bwd_s"] is None  # CUDA only
         assert [m["stage"] for m in p["memory"]] == [0, 1]
         for m in p["memory"]:
             assert m["allocator_peak_bytes"] is None  # a CPU has no CUDA allocator
@@ -76,3 +77,19 @@ def test_write_benchmarks_refuses_a_dry_run(tmp_path):
     with pytest.raises(SystemExit):
         gpu_check.main(["--dry-run", "--out", str(tmp_path), "--only", "mfu_block",
                         "--write-benchmarks"])
+
+
+@pytest.mark.parametrize("gpu", ["H200", "H100-80GB", "A100-80GB", None])
+def test_cuda_stage_plans_are_priced_by_the_gpu_model_of_the_device(gpu):
+    """On a GPU the check's analytic plans use the GPU model a user of that GPU gets
+    (``cluster.gpu``), not speeds set by hand; a GPU without a profile gets ``device: cuda``."""
+    sys.path.insert(0, str(ROOT))
+    from benchmarks import gpu_check
+    from fxpipe.specs.gpus import PROFILES
+    from fxpipe.specs.loader import load_spec
+
+    assert set(gpu_check.GPU_PROFILES.values()) <= set(PROFILES)
+    spec = load_spec(gpu_check.gpt_spec(gpu_check.DRY, "cuda", "bf16", "analytic", gpu))
+    assert spec.cluster.device == "cuda" and spec.cluster.gpu == gpu
+    if gpu:
+        assert spec.cluster.device_tflops == PROFILES[gpu].bf16_tflops

@@ -1,9 +1,13 @@
 """The analytic CUDA cost model: per-GPU profiles and the efficiency curves that turn a node's
 FLOPs and bytes into seconds on a GPU (``cluster.device: cuda``, ``cluster.costs: analytic``).
 
-No fxpipe run has been measured on a GPU yet: every constant below comes from a datasheet, a
-published measurement, or is marked **estimate** with the reason. None is fitted to the
-published training runs that ``benchmarks/bench_published_runs.py`` compares against.
+Every constant below comes from a datasheet, a published measurement, or is marked
+**estimate** with the reason. None is fitted to the published training runs that
+``benchmarks/bench_published_runs.py`` compares against, nor to the one GPU fxpipe has run on
+(``benchmarks/gpu_check.py`` on an H200, BENCHMARKS.md's gpu-check section: the H200 model
+predicted the kernel time of 2-stage GPT micro-batches within 1-3 % in fp32 and within 3 %
+forward, 17 % backward in bf16; in bf16 those small stages wait on the host, which the model
+does not price, and ran 1.35-1.9x its prediction over four runs).
 
 What it models, per node of the traced graph (one micro-batch, one pass):
 

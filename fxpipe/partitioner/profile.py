@@ -203,8 +203,15 @@ def _forward_in_sequence(gm: torch.fx.GraphModule, given: dict[str, Any], device
                          record: dict[str, list[float]] | None) -> dict[str, Any]:
     """One forward pass over the graph, node by node, as training runs it (grad enabled, every
     activation kept and connected to the autograd graph); with ``record``, each compute node's
-    seconds (around its op call only) appended to ``record[name]``. Returns the values."""
+    seconds (around its op call only) appended to ``record[name]``. Returns the values.
+
+    On a CPU each op is timed between synchronisations; on CUDA between two events on the
+    stream with nothing synchronised in the pass (:func:`_stamp`), as a stage runs: an op's
+    time is its kernels', or the host's time to issue them where the GPU waits on the host
+    (short kernels), and no synchronisation's own latency is counted per node."""
     env: dict[str, Any] = {}
+    queued = device.type == "cuda"  # kernels queue: timed by events, synchronised once
+    stamps: list[tuple[str, Any, Any]] = []
 
     def fetch(a: torch.fx.Node) -> Any:
         return env[a.name]
@@ -221,17 +228,22 @@ def _forward_in_sequence(gm: torch.fx.GraphModule, given: dict[str, Any], device
         fn = _op(gm, n)
         args = pytree.tree_map_only(torch.fx.Node, fetch, n.args)
         kwargs = pytree.tree_map_only(torch.fx.Node, fetch, n.kwargs)
-        _sync(device)
-        t0 = _clock()
+        if not queued:
+            _sync(device)
+        t0 = _stamp(device)
         try:
             out = fn(*args, **kwargs)
-            _sync(device)
+            if not queued:
+                _sync(device)
         except Exception as e:  # the model cannot run this input (e.g. a token id too large)
             raise _node_error(n, e) from None
-        dt = _clock() - t0
+        t1 = _stamp(device)
         env[n.name] = out
         if record is not None:
-            record[n.name].append(dt)
+            stamps.append((n.name, t0, t1))
+    _sync(device)
+    for name, t0, t1 in stamps:
+        record[name].append(_between(t0, t1))
     return env
 
 
@@ -398,7 +410,9 @@ def _backward_in_sequence(gm: torch.fx.GraphModule, env: dict[str, Any], device:
     parameter and float input, as a stage's backward runs (one engine call); nothing is
     accumulated into ``.grad``. With ``record``, each compute node's share is appended to
     ``record[name]``: a hook on the node's output fires just before the engine runs the
-    node's backward, and the time until the next such hook is that backward's. Returns the
+    node's backward, and the time until the next such hook is that backward's (on CUDA
+    between events the hooks record on the stream, :func:`_stamp`: the host's clock there
+    put a backward's time on whichever later node happened to wait for the GPU). Returns the
     whole backward's seconds, or None when the outputs have no gradient."""
     out_node = next(n for n in gm.graph.nodes if n.op == "output")
     outs = [v for v in pytree.tree_leaves(pytree.tree_map_only(
@@ -419,11 +433,12 @@ def _backward_in_sequence(gm: torch.fx.GraphModule, env: dict[str, Any], device:
             for v in pytree.tree_leaves(env.get(n.name)):
                 if isinstance(v, torch.Tensor) and v.grad_fn is not None:
                     handles.append(v.register_hook(
-                        lambda g, name=n.name: events.append((_clock(), name))))
+                        lambda g, name=n.name: events.append((_stamp(device), name))))
     _sync(device)
     t0 = _clock()
     try:
         torch.autograd.grad(outs, wrt, grads, allow_unused=True)
+        last = _stamp(device)
         _sync(device)
     except RuntimeError:  # an op without a derivative
         return None
@@ -433,11 +448,29 @@ def _backward_in_sequence(gm: torch.fx.GraphModule, env: dict[str, Any], device:
     end = _clock()
     if record is not None:
         got: dict[str, float] = {}
-        for (t, name), (t_next, _) in zip(events, events[1:] + [(end, "")]):
-            got[name] = got.get(name, 0.0) + (t_next - t)
+        for (t, name), (t_next, _) in zip(events, events[1:] + [(last, "")]):
+            got[name] = got.get(name, 0.0) + _between(t, t_next)
         for name, dt in got.items():
             record[name].append(dt)
     return end - t0
+
+
+def _stamp(device: torch.device) -> Any:
+    """A point in time as the device sees it: the host clock on a CPU (ops run as they are
+    called); on CUDA an event recorded on the current stream, as the host's clock only tells
+    when a kernel was queued (the host runs ahead of the GPU until something waits on it)."""
+    if device.type == "cuda":
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+    return _clock()
+
+
+def _between(a: Any, b: Any) -> float:
+    """Seconds from stamp ``a`` to stamp ``b`` (:func:`_stamp`; events once synchronised)."""
+    if isinstance(a, float):
+        return b - a
+    return a.elapsed_time(b) * 1e-3
 
 
 def loss_key(profile: str, loss: str, output: torch.Tensor, target: torch.Tensor) -> str:

@@ -71,6 +71,9 @@ ORTHO_EPSILON = 1e-8
 #: seed of the initial Q (the same on every rank of a group, as torch's PowerSGD requires)
 Q_SEED = 0
 _WIRE16 = {"fp16": torch.float16, "bf16": torch.bfloat16}
+#: the all-gather into one tensor: ``all_gather_single`` where torch has it (2.13), else its
+#: older name ``all_gather_into_tensor`` (deprecated in 2.13, the only one in 2.11)
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 @dataclass(frozen=True)
@@ -375,7 +378,7 @@ class _TopK(_Warmed):
         self._out = torch.empty(self.size * payload.numel(), dtype=torch.int32,
                                 device=payload.device)
         self.bytes_sent = ring_allgather_bytes(payload.numel() * 4, self.size)
-        self._work = dist.all_gather_single(self._out, payload, group=self.group, async_op=True)
+        self._work = _ALL_GATHER(self._out, payload, group=self.group, async_op=True)
 
     def progress(self, timeout_s: float) -> None:
         pass

@@ -155,10 +155,10 @@ def profile_spec(spec, *, repeats: int = 5, warmup: int = 2, send: bool = True) 
             "devices are (the cache is keyed by the device), or set cluster.device: cpu to "
             "measure this machine")
     set_rank_threads()  # as on a worker rank
-    model = build_model(spec)
+    # on the device before tracing_model: profiled for real, never as a fake copy
+    model = build_model(spec).to(device)
     batch = example_microbatch(spec)
     model, args, kwargs, _ = tracing_model(model, batch.args, batch.kwargs, device)
-    model.to(device)
     traced = trace(model, tuple(args), spec.model.tracer, example_kwargs=kwargs,
                    output=spec.loss_output)
     inputs = [*args, *(v for v in kwargs.values() if isinstance(v, torch.Tensor))]
