@@ -63,6 +63,9 @@ if str(ROOT) not in sys.path:
 from benchmarks._report import BENCHMARKS_MD, markdown_table, write_section  # noqa: E402
 
 SECTION = "gpu-check"
+#: the parts, in the order they run (:func:`run_check`; ``--only`` picks among them)
+PARTS = ("profile_gpt", "profile_hf_gpt2", "stages_fp32", "stages_bf16", "mfu_block",
+         "pipeline_2rank")
 #: dense bf16 peak FLOP/s by GPU name (datasheets; 1,979 is the sparse figure)
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
 #: ``cluster.gpu`` (:mod:`fxpipe.specs.gpus`) by what CUDA calls the device: the analytic plans
@@ -694,6 +697,13 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.dry_run and args.write_benchmarks:
         ap.error("--write-benchmarks refuses dry-run figures (they are not device figures)")
+    unknown = sorted(set(args.only or ()) - set(PARTS))
+    if unknown:
+        ap.error(f"--only: no part named {', '.join(unknown)}; the parts: {', '.join(PARTS)}")
+    if args.budget_s is not None and not args.budget_s > 0:
+        ap.error(f"--budget-s must be a positive number of seconds (got {args.budget_s:g})")
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        ap.error(f"--out {args.out} is a file; give a folder (it is created if missing)")
     if args.dry_run:
         dev, sz = torch.device("cpu"), DRY
         torch.set_num_threads(1)

@@ -63,6 +63,13 @@ def peer_gone(e: BaseException) -> bool:
     return any(p in str(e) for p in (*_PEER_GONE, PEER_GONE_TEXT))
 
 
+def failed_how(e: BaseException, timeout_s: float) -> str:
+    """How a communication with a peer failed, for a message: ``failed`` when the peer closed
+    its connection (that is immediate, no timeout involved), else ``failed or timed out after
+    N s``."""
+    return "failed" if peer_gone(e) else f"failed or timed out after {timeout_s:g} s"
+
+
 def comm_error_text(e: BaseException) -> str:
     """What a gloo / NCCL / c10d exception says, in one short line: no C++ source locations
     (``[/__w/pytorch/.../pair.cc:537]``), no advice paragraphs, no stack frames; a peer that

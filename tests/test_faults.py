@@ -351,6 +351,17 @@ def test_a_rank_that_lost_its_peer_is_not_named_as_where_the_failure_began(tmp_p
     assert worker.lost_peer_ranks(tmp_path) == set()
 
 
+def test_a_peer_that_closed_its_connection_is_not_called_a_timeout():
+    """The survivors of a killed rank fail at once: their message says "failed", not "failed
+    or timed out after 300 s"; a real timeout keeps the limit it ran into."""
+    from fxpipe.errors import failed_how
+
+    gone = RuntimeError("[../gloo/transport/tcp/pair.cc:537] Connection closed by peer")
+    assert failed_how(gone, 300) == "failed"
+    slow = RuntimeError("[../unbound_buffer.cc:81] Timed out waiting 5000ms for recv")
+    assert failed_how(slow, 5) == "failed or timed out after 5 s"
+
+
 def test_skipping_stops_once_the_weights_themselves_are_not_finite(tmp_path):
     """train.nan_policy: skip drops an update whose loss is not finite, but weights that are
     already NaN cannot recover: the worker's check sees them on any rank (one all-reduce)."""

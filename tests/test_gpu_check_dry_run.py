@@ -79,6 +79,25 @@ def test_write_benchmarks_refuses_a_dry_run(tmp_path):
                         "--write-benchmarks"])
 
 
+@pytest.mark.parametrize("args, words", [
+    (["--only", "nosuchpart"], "no part named nosuchpart"),
+    (["--budget-s", "-1"], "must be a positive number"),
+    (["--out", "FILE"], "is a file"),
+])
+def test_bad_arguments_are_refused_before_anything_runs(tmp_path, capsys, args, words):
+    sys.path.insert(0, str(ROOT))
+    from benchmarks import gpu_check
+
+    assert set(gpu_check.PARTS) == set(PARTS)
+    (tmp_path / "FILE").write_text("x")
+    args = [str(tmp_path / a) if a == "FILE" else a for a in args]
+    with pytest.raises(SystemExit) as e:
+        gpu_check.main(["--dry-run", *(["--out", str(tmp_path / "o")] if "--out" not in args
+                                       else []), *args])
+    assert e.value.code == 2 and words in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
 @pytest.mark.parametrize("gpu", ["H200", "H100-80GB", "A100-80GB", None])
 def test_cuda_stage_plans_are_priced_by_the_gpu_model_of_the_device(gpu):
     """On a GPU the check's analytic plans use the GPU model a user of that GPU gets

@@ -7,7 +7,7 @@ Every constant below comes from a datasheet, a published measurement, or is mark
 (``benchmarks/gpu_check.py`` on an H200, BENCHMARKS.md's gpu-check section: the H200 model
 predicted the kernel time of 2-stage GPT micro-batches within 1-3 % in fp32 and within 3 %
 forward, 17 % backward in bf16; in bf16 those small stages wait on the host, which the model
-does not price, and ran 1.35-1.9x its prediction over four runs).
+does not price, and ran 1.39-1.45x its prediction in the recorded run, 1.35-1.9x over four).
 
 What it models, per node of the traced graph (one micro-batch, one pass):
 

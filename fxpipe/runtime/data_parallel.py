@@ -23,7 +23,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from fxpipe.errors import RuntimeFailure, comm_error_text
+from fxpipe.errors import RuntimeFailure, comm_error_text, failed_how
 from fxpipe.runtime.compression import Compression, as_compression, make_reducer
 from fxpipe.runtime.p2p import describe_peers
 
@@ -88,8 +88,8 @@ class GradBucket:
     def _failed(self, e: Exception, timeout_s: float) -> RuntimeFailure:
         who, logs = describe_peers(self.peers)
         return RuntimeFailure(
-            f"{self.name} gradient all-reduce ({self.nbytes} bytes) with {who} failed or timed "
-            f"out after {timeout_s:g} s: {comm_error_text(e)}. Check {logs}; raise "
+            f"{self.name} gradient all-reduce ({self.nbytes} bytes) with {who} "
+            f"{failed_how(e, timeout_s)}: {comm_error_text(e)}. Check {logs}; raise "
             "train.timeout_s if a peer is only slow")
 
     def progress(self, timeout_s: float) -> None:

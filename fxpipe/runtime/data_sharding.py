@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from fxpipe.errors import RuntimeFailure, UsageError, comm_error_text
+from fxpipe.errors import RuntimeFailure, UsageError, comm_error_text, failed_how
 from fxpipe.runtime.compression import ring_allgather_bytes
 from fxpipe.runtime.p2p import describe_peers
 
@@ -165,7 +165,7 @@ class ShardedBucket:
                 who, logs = describe_peers(self.peers)
                 raise RuntimeFailure(
                     f"{self.name} gradient reduce-scatter ({self._wire_bytes} bytes) with {who} "
-                    f"failed or timed out after {timeout_s:g} s: {comm_error_text(e)}. Check "
+                    f"{failed_how(e, timeout_s)}: {comm_error_text(e)}. Check "
                     f"{logs}; raise train.timeout_s if a peer is only slow") from None
         out = self._out.float()
         self._pending = out.div_(self.n) if self.wire == torch.float32 else out
@@ -211,7 +211,7 @@ class ShardedBucket:
                 who, logs = describe_peers(self.peers)
                 raise RuntimeFailure(
                     f"{self.name} parameter all-gather ({full.numel() * full.element_size()} "
-                    f"bytes) with {who} failed or timed out after {timeout_s:g} s: "
+                    f"bytes) with {who} {failed_how(e, timeout_s)}: "
                     f"{comm_error_text(e)}. Check {logs}") from None
             self.bytes_sent += ring_allgather_bytes(self.slice * full.element_size(), self.n)
         at = 0

@@ -545,8 +545,10 @@ class PipelineExecutor:
         return x.to(self.device).split(b // m, dim=0)
 
     def _ctx(self, a: Action) -> str:
+        where = (f"micro-batch {a.microbatch} action {a}" if a.microbatch >= 0
+                 else f"action {a.op.value} (after its micro-batches)")  # e.g. the optimizer's
         return (f"rank {self.rank} (pipeline rank {self.mesh.pipe_rank}, replica "
-                f"{self.mesh.dp_rank}) stage {a.stage} micro-batch {a.microbatch} action {a}")
+                f"{self.mesh.dp_rank}) stage {a.stage} {where}")
 
     def _run(self, a: Action, st: _StepState) -> None:
         self._handlers[a.op](a, st)

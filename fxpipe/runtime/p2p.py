@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from fxpipe.errors import RuntimeFailure, comm_error_text
+from fxpipe.errors import RuntimeFailure, comm_error_text, failed_how
 
 
 def tag_for(value_index: int, consumer: int, microbatch: int, backward: bool, num_stages: int,
@@ -50,7 +50,7 @@ def _failure(what: str, peer: int | list[int], context: str, timeout_s: float,
     who, logs = describe_peers(peer)
     one = isinstance(peer, int) or len(peer) == 1
     return RuntimeFailure(
-        f"{context}: {what} with {who} failed or timed out (timeout {timeout_s:g} s): "
+        f"{context}: {what} with {who} {failed_how(err, timeout_s)}: "
         f"{comm_error_text(err)}. "
         f"Check {logs} (did {'it' if one else 'one'} crash or fall behind?); raise "
         "train.timeout_s if it is only slow")

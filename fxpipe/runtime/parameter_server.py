@@ -52,7 +52,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from fxpipe.errors import RuntimeFailure, comm_error_text
+from fxpipe.errors import RuntimeFailure, comm_error_text, failed_how
 from fxpipe.plans.placement import global_rank, rank_coords
 
 PUSH, PULL, LEAVE, TICKET = 1, 2, 3, 4
@@ -93,7 +93,7 @@ def _wait(work, timeout_s: float, what: str) -> None:
     try:
         work.wait(datetime.timedelta(seconds=timeout_s))
     except Exception as e:  # gloo / NCCL: RuntimeError, DistBackendError
-        raise RuntimeFailure(f"{what} failed or timed out after {timeout_s:g} s "
+        raise RuntimeFailure(f"{what} {failed_how(e, timeout_s)} "
                              f"({comm_error_text(e)}); check that "
                              "rank's log; raise train.timeout_s if it is only slow") from None
 

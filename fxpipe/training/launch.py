@@ -312,30 +312,33 @@ def run(args) -> int:
     from fxpipe.reports.progress import planning_progress
 
     start_fork_server()  # its imports run while this process plans
-    with planning_progress():  # a spinner with the planner's phases on a terminal
-        plan, graph = plan_from_spec(spec)
-    _check_loss_fits(spec, plan)
-    if "tensorboard" in spec.train.log:  # the optional package, before any worker starts
-        from fxpipe.specs.loader import spec_location
-        from fxpipe.training.tensorboard_log import require_tensorboard
+    try:
+        with planning_progress():  # a spinner with the planner's phases on a terminal
+            plan, graph = plan_from_spec(spec)
+        _check_loss_fits(spec, plan)
+        if "tensorboard" in spec.train.log:  # the optional package, before any worker starts
+            from fxpipe.specs.loader import spec_location
+            from fxpipe.training.tensorboard_log import require_tensorboard
 
-        where = spec_location(spec, "train.log")
-        require_tensorboard(f"{where + ': ' if where else ''}train.log")
-    wait = float(spec.train.timeout_s)
-    endpoint, bind = _rendezvous(args, nnodes, wait)
-    if not resume:
-        prepare_output_dir(out, args.overwrite)
-    check_checkpoint_dir(out, spec)
-    clear_exit_records(out)
-    plan.dump(out, graph)
-    report = not args.no_report
-    if report:
-        from fxpipe.reports.partition_picture import write_partition_picture
+            where = spec_location(spec, "train.log")
+            require_tensorboard(f"{where + ': ' if where else ''}train.log")
+        wait = float(spec.train.timeout_s)
+        endpoint, bind = _rendezvous(args, nnodes, wait)
+        if not resume:
+            prepare_output_dir(out, args.overwrite)
+        check_checkpoint_dir(out, spec)
+        clear_exit_records(out)
+        plan.dump(out, graph)
+        report = not args.no_report
+        if report:
+            from fxpipe.reports.partition_picture import write_partition_picture
 
-        write_partition_picture(plan, out, graph)
-    print(plan.summary(), flush=True)
-    _launch(spec, out, nnodes, endpoint, bind, args.rdzv_id, resume=bool(resume),
-            node_rank=getattr(args, "node_rank", None), fingerprint=run_fingerprint(plan))
+            write_partition_picture(plan, out, graph)
+        print(plan.summary(), flush=True)
+        _launch(spec, out, nnodes, endpoint, bind, args.rdzv_id, resume=bool(resume),
+                node_rank=getattr(args, "node_rank", None), fingerprint=run_fingerprint(plan))
+    finally:  # the workers are done; a Ctrl-C or an error while planning: it is not needed
+        stop_fork_server()
     if nnodes == 1:  # multi-node: checkpoint shards live on several machines
         from fxpipe.training.evaluate import evaluate_run
 
@@ -399,13 +402,13 @@ def _first_failure(failures: dict, out: Path, world: int) -> str:
             f"(one with no message of its own above was killed: out of memory?)")
 
 
-def _report_restarts(restarts: int, world: int, out: Path) -> None:
+def _report_restarts(restarts: int, world: int, out: Path, checkpoints: Path) -> None:
     """Print one line when torchrun's agent restarts the workers (it logs the decision at INFO,
     which is otherwise silenced); when training stopped for a reason a restart would meet again
     (:func:`fxpipe.training.worker.stop_messages`), the restarted workers end at once."""
     import shutil
 
-    from fxpipe.training.worker import LOST_PEER, stop_messages
+    from fxpipe.training.worker import LOST_PEER, lost_peer_ranks, stop_messages
 
     agent = logging.getLogger("torch.distributed.elastic.agent.server.api")
 
@@ -413,14 +416,19 @@ def _report_restarts(restarts: int, world: int, out: Path) -> None:
         def filter(self, record: logging.LogRecord) -> bool:
             if "attempts left" in record.msg and len(record.args) >= 3:
                 which = f"restart {restarts - int(record.args[2]) + 1} of {restarts}"
-                shutil.rmtree(out / LOST_PEER, ignore_errors=True)  # this round's failure only
                 if stop_messages(out):
                     print(f"fxpipe: training stopped (why: below); {which} ends at once, as "
                           "it would meet it again", file=sys.stderr, flush=True)
                 else:
-                    print(f"fxpipe: a worker failed ({record.args[1]}); restarting all "
-                          f"{plural(world, 'worker')} from the latest checkpoint ({which})",
-                          flush=True)
+                    lost = lost_peer_ranks(out)
+                    silent = sorted(set(range(world)) - lost)
+                    who = (f"rank {silent[0]} ended and the others lost contact with it"
+                           if lost and len(silent) == 1 else "a worker failed")
+                    start = ("the latest checkpoint" if (checkpoints / "latest").exists()
+                             else "the start (no checkpoint yet)")
+                    print(f"fxpipe: {who}; restarting all {plural(world, 'worker')} from "
+                          f"{start} ({which})", flush=True)
+                shutil.rmtree(out / LOST_PEER, ignore_errors=True)  # the next round's own
             return False
 
     agent.setLevel(logging.INFO)
@@ -440,6 +448,23 @@ def start_fork_server() -> None:
 
     mp.set_forkserver_preload(PRELOAD)
     forkserver.ensure_running()
+
+
+def stop_fork_server() -> None:
+    """End the fork server of :func:`start_fork_server` now. It ignores Ctrl-C while it imports
+    and would otherwise finish its imports (seconds of CPU) after the launcher has gone."""
+    import multiprocessing.forkserver as forkserver
+    import signal
+
+    server = forkserver._forkserver  # CPython's one ForkServer of this process
+    pid = getattr(server, "_forkserver_pid", None)
+    if pid is None:
+        return
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+    server._stop()  # closes its pipe, reaps it, forgets it
 
 
 def _launch(spec, out: Path, nnodes: int, endpoint: str, bind: str, run_id: str,
@@ -462,12 +487,16 @@ def _launch(spec, out: Path, nnodes: int, endpoint: str, bind: str, run_id: str,
     os.environ.setdefault(PROGRESS_ENV, progress_mode())  # the workers' stdout is ours
     os.environ.update(TORCH_CPP_LOG_LEVEL=os.environ.get("TORCH_CPP_LOG_LEVEL", "FATAL"),
                       TORCH_SHOW_CPP_STACKTRACES="0", **socket_env(bind))
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    # torchrun's module loggers carry their own WARNING level ("Received 2 death signal,
+    # shutting down workers" on a Ctrl-C): fxpipe says what happened in its own lines
+    for name in ["torch.distributed.elastic", *logging.root.manager.loggerDict]:
+        if name.startswith("torch.distributed.elastic"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
     # "Terminating process N via signal SIGTERM" when a worker fails: said by fxpipe's own line
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     world = per_node * nnodes
     if restarts:
-        _report_restarts(restarts, world, out)
+        _report_restarts(restarts, world, out, out / spec.train.checkpoint.dir)
     config = LaunchConfig(
         min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=per_node,
         run_id=run_id, rdzv_backend=register(), rdzv_endpoint=endpoint,
