@@ -66,8 +66,6 @@ SECTION = "gpu-check"
 #: the parts, in the order they run (:func:`run_check`; ``--only`` picks among them)
 PARTS = ("profile_gpt", "profile_hf_gpt2", "stages_fp32", "stages_bf16", "mfu_block",
          "pipeline_2rank")
-#: dense bf16 peak FLOP/s by GPU name (datasheets; 1,979 is the sparse figure)
-PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
 #: ``cluster.gpu`` (:mod:`fxpipe.specs.gpus`) by what CUDA calls the device: the analytic plans
 #: price the stages with the GPU model a user of that GPU gets
 GPU_PROFILES = {"H200": "H200", "H100": "H100-80GB", "A100": "A100-80GB"}
@@ -520,11 +518,13 @@ def peak_for(dev: torch.device, given: float | None) -> tuple[float, str]:
     if given:
         return given * 1e12, f"--peak-tflops {given:g}"
     if dev.type == "cuda":
-        name = torch.cuda.get_device_name(dev)
-        for key, v in PEAK_BF16.items():
-            if key in name:
-                return v, f"{key} dense bf16 datasheet"
-        raise RuntimeError(f"no bf16 peak known for {name!r}; pass --peak-tflops")
+        gpu = gpu_profile(dev)
+        if gpu is None:
+            raise RuntimeError(f"no bf16 peak known for {torch.cuda.get_device_name(dev)!r}; "
+                               "pass --peak-tflops")
+        from fxpipe.specs.gpus import profile
+
+        return profile(gpu).bf16_tflops * 1e12, f"{gpu} dense bf16 datasheet"
     return 1e12, "nominal 1 TFLOP/s (CPU dry run: the MFU means nothing)"
 
 
@@ -547,18 +547,18 @@ def run_check(dev: torch.device, sz: Sizes, out: Path, budget_s: float,
     result = {"environment": environment(dev, dev.type != "cuda"), "sizes": asdict(sz),
               "analytic_model": _analytic_model(dev), "budget_s": budget_s, "parts": {}}
     peak, note = peak_for(dev, peak_tflops) if dev.type == "cpu" or peak_tflops else (None, "")
-    parts: list[tuple[str, Callable[[], dict]]] = [
-        ("profile_gpt", lambda: part_profile(gpt_spec(sz, dev.type, "fp32", "measured"), sz,
-                                             cache)),
-        ("profile_hf_gpt2", lambda: part_profile(hf_spec(sz, dev.type), sz,
-                                                 cache)),
-        ("stages_fp32", lambda: part_stages(sz, dev, "fp32", cache)),
-        ("stages_bf16", lambda: part_stages(sz, dev, "bf16", cache)),
-        ("mfu_block", lambda: part_mfu(sz, dev, *(peak_for(dev, peak_tflops)
-                                                   if peak is None else (peak, note)))),
-        ("pipeline_2rank", lambda: part_pipeline(sz, dev)),
-    ]
-    for name, fn in parts:
+    parts: dict[str, Callable[[], dict]] = {
+        "profile_gpt": lambda: part_profile(gpt_spec(sz, dev.type, "fp32", "measured"), sz,
+                                            cache),
+        "profile_hf_gpt2": lambda: part_profile(hf_spec(sz, dev.type), sz, cache),
+        "stages_fp32": lambda: part_stages(sz, dev, "fp32", cache),
+        "stages_bf16": lambda: part_stages(sz, dev, "bf16", cache),
+        "mfu_block": lambda: part_mfu(sz, dev, *(peak_for(dev, peak_tflops)
+                                                 if peak is None else (peak, note))),
+        "pipeline_2rank": lambda: part_pipeline(sz, dev),
+    }
+    for name in PARTS:  # the order and names --only checks against
+        fn = parts[name]
         if only and name not in only:
             continue
         spent = time.perf_counter() - t_start

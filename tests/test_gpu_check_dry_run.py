@@ -112,3 +112,20 @@ def test_cuda_stage_plans_are_priced_by_the_gpu_model_of_the_device(gpu):
     assert spec.cluster.device == "cuda" and spec.cluster.gpu == gpu
     if gpu:
         assert spec.cluster.device_tflops == PROFILES[gpu].bf16_tflops
+
+
+@pytest.mark.parametrize("gpu, tflops", [("H200", 989.0), ("A100-80GB", 312.0)])
+def test_mfu_peak_is_the_gpu_profiles_dense_bf16_peak(monkeypatch, gpu, tflops):
+    """The MFU's peak comes from fxpipe's GPU profile of the device (one table for both)."""
+    sys.path.insert(0, str(ROOT))
+    import torch
+
+    from benchmarks import gpu_check
+
+    monkeypatch.setattr(gpu_check, "gpu_profile", lambda dev: gpu)
+    peak, note = gpu_check.peak_for(torch.device("cuda", 0), None)
+    assert peak == tflops * 1e12 and gpu in note
+    monkeypatch.setattr(gpu_check, "gpu_profile", lambda dev: None)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda dev: "Some GPU")
+    with pytest.raises(RuntimeError, match="pass --peak-tflops"):
+        gpu_check.peak_for(torch.device("cuda", 0), None)

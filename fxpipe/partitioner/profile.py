@@ -210,8 +210,7 @@ def _forward_in_sequence(gm: torch.fx.GraphModule, given: dict[str, Any], device
     time is its kernels', or the host's time to issue them where the GPU waits on the host
     (short kernels), and no synchronisation's own latency is counted per node."""
     env: dict[str, Any] = {}
-    queued = device.type == "cuda"  # kernels queue: timed by events, synchronised once
-    stamps: list[tuple[str, Any, Any]] = []
+    stamps: list[tuple[str, Any, Any]] = []  # (node, before, after), read once synchronised
 
     def fetch(a: torch.fx.Node) -> Any:
         return env[a.name]
@@ -228,22 +227,19 @@ def _forward_in_sequence(gm: torch.fx.GraphModule, given: dict[str, Any], device
         fn = _op(gm, n)
         args = pytree.tree_map_only(torch.fx.Node, fetch, n.args)
         kwargs = pytree.tree_map_only(torch.fx.Node, fetch, n.kwargs)
-        if not queued:
-            _sync(device)
         t0 = _stamp(device)
         try:
             out = fn(*args, **kwargs)
-            if not queued:
-                _sync(device)
         except Exception as e:  # the model cannot run this input (e.g. a token id too large)
             raise _node_error(n, e) from None
         t1 = _stamp(device)
         env[n.name] = out
         if record is not None:
             stamps.append((n.name, t0, t1))
-    _sync(device)
-    for name, t0, t1 in stamps:
-        record[name].append(_between(t0, t1))
+    if stamps:
+        _sync(device)
+        for name, t0, t1 in stamps:
+            record[name].append(_between(t0, t1))
     return env
 
 

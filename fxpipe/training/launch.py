@@ -375,6 +375,17 @@ def _after(restarts: int) -> str:
     return f" after {plural(restarts, 'restart')}" if restarts else ""
 
 
+def _silent_rank(out: Path, world: int) -> int | None:
+    """The one rank of ``world`` that did not record losing a peer when all the others did
+    (:func:`~fxpipe.training.worker.lost_peer_ranks`): the rank that ended first; None when
+    that is not known (no record, or several ranks without one, e.g. another node's)."""
+    from fxpipe.training.worker import lost_peer_ranks
+
+    lost = lost_peer_ranks(out)
+    silent = set(range(world)) - lost
+    return silent.pop() if lost and len(silent) == 1 else None
+
+
 def _first_failure(failures: dict, out: Path, world: int) -> str:
     """Where a failed run's failure began, from torchrun's failures (global rank -> exit code
     and time) and the ranks that only lost a peer (:func:`~fxpipe.training.worker.main`
@@ -391,12 +402,11 @@ def _first_failure(failures: dict, out: Path, world: int) -> str:
             said += f" ({signal.Signals(-failure.exitcode).name})"
         except ValueError:
             pass
-    lost = lost_peer_ranks(out)
-    if rank not in lost:
+    if rank not in lost_peer_ranks(out):
         return said
-    others = sorted(set(range(world)) - lost)
-    if len(others) == 1:
-        return (f"rank {others[0]} ended first and the others lost contact with it (with no "
+    first = _silent_rank(out, world)
+    if first is not None:
+        return (f"rank {first} ended first and the others lost contact with it (with no "
                 f"message of its own above, it was killed: out of memory?)")
     return (f"rank {rank} exited first, having lost contact with a rank that ended before it "
             f"(one with no message of its own above was killed: out of memory?)")
@@ -408,7 +418,7 @@ def _report_restarts(restarts: int, world: int, out: Path, checkpoints: Path) ->
     (:func:`fxpipe.training.worker.stop_messages`), the restarted workers end at once."""
     import shutil
 
-    from fxpipe.training.worker import LOST_PEER, lost_peer_ranks, stop_messages
+    from fxpipe.training.worker import LOST_PEER, stop_messages
 
     agent = logging.getLogger("torch.distributed.elastic.agent.server.api")
 
@@ -420,10 +430,9 @@ def _report_restarts(restarts: int, world: int, out: Path, checkpoints: Path) ->
                     print(f"fxpipe: training stopped (why: below); {which} ends at once, as "
                           "it would meet it again", file=sys.stderr, flush=True)
                 else:
-                    lost = lost_peer_ranks(out)
-                    silent = sorted(set(range(world)) - lost)
-                    who = (f"rank {silent[0]} ended and the others lost contact with it"
-                           if lost and len(silent) == 1 else "a worker failed")
+                    first = _silent_rank(out, world)
+                    who = ("a worker failed" if first is None
+                           else f"rank {first} ended and the others lost contact with it")
                     start = ("the latest checkpoint" if (checkpoints / "latest").exists()
                              else "the start (no checkpoint yet)")
                     print(f"fxpipe: {who}; restarting all {plural(world, 'worker')} from "

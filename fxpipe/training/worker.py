@@ -127,11 +127,15 @@ def _stop(out: Path, rank: int, message: str) -> None:
     """Record why this rank stopped training (a reason a restart would meet again), atomically
     and before the rank exits: the launcher prints it (:func:`stop_messages`), as no rank can:
     the launcher ends the other ranks as soon as the first one exits."""
-    folder = out / STOPPED
+    _record(out / STOPPED, f"rank{rank}.txt", message)
+
+
+def _record(folder: Path, name: str, text: str = "") -> None:
+    """Write ``folder/name`` atomically (the launcher may read it while the rank exits)."""
     folder.mkdir(exist_ok=True)
-    tmp = folder / f".rank{rank}.tmp"
-    tmp.write_text(message)
-    os.replace(tmp, folder / f"rank{rank}.txt")
+    tmp = folder / f".{name}.tmp"
+    tmp.write_text(text)
+    os.replace(tmp, folder / name)
 
 
 def stop_messages(out: Path) -> dict[int, str]:
@@ -211,8 +215,9 @@ def train(plan_path: Path, out: Path, resume: bool = False) -> None:
     init_distributed(spec.cluster.device, t.timeout_s)
     rank = dist.get_rank()
     restarts = restart_count()
-    if restarts and stop_messages(out):  # the launcher said why: it would meet it again
-        raise TrainingStopped(next(iter(stop_messages(out).values())))
+    stopped = stop_messages(out) if restarts else {}
+    if stopped:  # the launcher said why: it would meet it again
+        raise TrainingStopped(next(iter(stopped.values())))
     if t.updates == "async":  # parameter servers: fxpipe.training.async_updates
         train_async(plan_path, out, resume=resume, restarts=restarts)
         dist.barrier()
@@ -617,15 +622,15 @@ def main(argv: list[str] | None = None) -> int:
             os.environ.get("RANK", "?")
         if isinstance(e, TrainingStopped):
             return 2  # recorded (_stop): the launcher says it once
-        if peer_gone(e):  # a consequence: the launcher names the rank that ended first
+        lost = peer_gone(e)
+        if lost:  # a consequence: the launcher names the rank that ended first
             try:
-                (args.out / LOST_PEER).mkdir(exist_ok=True)
-                (args.out / LOST_PEER / f"rank{rank}").touch()
+                _record(args.out / LOST_PEER, f"rank{rank}")
             except OSError:
                 pass
         if isinstance(e, FxpipeError):
             what = str(e)
-        elif peer_gone(e):
+        elif lost:
             what = "lost contact with another rank: it ended first (stopped, failed or killed)"
         else:
             what = f"unexpected {first_line(e)} (please report it with the spec)"
