@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from fxpipe.errors import FxpipeError
+from fxpipe.training import fork_server
 from fxpipe.units import plural
 
 #: Files whose presence marks a folder as holding an earlier training run (plan dumps alone do
@@ -311,7 +312,7 @@ def run(args) -> int:
 
     from fxpipe.reports.progress import planning_progress
 
-    start_fork_server()  # its imports run while this process plans
+    fork_server.start()  # this process forked into the server the workers fork from
     try:
         with planning_progress():  # a spinner with the planner's phases on a terminal
             plan, graph = plan_from_spec(spec)
@@ -338,7 +339,7 @@ def run(args) -> int:
         _launch(spec, out, nnodes, endpoint, bind, args.rdzv_id, resume=bool(resume),
                 node_rank=getattr(args, "node_rank", None), fingerprint=run_fingerprint(plan))
     finally:  # the workers are done; a Ctrl-C or an error while planning: it is not needed
-        stop_fork_server()
+        fork_server.stop()
     if nnodes == 1:  # multi-node: checkpoint shards live on several machines
         from fxpipe.training.evaluate import evaluate_run
 
@@ -444,38 +445,6 @@ def _report_restarts(restarts: int, world: int, out: Path, checkpoints: Path) ->
     agent.addFilter(Restarts())
 
 
-def start_fork_server() -> None:
-    """Start the fork server that the workers of ``fxpipe run`` fork from (torchrun's launcher
-    with ``start_method="forkserver"``), importing :data:`fxpipe.training.worker.PRELOAD`: done
-    before planning, the server's imports (seconds of torch and dynamo) overlap the planner's
-    work instead of following it."""
-    import multiprocessing.forkserver as forkserver
-
-    import torch.multiprocessing as mp
-
-    from fxpipe.training.worker import PRELOAD
-
-    mp.set_forkserver_preload(PRELOAD)
-    forkserver.ensure_running()
-
-
-def stop_fork_server() -> None:
-    """End the fork server of :func:`start_fork_server` now. It ignores Ctrl-C while it imports
-    and would otherwise finish its imports (seconds of CPU) after the launcher has gone."""
-    import multiprocessing.forkserver as forkserver
-    import signal
-
-    server = forkserver._forkserver  # CPython's one ForkServer of this process
-    pid = getattr(server, "_forkserver_pid", None)
-    if pid is None:
-        return
-    try:
-        os.kill(pid, signal.SIGTERM)
-    except ProcessLookupError:
-        pass
-    server._stop()  # closes its pipe, reaps it, forgets it
-
-
 def _launch(spec, out: Path, nnodes: int, endpoint: str, bind: str, run_id: str,
             resume: bool, node_rank: int | None = None, fingerprint: str = "{}") -> None:
     """Start ``cluster.devices_per_node`` workers with torchrun's launcher (the ``fxpipe``
@@ -515,7 +484,7 @@ def _launch(spec, out: Path, nnodes: int, endpoint: str, bind: str, run_id: str,
     )
     from fxpipe.training.worker import launched
 
-    start_fork_server()  # started before planning; a no-op here then
+    fork_server.start()  # started before planning; a no-op here then
     # the fork server's environment is the one it started with: the workers get these too
     env = {k: os.environ[k] for k in (
         "OMP_NUM_THREADS", PROGRESS_ENV, "TORCH_CPP_LOG_LEVEL", "TORCH_SHOW_CPP_STACKTRACES",

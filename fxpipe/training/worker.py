@@ -575,13 +575,9 @@ def train_async(plan_path: Path, out: Path, *, resume: bool = False, restarts: i
                              f"most {s}" for j, n, s, rounds in sorted(servers)), flush=True)
 
 
-#: the fork server's preload (:mod:`fxpipe.training.fork_server` imports the rest)
-PRELOAD = ["fxpipe.training.fork_server"]
-
-
 def launched(plan: str, out: str, resume: bool, env: dict[str, str], launcher: int) -> None:
     """One worker of ``fxpipe run``: torchrun's launcher (process ``launcher``) forks it from
-    its fork server (``start_method="forkserver"``, :data:`PRELOAD`) and sets the rank's
+    its fork server (``start_method="forkserver"``, :mod:`fxpipe.training.fork_server`) and sets the rank's
     environment first; ``env`` is what the launcher set after the server started (threads,
     progress, the socket interface). Exits with :func:`main`'s code when it is not 0 (the
     launcher then sees a failed worker).
