@@ -367,9 +367,7 @@ def _trace_export(model: nn.Module, example_inputs: tuple,
             gm.graph.erase_node(n)
             if hasattr(gm, target):
                 delattr(gm, target)
-    gm.graph.lint()
-    gm.recompile()
-    return gm
+    return gm  # trace() lints and recompiles it once, after its own edits
 
 
 # ---------------------------------------------------------------------------------------------
@@ -411,8 +409,6 @@ def _remove_pipe_splits(gm: torch.fx.GraphModule) -> list[str]:
             gm.graph.erase_node(n)
         elif n.op in COMPUTE_OPS:
             last_compute = n
-    gm.graph.lint()
-    gm.recompile()
     return split_after
 
 
@@ -553,8 +549,6 @@ def _keep_output(gm: torch.fx.GraphModule, key: str | int | None, model_name: st
         if getattr(codegen, "pytree_info", None) is not None:
             codegen.pytree_info = codegen.pytree_info._replace(out_spec=leaf)
     gm.graph.eliminate_dead_code()
-    gm.graph.lint()
-    gm.recompile()
 
 
 def trace(model: nn.Module, example_inputs: tuple, tracer: str = "export", *,
@@ -607,6 +601,8 @@ def trace(model: nn.Module, example_inputs: tuple, tracer: str = "export", *,
 
     _keep_output(gm, output, type(model).__name__)
     split_after = _remove_pipe_splits(gm)
+    gm.graph.lint()
+    gm.recompile()  # once, after every edit above
     by_id, by_name, buffers, shapes = _tensor_names(model)
     param_fqns: dict[str, str] = {}
     for n in gm.graph.nodes:
