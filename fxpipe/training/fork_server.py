@@ -85,16 +85,25 @@ def _fork_here(server) -> bool:
             # server reads EOF and exits
             alive_r, alive_w = os.pipe()
             gc.freeze()
-            with warnings.catch_warnings():  # 3.12+: torch's own native thread
-                warnings.simplefilter("ignore", DeprecationWarning)
-                pid = os.fork()
+            # a Ctrl-C between the fork and the server's own handlers waits (the launcher gets
+            # it right after; the server ignores it, as CPython's does)
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+            pid = -1
+            try:
+                with warnings.catch_warnings():  # 3.12+: torch's own native thread
+                    warnings.simplefilter("ignore", DeprecationWarning)
+                    pid = os.fork()
+            finally:
+                if pid != 0:
+                    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
             if pid == 0:  # the server
                 code = 0
                 try:
                     os.close(alive_w)
-                    # what the workers get back (forkserver restores these in each child)
-                    signal.signal(signal.SIGINT, signal.default_int_handler)
+                    # the handlers the workers get back (forkserver restores them in each)
+                    signal.signal(signal.SIGINT, signal.SIG_IGN)
                     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
                     forkserver.main(listener.fileno(), alive_r, [])
                 except SystemExit:  # every client has gone
                     pass
