@@ -19,7 +19,7 @@ except ImportError:  # collected as a package
 pytestmark = pytest.mark.distributed
 
 PROBE = """
-import json, os, sys, threading, time
+import json, multiprocessing, os, sys, threading, time
 from pathlib import Path
 import multiprocessing.forkserver as forkserver
 from fxpipe.training import fork_server
@@ -29,6 +29,12 @@ if sys.argv[1] == "thread":  # a Python thread running: no fork of this process
     threading.Thread(target=stop.wait, daemon=True).start()
 fork_server.start()
 pid = forkserver._forkserver._forkserver_pid
+# one process served first: CPython spawns its server with vfork + exec, and the launcher can
+# resume before the kernel has set the new command line (it reads empty for that instant)
+child = multiprocessing.get_context("forkserver").Process(target=time.sleep, args=(0,))
+child.start()
+child.join(60)
+assert child.exitcode == 0, child.exitcode
 cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\\0")
 mine = Path("/proc/self/cmdline").read_bytes().split(b"\\0")
 fork_server.start()  # running: a no-op
