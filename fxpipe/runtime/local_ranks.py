@@ -2,14 +2,14 @@
 deadline, for tests, benchmarks and trying a pipeline without torchrun.
 
 ``run_ranks(fn, world_size, *args, timeout_s=...)`` starts ``world_size`` processes (start method
-``forkserver``: children fork from a clean server process that imported torch and fxpipe once but
-never ran an op, so no fork of a parent whose OpenMP pool is live, and no per-child import cost
-of about 2 s CPU), sets torchrun's environment (RANK,
-WORLD_SIZE, LOCAL_RANK, MASTER_ADDR=127.0.0.1, a free MASTER_PORT), gives each
-:func:`fxpipe.runtime.threads.rank_threads` threads (1 unless ``OMP_NUM_THREADS`` says),
-joins the default gloo group, calls ``fn(rank, *args)`` and sends its (picklable) return value
-back. The parent kills every child still alive at the deadline and raises, so a hang can never
-outlive ``timeout_s``. A rank that exits with status 0 without returning gives ``None``.
+``forkserver``: children fork from a clean server process that imported torch and fxpipe once and
+made torch.export's first call on the meta device but never ran an op, so no fork of a parent
+whose OpenMP pool is live, and no per-child import and first-export cost of about 2.5 s CPU),
+sets torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR=127.0.0.1, a free
+MASTER_PORT), gives each :func:`fxpipe.runtime.threads.rank_threads` threads (1 unless
+``OMP_NUM_THREADS`` says), joins the default gloo group, calls ``fn(rank, *args)`` and sends its
+(picklable) return value back. The parent kills every child still alive at the deadline and
+raises, so a hang can never outlive ``timeout_s``. A rank that exits with status 0 without returning gives ``None``.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ from fxpipe.errors import RuntimeFailure
 #: modules the fork server imports once (its children start with them loaded)
 PRELOAD = ["torch", "torch.distributed", "torch.export", "torch._dynamo",
            "fxpipe.runtime.executor", "fxpipe.schedule.generators", "fxpipe.partitioner.split",
-           "fxpipe.examples.gpt", "fxpipe.examples.cnn"]
+           "fxpipe.examples.gpt", "fxpipe.examples.cnn",
+           "fxpipe.partitioner.trace_warmup"]  # last: torch.export's first call, made once
 
 
 def free_port() -> int:

@@ -3,7 +3,8 @@ every worker from it, so the workers start with torch, dynamo and fxpipe loaded 
 importing them once each.
 
 :func:`start` makes the server by forking the launcher itself once it has imported
-:data:`MODULES` and before it plans (one process, no Python thread, no torch op run yet: the
+:data:`MODULES` and before it plans (one process, no Python thread, no torch op run yet, only
+torch.export's first call made on the meta device: :mod:`fxpipe.partitioner.trace_warmup`; the
 state of a fresh interpreter that imported them): the server costs no imports of its own
 (about 5 s of CPU on two cores, a second process importing torch). Where that cannot be done
 (another Python's fork server protocol, a thread already running) CPython's own server starts
@@ -29,7 +30,8 @@ import warnings
 MODULES = ("torch", "torch.distributed", "torch.export", "torch._dynamo",
            "torch.distributed.checkpoint", "fxpipe.training.compiled",
            "fxpipe.training.checkpoint", "fxpipe.runtime.executor", "fxpipe.data.batches",
-           "fxpipe.training.worker")
+           "fxpipe.training.worker", "fxpipe.partitioner.split",
+           "fxpipe.partitioner.trace_warmup")  # last: torch.export's first call, made once
 #: what CPython's own server (the fallback) imports: the module that imports :data:`MODULES`
 PRELOAD = ["fxpipe.training.server_imports"]
 #: the protocol of ``multiprocessing.forkserver.main`` that :func:`_fork_here` speaks
