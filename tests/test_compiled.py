@@ -473,22 +473,6 @@ def _folded_worker(rank: int, plan_dict: dict) -> float:
     return pipe.step(x, x)
 
 
-@pytest.mark.distributed
-def test_plan_of_repeated_blocks_compiles_and_trains():
-    """A plan made as repeated blocks (``plan.folded``: stages list no edges until a worker
-    resolves it) gets the schedule of its resolved stage edges: its sends, not a ScheduleError
-    for missing SEND_F/RECV_F."""
-    with torch.device("meta"):
-        meta = _folded_model()
-    plan = fxpipe.plan(meta, _folded_spec(), (torch.zeros(2, 16, dtype=torch.long,
-                                                          device="meta"),))
-    assert plan.folded, "the 8-block model should plan as repeated blocks"
-    got = run_ranks(_folded_worker, 2, plan.to_dict(), timeout_s=120)
-    x = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(1))
-    ref = F.cross_entropy(_folded_model()(x).flatten(0, 1), x.flatten()).item()
-    assert got[0] == got[1] == pytest.approx(ref, abs=bound(ref, 4))
-
-
 def _top_sequential() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(*(nn.Linear(16, 16) for _ in range(8)), nn.Linear(16, 4))
@@ -529,20 +513,62 @@ def _run_of_blocks_worker(rank: int, name: str, plan_dict: dict) -> tuple[float,
     return loss, {n: p.grad.tolist() for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.distributed
-@pytest.mark.parametrize("name", _RUNS)
-def test_a_run_of_blocks_plans_as_blocks_and_trains(name):
-    """``nn.Sequential(8 identical layers, head)`` (the run is the model itself: no parent
-    module to shorten it in), and blocks whose residual add is the parent's (each block's
-    glue): both plan as blocks and train as one process does."""
+def _blocks_worker(rank: int, folded: dict, runs: dict) -> dict:
+    """The plans made as blocks, one after the other in one 2-rank group (each its own model
+    and pipeline)."""
+    out = {"folded": _folded_worker(rank, folded)}
+    for name, plan_dict in runs.items():
+        out[name] = _run_of_blocks_worker(rank, name, plan_dict)
+    return out
+
+
+def _run_of_blocks_plan(name: str):
     spec = {"model": {"factory": "x:y"}, "data": {"batch_size": 4},
             "parallel": {"pipeline": 2, "data": 1, "microbatches": 2, "schedule": "1f1b"},
             "cluster": {"devices_per_node": 2},
             "train": {"loss": "mse", "timeout_s": 60}}
-    plan = fxpipe.plan(_RUNS[name](), spec, (torch.zeros(2, 16),))
+    return fxpipe.plan(_RUNS[name](), spec, (torch.zeros(2, 16),))
+
+
+@pytest.fixture(scope="module")
+def blocks():
+    """One 2-rank launch for every plan made as blocks: (plans, per-rank results of
+    :func:`_blocks_worker`)."""
+    with torch.device("meta"):
+        meta = _folded_model()
+    plans = {"folded": fxpipe.plan(meta, _folded_spec(), (torch.zeros(2, 16, dtype=torch.long,
+                                                                      device="meta"),))}
+    plans.update({name: _run_of_blocks_plan(name) for name in _RUNS})
+    got = run_ranks(_blocks_worker, 2, plans["folded"].to_dict(),
+                    {name: plans[name].to_dict() for name in _RUNS}, timeout_s=180)
+    return plans, got
+
+
+@pytest.mark.distributed
+def test_plan_of_repeated_blocks_compiles_and_trains(blocks):
+    """A plan made as repeated blocks (``plan.folded``: stages list no edges until a worker
+    resolves it) gets the schedule of its resolved stage edges: its sends, not a ScheduleError
+    for missing SEND_F/RECV_F."""
+    plans, results = blocks
+    plan = plans["folded"]
+    assert plan.folded, "the 8-block model should plan as repeated blocks"
+    got = [r["folded"] for r in results]
+    x = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(1))
+    ref = F.cross_entropy(_folded_model()(x).flatten(0, 1), x.flatten()).item()
+    assert got[0] == got[1] == pytest.approx(ref, abs=bound(ref, 4))
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", _RUNS)
+def test_a_run_of_blocks_plans_as_blocks_and_trains(blocks, name):
+    """``nn.Sequential(8 identical layers, head)`` (the run is the model itself: no parent
+    module to shorten it in), and blocks whose residual add is the parent's (each block's
+    glue): both plan as blocks and train as one process does."""
+    plans, results = blocks
+    plan = plans[name]
     assert plan.folded and set(plan.folded["blocks"]) == {0, 1}
     assert plan.folded["run"]["glue"] == (name == "residual add outside")
-    got = run_ranks(_run_of_blocks_worker, 2, name, plan.to_dict(), timeout_s=120)
+    got = [r[name] for r in results]
     model = _RUNS[name]()
     x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
     ref = F.mse_loss(model(x), torch.zeros(4, 4))
