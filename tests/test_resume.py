@@ -27,7 +27,9 @@ except ImportError:  # collected as a package
 
 pytestmark = pytest.mark.distributed
 
-STEPS = 16
+#: 8 steps (warm-up 2, then cosine): a resume at step 2 or 4 still lands after the warm-up,
+#: mid-decay, with checkpoints every 2 steps before and after it
+STEPS = 8
 SPEC = """
 model:
   factory: "fxpipe.examples.gpt:CharGPT"
@@ -72,25 +74,65 @@ def crash_after(run: Path, step: int) -> None:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """One uninterrupted run of STEPS steps (2 stages x 2 replicas, 1F1B, a checkpoint every 4
+    """One uninterrupted run of STEPS steps (2 stages x 2 replicas, 1F1B, a checkpoint every 2
     steps, one restart allowed)."""
     d = tmp_path_factory.mktemp("ref")
-    spec = write_spec(d / "spec.yaml", every=4, restarts=1)
+    spec = write_spec(d / "spec.yaml", every=2, restarts=1)
     r = fxpipe_cli("run", spec, "--out", d / "run", "--no-report", timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return spec, d / "run", losses(d / "run")
 
 
-def test_resume_continues_bit_for_bit(reference, tmp_path):
-    spec, ref_run, ref = reference
-    assert len(ref) == STEPS and len({loss for _, loss in ref}) == STEPS
-    run = tmp_path / "run"
+#: where :func:`resumed_then_killed` resumes the reference (a crash right after this step's
+#: checkpoint), and how many rows losses.csv holds when it kills a worker: steps 2 and 3 trained
+#: by the resumed launch, the checkpoint of step 4 written or being written (the restart starts
+#: from it or from step 2's), 4 steps left
+RESUME_AT, KILL_AT_ROWS = 2, 4
+
+
+@pytest.fixture(scope="module")
+def resumed_then_killed(reference, tmp_path_factory):
+    """One launch for two tests (the same spec and command): ``fxpipe run SPEC --resume RUN`` on
+    a copy of the reference left as a crash right after its checkpoint of step RESUME_AT; once
+    that launch has trained past the next checkpoint (KILL_AT_ROWS rows), one worker is
+    SIGKILLed, and train.max_restarts restarts all four from the latest checkpoint. Returns
+    (run folder, exit code, output, the killed pid, the addresses the launcher and its workers
+    listened on just before the kill)."""
+    spec, ref_run, _ = reference
+    run = tmp_path_factory.mktemp("resumed") / "run"
     shutil.copytree(ref_run, run)
-    crash_after(run, 4)
-    r = fxpipe_cli("run", spec, "--resume", run, "--no-report", timeout=300)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "resuming from" in r.stdout and f"step 4 of {STEPS}" in r.stdout
-    assert losses(run) == ref  # steps 0-3 kept, 4-7 trained again: the same bits
+    crash_after(run, RESUME_AT)
+    p = subprocess.Popen([sys.executable, "-m", "fxpipe", "run", str(spec), "--resume", str(run),
+                          "--no-report"],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         env=cli_env())
+    deadline = time.monotonic() + 240
+    killed, addresses = None, set()
+    while killed is None and time.monotonic() < deadline and p.poll() is None:
+        # the copied file holds RESUME_AT + 1 rows until the launch cuts it back to RESUME_AT
+        rows = (run / "losses.csv").read_text().count("\n") - 1
+        if rows >= KILL_AT_ROWS:
+            workers = [_worker_pid(p.pid, r) for r in range(4)]
+            # everything the launcher and its workers listen on is the loopback
+            addresses = listening_addresses([p.pid, *filter(None, workers)])
+            killed = workers[1]
+            if killed:
+                os.kill(killed, signal.SIGKILL)
+        time.sleep(0.01)
+    out, _ = p.communicate(timeout=300)
+    return run, p.returncode, out, killed, addresses
+
+
+def test_resume_continues_bit_for_bit(reference, resumed_then_killed):
+    _, _, ref = reference
+    assert len(ref) == STEPS and len({loss for _, loss in ref}) == STEPS
+    run, code, out, _, _ = resumed_then_killed
+    assert code == 0, out[-3000:]
+    # the resume itself (the restart after the kill says "restart 1: resuming from")
+    assert any(line.startswith("resuming from") and line.endswith(f"(step {RESUME_AT} of {STEPS})")
+               for line in out.splitlines()), out[-3000:]
+    # steps 0-1 kept, the row past the checkpoint dropped, 2-7 trained again: the same bits
+    assert losses(run) == ref
     final = sorted((run / "checkpoint").glob("step_*"))[-1]
     assert final.name == f"step_{STEPS:06d}"
 
@@ -205,32 +247,15 @@ def listening_addresses(pids: list[int]) -> set[str]:
     return found
 
 
-def test_killed_rank_restarts_from_the_latest_checkpoint(reference, tmp_path):
-    """SIGKILL one worker mid-run: with train.max_restarts the workers restart from the latest
-    checkpoint and the run ends with the uninterrupted run's losses."""
-    spec, _, ref = reference
-    run = tmp_path / "run"
-    p = subprocess.Popen([sys.executable, "-m", "fxpipe", "run", str(spec), "--out", str(run),
-                          "--no-report"],
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         env=cli_env())
-    deadline = time.monotonic() + 240
-    killed = None
-    while killed is None and time.monotonic() < deadline and p.poll() is None:
-        rows = (run / "losses.csv").read_text().count("\n") - 1 \
-            if (run / "losses.csv").exists() else 0
-        if rows >= 6:
-            workers = [_worker_pid(p.pid, r) for r in range(4)]
-            # everything the launcher and its workers listen on is the loopback
-            addresses = listening_addresses([p.pid, *filter(None, workers)])
-            killed = workers[1]
-            if killed:
-                os.kill(killed, signal.SIGKILL)
-        time.sleep(0.01)
-    out, _ = p.communicate(timeout=300)
+def test_killed_rank_restarts_from_the_latest_checkpoint(reference, resumed_then_killed):
+    """SIGKILL one worker mid-run (of the resumed launch of :func:`resumed_then_killed`): with
+    train.max_restarts the workers restart from the latest checkpoint and the run ends with the
+    uninterrupted run's losses."""
+    _, _, ref = reference
+    run, code, out, killed, addresses = resumed_then_killed
     assert killed, "never found the worker to kill:\n" + out[-3000:]
     assert addresses and addresses <= {"127.0.0.1", "::ffff:127.0.0.1", "::1"}, addresses
-    assert p.returncode == 0, out[-3000:]
+    assert code == 0, out[-3000:]
     assert "restarting all 4 workers from the latest checkpoint (restart 1 of 1)" in out
     assert "restart 1: resuming from" in out
     assert "Traceback" not in out and "frame #" not in out
