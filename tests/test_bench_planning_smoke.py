@@ -4,6 +4,7 @@ block-boundary cut) and ``bench_plan_scale`` (planner time vs world size and dep
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 import sys
@@ -77,9 +78,12 @@ def test_stage_starts_round_trip_given_cuts(tmp_path):
             model = bp.build_model(pm)
             x, _ = bp.global_batch(pm)
             ex = (x[:pm.mbs],)
+            # the units, planned once per model on 2 stages as bench_model does for every
+            # stage count
+            pr, _ = plan_with_graph(model, load_spec(bp.spec_dict(pm, "analytic", 2)), ex,
+                                    units_only=True)
             for c in cuts:
                 spec = load_spec(bp.spec_dict(pm, "analytic", len(c)))
-                pr, _ = plan_with_graph(model, spec, ex, units_only=True)
                 plan, _ = plan_with_graph(model, spec, ex, cuts=c)
                 assert bp.stage_starts(plan, pr) == c, (name, c)
             if name == "norm-probe":
@@ -129,11 +133,20 @@ def test_gaps_use_the_head_to_head_run_and_spearman():
 
 @pytest.mark.distributed
 def test_bench_pick_tiny(tmp_path, monkeypatch):
+    from fxpipe.training import profiling
+
     monkeypatch.setenv("FXPIPE_CACHE_DIR", str(tmp_path / "user-cache"))  # must stay unused
+    # the send cost is still measured for real between 2 busy gloo ranks and cached with the
+    # profile, at 2 sizes x 4 messages x 2 rounds instead of 7 x 16 x 7 (about 15 s of CPU on
+    # 2 cores); tests/test_send_cost.py checks the measurement itself
+    monkeypatch.setattr(profiling, "measure_send_cost", functools.partial(
+        profiling.measure_send_cost, sizes=[1 << 12, 1 << 20], iters=4, rounds=2))
     out = tmp_path / "BENCHMARKS.md"
+    # --warmup 0: the first round still runs one untimed step per cut (bench_pick's rule), the
+    # second round none
     results = bp.main(["--tiny", "--models", "norm-probe", "--rounds", "2",
                        "--final-rounds", "2", "--final-rounds-4", "2", "--finalists", "2",
-                       "--steps", "1",
+                       "--steps", "1", "--warmup", "0",
                        "--sample4", "2", "--max-wait", "0",
                        "--cache", str(tmp_path / "cache"), "--out", str(out)])
     assert [r.name for r in results] == ["norm-probe"]  # planned as blocks (folded)
