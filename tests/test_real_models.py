@@ -3,16 +3,19 @@
 CNN with BatchNorm (:mod:`real_models`), with the default attention and config (dropout 0).
 
 Each is planned into 2 and 4 stages from its meta-device copy, then trained 3 steps on 2 stages x
-2 replicas under GPipe, 1F1B and ZB-H1 (one process group of 4 gloo ranks runs every case) and
-compared with single-process training on the whole batch: losses and final parameters within
-the float32 bounds of their reordered sums (tests/tolerances.py; fp32, SGD). The transformers models get dict batches and compute their own loss from
-``labels``; the loss is the mean over the tokens that count in the whole batch. BatchNorm
-statistics are per micro-batch (as in GPipe), so the ResNet's reference runs micro-batch by
-micro-batch; everything else is the same.
+2 replicas under GPipe, 1F1B and ZB-H1 (one process group of 4 gloo ranks runs every case; the
+planner cuts a model alike under the three schedules, so its 1F1B plan is run under each: one
+plan and one trace per model and rank) and compared with single-process training on the whole
+batch: losses and final parameters within the float32 bounds of their reordered sums
+(tests/tolerances.py; fp32, SGD). The transformers models get dict batches and compute their
+own loss from ``labels``; the loss is the mean over the tokens that count in the whole batch.
+BatchNorm statistics are per micro-batch (as in GPipe), so the ResNet's reference runs
+micro-batch by micro-batch; everything else is the same.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import pytest
@@ -64,33 +67,49 @@ def _counter(plan: Plan, traced):
                          target_counter(traced.gm) if own else None, own)
 
 
-def _worker(rank: int, cases: list[tuple[str, dict[str, dict]]]):
+def _variant(plan: Plan, schedule: str | None = None, placement: str | None = None,
+             recompute: list[bool] | None = None) -> Plan:
+    """A copy of ``plan`` (same cut) run under another schedule, placement or per-stage
+    recomputation: what the executor reads of them (the planner cuts these models alike under
+    GPipe, 1F1B and ZB-H1; only its predictions and memory estimates differ)."""
+    plan = copy.deepcopy(plan)
+    if schedule is not None:
+        plan.schedule = schedule
+        plan.spec["parallel"]["schedule"] = schedule
+    if placement is not None:
+        plan.placement = placement
+    for st, on in zip(plan.stages, recompute or ()):
+        st.recompute = on
+    return plan
+
+
+def _worker(rank: int, cases: list[tuple[str, dict, dict[str, dict]]]):
     meshes = {layout: Mesh(PIPE, DP, timeout_s=120, layout=layout)
               for layout in ("pipeline-inner", "data-inner")}  # collective: every rank, in order
     out = {}
-    for name, plans in cases:
-        plans = {s: Plan.from_dict(d) for s, d in plans.items()}
-        first = next(iter(plans.values()))
-        mesh = meshes[first.placement]
-        spec = load_spec(first.spec)
+    for name, plan_dict, variants in cases:  # one trace per case: its variants share the cut
+        base = Plan.from_dict(plan_dict)
+        spec = load_spec(base.spec)
         model = zoo.build(name)
-        stages_of = schedule_for_plan(first).stages_of_rank(mesh.pipe_rank)
-        traced = trace_for_plan(first, model)
-        stages = build_stages(first, traced, stages_of)
-        count = _counter(first, traced)
+        traced = trace_for_plan(base, model)  # resolves a plan made of blocks in place
+        count = _counter(base, traced)
         start = {k: v.detach().clone() for k, v in model.state_dict().items()}
         loss_fn = resolve_loss(spec.train.loss, spec.train.ignore_index)
-        for sched_name, plan in plans.items():
-            if plan.folded or plan.stage_of_node() != first.stage_of_node():  # another cut
-                traced = trace_for_plan(plan, model)
-                stages = build_stages(plan, traced,
-                                      schedule_for_plan(plan).stages_of_rank(mesh.pipe_rank))
+        built: dict[int, dict] = {}  # pipeline rank -> its stage modules (of the one cut)
+        for label, change in variants.items():
+            plan = _variant(base, **change)
+            mesh = meshes[plan.placement]
+            schedule = schedule_for_plan(plan)
+            if mesh.pipe_rank not in built:
+                built[mesh.pipe_rank] = build_stages(plan, traced,
+                                                     schedule.stages_of_rank(mesh.pipe_rank))
+            stages = built[mesh.pipe_rank]
             with torch.no_grad():
                 for k, v in model.state_dict().items():
                     v.copy_(start[k])
             params = list({id(p): p for m in stages.values() for p in m.parameters()}.values())
             opt = torch.optim.SGD(params, lr=spec.train.lr)
-            ex = PipelineExecutor(plan, schedule_for_plan(plan), stages, mesh, loss_fn, opt,
+            ex = PipelineExecutor(plan, schedule, stages, mesh, loss_fn, opt,
                                   timeout_s=120, needs_target=spec.train.loss != MODEL_LOSS)
             losses = []
             for step in range(STEPS):
@@ -101,7 +120,7 @@ def _worker(rank: int, cases: list[tuple[str, dict[str, dict]]]):
                                       mine.target, w))
             params = {n: p.detach().numpy().copy() for m in stages.values()  # by value
                       for n, p in m.named_parameters()}
-            out[(name, sched_name)] = (losses, params)
+            out[(name, label)] = (losses, params)
     return out
 
 
@@ -144,20 +163,18 @@ def _reference(name: str):
 
 @pytest.fixture(scope="module")
 def trained():
-    cases = [(name, {s: _plan(name, PIPE, DP, M, s).to_dict() for s in SCHEDULES})
-             for name in zoo.NAMES]
-    flipped = _plan("gpt2", PIPE, DP, M, "1f1b")  # each stage's replicas on adjacent ranks
-    flipped.placement = "data-inner"
-    cases.append(("gpt2", {"1f1b data-inner": flipped.to_dict()}))
-    recompute = {}  # activation recomputation: the backward runs the forward again
-    for s in ("1f1b", "zb-h1"):
-        again = _plan("llama", PIPE, DP, M, s, activation_recompute="on")
-        assert all(st.recompute for st in again.stages)
-        if s == "zb-h1":  # per stage, as the planner chooses it: the first stage only
-            for st in again.stages[1:]:
-                st.recompute = False
-        recompute[f"{s} recompute"] = again.to_dict()
-    cases.append(("llama", recompute))  # one model build for both, like the schedules above
+    cases = [(name, _plan(name, PIPE, DP, M, "1f1b").to_dict(),
+              {s: {"schedule": s} for s in SCHEDULES}) for name in zoo.NAMES]
+    cases[zoo.NAMES.index("gpt2")][2]["1f1b data-inner"] = {  # each stage's replicas on
+        "placement": "data-inner"}                            # adjacent ranks
+    # activation recomputation (the backward runs the forward again): planned with it on, its
+    # own cut; under ZB-H1 per stage, as the planner chooses it: the first stage only
+    again = _plan("llama", PIPE, DP, M, "1f1b", activation_recompute="on")
+    assert all(st.recompute for st in again.stages)
+    cases.append(("llama", again.to_dict(), {
+        "1f1b recompute": {},
+        "zb-h1 recompute": {"schedule": "zb-h1",
+                            "recompute": [True] + [False] * (again.num_stages - 1)}}))
     results: dict = {}
     for per_rank in run_ranks(_worker, PIPE * DP, cases, timeout_s=600, dist_timeout_s=120):
         for key, (losses, params) in per_rank.items():
