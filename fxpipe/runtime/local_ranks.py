@@ -9,7 +9,8 @@ sets torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR=127.0.0.1
 MASTER_PORT), gives each :func:`fxpipe.runtime.threads.rank_threads` threads (1 unless
 ``OMP_NUM_THREADS`` says), joins the default gloo group, calls ``fn(rank, *args)`` and sends its
 (picklable) return value back. The parent kills every child still alive at the deadline and
-raises, so a hang can never outlive ``timeout_s``. A rank that exits with status 0 without returning gives ``None``.
+raises, so a hang can never outlive ``timeout_s``. A rank that exits with status 0 without
+returning gives ``None``.
 """
 
 from __future__ import annotations
