@@ -42,6 +42,10 @@ def hf_spec(name: str) -> dict | None:
         "llama": {"hf": "LlamaForCausalLM", "config": dict(
             vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, intermediate_size=64, max_position_embeddings=T)},
+        "gemma2": {"hf": "Gemma2ForCausalLM", "config": dict(  # not in NAMES: tensor tests
+            vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, intermediate_size=64, sliding_window=8,
+            query_pre_attn_scalar=8, max_position_embeddings=T)},
         "t5": {"hf": "T5ForConditionalGeneration", "config": dict(
             vocab_size=V, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2,
             num_heads=4, dropout_rate=0.0, decoder_start_token_id=0)},
@@ -148,7 +152,7 @@ def batch(name: str, step: int):
     ids = torch.randint(1, V, (B, T), generator=g)
     lengths = torch.tensor([T, T // 2, T - 3, 5, T, 9, T - 1, 3])
     mask = (torch.arange(T)[None, :] < lengths[:, None]).long()
-    if name in ("gpt2", "llama", "gpt2_deep"):
+    if name in ("gpt2", "llama", "gpt2_deep", "gemma2"):
         return (), {"input_ids": ids * mask, "attention_mask": mask,
                     "labels": (ids * mask).masked_fill(mask == 0, -100)}, None
     if name == "bert":

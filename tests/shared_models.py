@@ -46,6 +46,49 @@ class SplitGPT(CharGPT):
         return self.head(self.ln_f(x))
 
 
+class BufferedGPT(CharGPT):
+    """CharGPT with buffers of its own, as user models hold them: non-persistent ones (an
+    embedding scale on the model, a gate per block: ``register_buffer(..., persistent=False)``,
+    rebuilt by ``__init__`` and absent from ``state_dict()``) and a persistent one (a shift
+    after the last norm, saved like a parameter)."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        width = self.wte.weight.shape[1]
+        self.register_buffer("emb_scale", torch.tensor(1.25), persistent=False)
+        for i, block in enumerate(self.h):
+            block.register_buffer("gate", torch.linspace(0.5, 1.5, width) + 0.1 * i,
+                                  persistent=False)
+        self.register_buffer("shift", torch.linspace(-0.1, 0.1, width))
+
+    def forward(self, idx):
+        t = idx.shape[1]
+        x = self.wte(idx) * self.emb_scale + self.wpe(torch.arange(t, device=idx.device))
+        for block in self.h:
+            x = block(x) * block.gate
+        return self.head(self.ln_f(x) + self.shift)
+
+
+def buffered_gpt(vocab_size: int = VOCAB, block_size: int = SEQ, n_layer: int = 2,
+                 n_embd: int = 32) -> BufferedGPT:
+    """Seeded :class:`BufferedGPT` (tied embeddings), 2 heads."""
+    torch.manual_seed(0)
+    return BufferedGPT(vocab_size=vocab_size, block_size=block_size, n_layer=n_layer, n_head=2,
+                       n_embd=n_embd)
+
+
+def assert_plain_state_keys(model: torch.nn.Module, keys) -> None:
+    """``keys`` (saved by a checkpoint, or a pipeline's ``state_dict()``) are the plain
+    ``model``'s ``state_dict()`` keys: none it lacks (no non-persistent buffer, no name of
+    fxpipe's), and every tensor of it there (under one of its names when tied)."""
+    plain = model.state_dict(keep_vars=True)
+    extra = sorted(set(keys) - set(plain))
+    assert not extra, (type(model).__name__, "keys the plain model lacks", extra)
+    held = {id(plain[k]) for k in keys}
+    lost = sorted(k for k, v in plain.items() if id(v) not in held)
+    assert not lost, (type(model).__name__, "tensors not held", lost)
+
+
 def exact_bounds(ref_losses: list[float], init: dict[str, torch.Tensor],
                  final: dict[str, torch.Tensor], global_batch: int, steps: int,
                  dtype: torch.dtype = torch.float32,

@@ -35,6 +35,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 
 from fxpipe.errors import TraceError
+from fxpipe.graphs.rebuild import rebuilt
 from fxpipe.partitioner import annotations as ann
 from fxpipe.partitioner.trace_errors import trace_error
 
@@ -292,7 +293,7 @@ def _trace_fx(model: nn.Module, example_inputs: tuple, example_kwargs: dict,
     except Exception as e:
         raise trace_error(e, model, "fx", "symbolic tracing") from e
     name = type(model).__name__
-    gm = torch.fx.GraphModule(tracer.root, graph, name)
+    gm = rebuilt(tracer.root, graph, name)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     named = [p for p in placeholders if not str(p.target).startswith("*")]
     starred = len(named) < len(placeholders)

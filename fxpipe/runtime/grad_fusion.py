@@ -30,6 +30,8 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from fxpipe.graphs.rebuild import rebuilt
+
 __all__ = ["fuse_weight_grads", "fused_linear", "fused_addmm", "fused_embedding"]
 
 _aten = torch.ops.aten
@@ -194,6 +196,6 @@ def fuse_weight_grads(module: nn.Module) -> tuple[nn.Module, int]:
         if fn is not None and n.op == "call_function":
             n.target = fn
             count += 1
-    fused = fx.GraphModule(module, graph, class_name=type(module).__name__)
+    fused = rebuilt(module, graph, class_name=type(module).__name__)
     fused.meta = dict(getattr(module, "meta", {}))
     return fused, count

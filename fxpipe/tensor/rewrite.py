@@ -16,6 +16,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from fxpipe.graphs.rebuild import rebuilt
 from fxpipe.tensor import collectives as C
 from fxpipe.tensor.analysis import Edge, NodeShard, Sharding
 from fxpipe.tensor.placement import Placement
@@ -132,7 +133,7 @@ def shard_stage(gm: fx.GraphModule, sharding: Sharding, group, rank: int,
     """The stage ``gm`` running on this rank's shards: parameters replaced
     (:func:`shard_parameters`), the graph rewritten node by node as ``sharding`` decides.
     ``gm`` is not changed; the new module shares its unsharded parameters."""
-    out = fx.GraphModule(gm, gm.graph)  # new container modules, the same tensors
+    out = rebuilt(gm, gm.graph)  # new container modules, the same tensors
     shard_parameters(out, sharding, rank, {} if done is None else done)
     ops = _Ops(group, rank, sharding.t)
     graph = fx.Graph()
@@ -171,7 +172,7 @@ def shard_stage(gm: fx.GraphModule, sharding: Sharding, group, rank: int,
         if n.op != "output":
             env[n.name].meta = dict(n.meta)
     graph.lint()
-    return fx.GraphModule(out, graph, class_name=type(gm).__name__)
+    return rebuilt(out, graph, class_name=type(gm).__name__)
 
 
 def _emit(graph: fx.Graph, n: fx.Node, ns: NodeShard, mapped, ops: _Ops, t: int) -> fx.Node:

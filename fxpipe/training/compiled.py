@@ -176,8 +176,11 @@ class CompiledPipeline:
             if id(t) in local and id(t) not in placed:
                 placed.add(id(t))
                 _install(self.module, first[id(t)], t)
-        for tid, t in local.items():  # tensors the model does not name (should not happen)
-            if tid not in placed:
+        # parameters the model does not name (should not happen) stay trainable; a buffer the
+        # model's state_dict() leaves out (non-persistent) stays out of this module too, so its
+        # state_dict() and checkpoints hold exactly the plain model's keys
+        for tid, t in local.items():
+            if tid not in placed and isinstance(t, nn.Parameter):
                 placed.add(tid)
                 _install(self.module, stage_name[tid], t)
         self._local_ids = {id(p) for p in self.module.parameters()}

@@ -15,6 +15,8 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from fxpipe.graphs.rebuild import rebuilt
+
 _aten = torch.ops.aten
 #: ops whose third argument (``train``) switches the random mask on
 _DROPOUTS = {_aten.dropout.default, _aten.feature_dropout.default, _aten.alpha_dropout.default,
@@ -74,6 +76,6 @@ def eval_copy(module: fx.GraphModule) -> fx.GraphModule:
     graph.output(out)
     to_eval(graph)
     graph.lint()
-    copy = fx.GraphModule(module, graph, class_name=f"{type(module).__name__}Eval")
+    copy = rebuilt(module, graph, class_name=f"{type(module).__name__}Eval")
     copy.eval()
     return copy
