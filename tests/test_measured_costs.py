@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 from fxpipe.errors import PlanError
-from fxpipe.partitioner import driver, loss_cost
+from fxpipe.partitioner import loss_cost, pricing
 from fxpipe.partitioner import profile as prof
 from fxpipe.partitioner.driver import plan_with_graph
 from fxpipe.partitioner.timing import NodeTimes
@@ -308,11 +308,11 @@ def test_the_loss_moves_the_planned_cut_toward_the_input(monkeypatch):
     last stage moves a layer to the first (4 | 2)."""
     torch.manual_seed(0)
     model, x = nn.Sequential(*(nn.Linear(64, 64) for _ in range(6))), torch.randn(8, 64)
-    monkeypatch.setattr(driver, "analytic_loss_times", lambda *a: NodeTimes())
+    monkeypatch.setattr(pricing, "analytic_loss_times", lambda *a: NodeTimes())
     even = plan_with_graph(model, _spec("mse"), (x,))[0]
     assert [len(s.nodes) for s in even.stages] == [3, 3]
     layer = even.stages[1].compute_time_s / 3
-    monkeypatch.setattr(driver, "analytic_loss_times", lambda *a: NodeTimes(layer, layer, 0.0))
+    monkeypatch.setattr(pricing, "analytic_loss_times", lambda *a: NodeTimes(layer, layer, 0.0))
     moved = plan_with_graph(model, _spec("mse"), (x,))[0]
     assert [len(s.nodes) for s in moved.stages] == [4, 2]
     assert moved.stages[1].loss_time_s == pytest.approx(2 * layer)
@@ -334,7 +334,7 @@ def test_measured_plan_prices_the_loss_and_caches_it(tmp_path, monkeypatch):
     def no_more(*a, **k):
         raise AssertionError("measured again")
 
-    monkeypatch.setattr(driver, "profile_graph", no_more)
+    monkeypatch.setattr(pricing, "profile_graph", no_more)
     monkeypatch.setattr(loss_cost, "profile_loss", no_more)
     b = plan_with_graph(model, _spec("cross_entropy", "measured"), (x,), cuts=[0, 2])[0]
     assert [s.loss_time_s for s in b.stages] == [s.loss_time_s for s in a.stages]

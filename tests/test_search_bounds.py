@@ -10,8 +10,11 @@ import torch
 
 import fxpipe.partitioner.driver as D
 from fxpipe.examples.gpt import CharGPT
-from fxpipe.plans.placement import (global_rank, node_of, pair_crosses_nodes,
-                                    ring_crosses_nodes, server_link_crosses_nodes, stage_to_rank)
+from fxpipe.partitioner import bounds, cut_price, cutting, layout_search, pricing
+from fxpipe.partitioner.search import candidates
+from fxpipe.partitioner.solvers import optimal_partition
+from fxpipe.plans.placement import (global_rank, node_of, pair_crosses_nodes, ring_crosses_nodes,
+                                    server_link_crosses_nodes, stage_to_rank)
 from fxpipe.schedule.generators import _list_schedule
 from fxpipe.schedule.lowering import build_schedule
 from fxpipe.schedule.simulate import Links, StageCosts, simulate
@@ -50,26 +53,26 @@ def test_pruned_search_picks_what_exhaustive_search_picks(priced, monkeypatch, n
                                                           batch, schedule, tensor):
     """Also over the tensor degrees (tensor: auto): every degree's units priced."""
     spec = _spec(nodes, per_node, batch, schedule, tensor)
-    sims, real = [], D._simulate_cut
+    sims, real = [], cut_price.simulate_cut
 
     def sim(pr, prefix, problem, result, cand, spec_, scale, recompute=None):
         res = real(pr, prefix, problem, result, cand, spec_, scale, recompute)
-        rc = D._recompute_stages(pr, spec_, cand, result.cuts, scale)[0]
+        rc = cutting.recompute_stages(pr, spec_, cand, result.cuts, scale)[0]
         assert recompute is None or recompute[0] == rc
-        sims.append((D._cut_bound(prefix, result, cand, spec_, scale, problem.slow, rc),
+        sims.append((bounds.cut_bound(prefix, result, cand, spec_, scale, problem.slow, rc),
                      res.step_time_s, cand.label()))
         return res
 
-    monkeypatch.setattr(D, "_simulate_cut", sim)
+    monkeypatch.setattr(layout_search, "simulate_cut", sim)
     at = {}
 
     def priced_at(t):
-        return at.setdefault(t, D.at_degree(priced, spec, t))
+        return at.setdefault(t, pricing.at_degree(priced, spec, t))
 
-    every = D._search(priced_at, spec, prune=False)
+    every = layout_search.search_layouts(priced_at, spec, prune=False)
     assert sims and all(lb <= t * (1 + 1e-12) for lb, t, _ in sims), \
         [s for s in sims if s[0] > s[1]]  # every candidate that fits was simulated
-    pruned = D._search(priced_at, spec)
+    pruned = layout_search.search_layouts(priced_at, spec)
     assert (pruned[0], pruned[1].cuts, pruned[2]) == (every[0], every[1].cuts, every[2])
     assert "pruned by a lower bound" in pruned[3][0]
 
@@ -77,17 +80,17 @@ def test_pruned_search_picks_what_exhaustive_search_picks(priced, monkeypatch, n
 def test_candidate_bound_is_below_every_simulated_cut(priced):
     import numpy as np
     spec = _spec(2, 4, 32)
-    prefix = D._unit_prefix(priced)
+    prefix = pricing.unit_prefix(priced)
     total, params = float(prefix[:, -1].sum()), float(sum(priced.table.params))
     biggest = float(np.diff(prefix.sum(axis=0)).max())
     seen = 0
-    for cand in D.candidates(spec, max_stages=len(priced.table.names)):
+    for cand in candidates(spec, max_stages=len(priced.table.names)):
         mbs = spec.data.batch_size // (cand.dp * cand.microbatches)
         scale = mbs / priced.batch
-        problem = D._cut_problem(priced, spec, cand, scale)
-        result = D.optimal_partition(problem, explain=False)
-        t = D._simulate_cut(priced, prefix, problem, result, cand, spec, scale).step_time_s
-        assert D._candidate_bound(cand, scale, spec, total, params, biggest, 1.0) <= t, cand
+        problem = cutting.cut_problem(priced, spec, cand, scale)
+        result = optimal_partition(problem, explain=False)
+        t = cut_price.simulate_cut(priced, prefix, problem, result, cand, spec, scale).step_time_s
+        assert bounds.candidate_bound(cand, scale, spec, total, params, biggest, 1.0) <= t, cand
         seen += 1
     assert seen > 50
 

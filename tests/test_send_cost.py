@@ -60,7 +60,7 @@ def test_plan_prices_the_last_stage_gradient_send(tmp_path, monkeypatch):
 
 
 def test_each_tensor_on_an_edge_is_its_own_message():
-    from fxpipe.partitioner.driver import edge_send_times
+    from fxpipe.partitioner.cut_price import edge_send_times
 
     c = SendCost(1e-3, 1e9)  # 1 ms per message plus 1 ns per byte
     one, two = 1e-3 + 1e-4, 2e-3 + 1e-4
@@ -111,7 +111,7 @@ def test_send_cost_is_measured_between_busy_ranks_and_cached(tmp_path, monkeypat
 def test_a_damaged_send_cost_cache_is_not_planned_with(tmp_path, monkeypatch, damage):
     import json
 
-    import fxpipe.partitioner.driver as D
+    import fxpipe.partitioner.pricing as D
     from fxpipe.partitioner.profile import SEND_METHOD, load_send_cost, send_cost_path
     from fxpipe.specs.loader import load_spec
 
@@ -127,13 +127,13 @@ def test_a_damaged_send_cost_cache_is_not_planned_with(tmp_path, monkeypatch, da
     spec = load_spec({"model": {"factory": "x:y"}, "data": {"batch_size": 8},
                       "parallel": {"pipeline": 2, "data": 1, "microbatches": 2},
                       "cluster": {"devices_per_node": 2, "costs": "measured"}})
-    assert D._send_cost(spec).method is None  # the default, not a traceback
+    assert D.send_cost_of(spec).method is None  # the default, not a traceback
 
 
 def test_analytic_plans_do_not_read_the_measured_send_cost(tmp_path, monkeypatch):
     import json
 
-    import fxpipe.partitioner.driver as D
+    import fxpipe.partitioner.pricing as D
     from fxpipe.partitioner.profile import SEND_METHOD, send_cost_path
     from fxpipe.specs.loader import load_spec
 
@@ -144,6 +144,6 @@ def test_analytic_plans_do_not_read_the_measured_send_cost(tmp_path, monkeypatch
     spec = {"model": {"factory": "x:y"}, "data": {"batch_size": 8},
             "parallel": {"pipeline": 2, "data": 1, "microbatches": 2},
             "cluster": {"devices_per_node": 2}}
-    assert D._send_cost(load_spec(spec)).method is None
+    assert D.send_cost_of(load_spec(spec)).method is None
     spec["cluster"]["costs"] = "measured"
-    assert D._send_cost(load_spec(spec)).method == SEND_METHOD
+    assert D.send_cost_of(load_spec(spec)).method == SEND_METHOD

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from fxpipe.partitioner import driver
+from fxpipe.partitioner import measured, pricing
 from fxpipe.partitioner import profile as prof
 from fxpipe.partitioner.driver import plan_with_graph
 from fxpipe.partitioner.refine import calibrated, near_cuts, refine_cuts
@@ -364,18 +364,18 @@ def test_stages_are_timed_side_by_side_where_ranks_share_a_cpu():
         return Candidate(pipeline=p, dp=dp, microbatches=8, schedule=schedule,
                          virtual_stages=v, layout=layout)
 
-    assert driver._ranks_beside(spec(devices_per_node=2), cand()) == ([0, 1], [0, 0])
-    assert driver._ranks_beside(spec(devices_per_node=2), cand("interleaved", 2)) == (
+    assert measured._ranks_beside(spec(devices_per_node=2), cand()) == ([0, 1], [0, 0])
+    assert measured._ranks_beside(spec(devices_per_node=2), cand("interleaved", 2)) == (
         [0, 1, 0, 1], [0, 0])
-    assert driver._ranks_beside(spec(nodes=2, devices_per_node=1), cand()) is None
-    assert driver._ranks_beside(spec(devices_per_node=2, device="cuda"), cand()) is None
-    assert driver._ranks_beside(spec(devices_per_node=2), cand(p=1, dp=2)) is None
+    assert measured._ranks_beside(spec(nodes=2, devices_per_node=1), cand()) is None
+    assert measured._ranks_beside(spec(devices_per_node=2, device="cuda"), cand()) is None
+    assert measured._ranks_beside(spec(devices_per_node=2), cand(p=1, dp=2)) is None
     # 2 x 2 ranks on 2 nodes: a replica's pipeline in one node, or across the two
     four = spec(dp=2, nodes=2, devices_per_node=2)
-    assert driver._ranks_beside(four, cand(dp=2)) == ([0, 1], [0, 0])
-    assert driver._ranks_beside(four, cand(dp=2, layout="data-inner")) is None
+    assert measured._ranks_beside(four, cand(dp=2)) == ([0, 1], [0, 0])
+    assert measured._ranks_beside(four, cand(dp=2, layout="data-inner")) is None
     # a pipeline of 4 on 2 nodes of 2: which node each rank is on
-    assert driver._ranks_beside(spec(p=4, nodes=2, devices_per_node=2), cand(p=4)) == (
+    assert measured._ranks_beside(spec(p=4, nodes=2, devices_per_node=2), cand(p=4)) == (
         [0, 1, 2, 3], [0, 0, 1, 1])
 
 
@@ -410,7 +410,7 @@ def test_the_planner_moves_a_cut_the_stage_timings_contradict(tmp_path, monkeypa
     """The profile prices the last three layers 3x; the stages timed whole (faked here as the
     true sums) move the cut to the true optimum, 3 | 3 layers; a second plan reads the cache."""
     monkeypatch.setenv("FXPIPE_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(driver, "measured_loss_times", lambda *a, **k: NodeTimes())
+    monkeypatch.setattr(pricing, "measured_loss_times", lambda *a, **k: NodeTimes())
     torch.manual_seed(0)
     model, x = Six(), torch.randn(2, 64)  # one micro-batch: 16 / 8
     pr, _ = plan_with_graph(model, _spec(), (x,), units_only=True)
@@ -443,7 +443,7 @@ def test_the_planner_moves_a_cut_the_stage_timings_contradict(tmp_path, monkeypa
             out.append([tuple(p) for p in per])
         return out
 
-    monkeypatch.setattr(driver, "time_stages", fake_time_stages)
+    monkeypatch.setattr(measured, "time_stages", fake_time_stages)
     unrefined = plan_with_graph(model, _spec(False), (x,))[0]
     assert _layers_of(unrefined, groups) == [4, 2] and not calls
     plan = plan_with_graph(model, _spec(), (x,))[0]
@@ -479,7 +479,7 @@ def test_measure_stages_needs_real_weights_or_a_cache(tmp_path, monkeypatch):
     plan_with_graph(model, _spec(), (x,))  # profiles and refines with the real weights
     with torch.device("meta"):
         meta = Six()
-    monkeypatch.setattr(driver, "time_stages", lambda *a, **k: pytest.fail("timed again"))
+    monkeypatch.setattr(measured, "time_stages", lambda *a, **k: pytest.fail("timed again"))
     plan = plan_with_graph(meta, _spec(), (torch.randn(2, 64, device="meta"),))[0]
     assert any(line.startswith("cluster.measure_stages") and "skip" not in line
                for line in plan.explain)  # the cached refinement serves the meta model

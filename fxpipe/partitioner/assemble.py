@@ -1,0 +1,349 @@
+"""The assemble pass: a cut of the priced units -> a complete :class:`~fxpipe.plans.plan.Plan`
+(stage boundaries, times, memory, tensor-parallel fields, the prediction), node by node or as
+repeated blocks."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from fxpipe.partitioner.blocks import KEEP
+from fxpipe.partitioner.boundaries import GUARDS_FN, stage_boundaries
+from fxpipe.partitioner.cut_price import edge_send_times, simulate_cut
+from fxpipe.partitioner.cutting import cut_problem, recompute_stages, slowdowns
+from fxpipe.partitioner.pricing import Priced, unit_prefix
+from fxpipe.partitioner.problem import PartitionResult
+from fxpipe.partitioner.profile import SendCost
+from fxpipe.partitioner.recompute import apply_recompute, is_clone
+from fxpipe.partitioner.search import Candidate
+from fxpipe.partitioner.split import build_stages
+from fxpipe.partitioner.tensor_costs import expand_blocks
+from fxpipe.partitioner.timing import NodeTimes, sum_times
+from fxpipe.plans.placement import (global_rank, grid_slots_per_node, node_of, pair_crosses_nodes,
+                                    ring_crosses_nodes, stage_to_rank)
+from fxpipe.plans.plan import Plan, StagePlan
+from fxpipe.schedule.simulate import predict
+from fxpipe.specs.schema import ParallelSpec, stages_per_rank
+from fxpipe.tensor.stages import plan_stage_sharding
+from fxpipe.training.losses import MODEL_LOSS
+from fxpipe.units import human_bytes, plural
+
+
+def _slowest(stages: list[StagePlan], result: PartitionResult) -> int:
+    """The bottleneck stage as planned: the solver's, unless some stages dropped
+    recomputation after the solve (:func:`recompute_stages`) and another is now slower."""
+    times = [st.time_s for st in stages]
+    return result.bottleneck if times[result.bottleneck] >= max(times) else times.index(max(times))
+
+def _lower_bound(stages: list[StagePlan], result: PartitionResult) -> float:
+    """Total compute per micro-batch over the stages (no cut can beat it), with the stages'
+    recomputation as planned (the solver's figure counts every stage recomputing)."""
+    if all(st.recompute for st in stages) or not any(st.recompute for st in stages):
+        return result.lower_bound_s
+    now = sum(st.compute_time_s for st in stages)
+    solved = now + sum(st.fwd_time_s for st in stages if not st.recompute)
+    return result.lower_bound_s * now / solved if solved > 0 else result.lower_bound_s
+
+def assemble(pr: Priced, result: PartitionResult, cand: Candidate, spec: ParallelSpec,
+              microbatch_size: int, explain: list[str], scale: float = 1.0,
+              final: bool = True) -> Plan:
+    """Turn a partition of units into a Plan (stage boundaries from the traced graph).
+
+    ``scale`` (micro-batch size / traced batch size) scales times and value bytes when ranking
+    candidates of another micro-batch size than the one traced; the final plan uses 1. The
+    final plan rewrites ``traced.gm`` so that each stage rebuilds the ``cheap`` values it reads
+    (:func:`~fxpipe.partitioner.recompute.apply_recompute`); a ranking plan leaves the graph as
+    it is and prices those values at 0 bytes instead."""
+    traced, pg, costs, times, cheap = pr.traced, pr.pg, pr.costs, pr.times, pr.cheap
+    g = pg.graph
+    node_stage: dict[str, int] = {}
+    for pos, stage in enumerate(result.stage_of()):
+        for member in g.nodes[pg.order[pos]]["members"]:
+            node_stage[member] = stage
+    recomputed: dict[str, list[int]] = {}
+    if final and cheap:
+        for name in sorted(cheap):
+            s = node_stage.get(name)
+            readers = {node_stage[u.name] for u in traced.node(name).users
+                       if node_stage.get(u.name, s) != s}
+            if s is not None and readers:
+                recomputed[name] = sorted(readers)
+        node_stage = apply_recompute(traced.gm, recomputed, node_stage)
+        costs, times = dict(costs), dict(times)
+        for n in node_stage:
+            if is_clone(n):
+                costs[n] = costs[n.rsplit("__r", 1)[0]]
+                times[n] = times[n.rsplit("__r", 1)[0]]
+    bounds = stage_boundaries(traced.gm, node_stage, cand.num_stages)
+    slow = slowdowns(spec, cand, stage_to_rank(cand.schedule, cand.pipeline, cand.num_stages))
+    rc, plain, _ = recompute_stages(pr, spec, cand, result.cuts, scale)
+    stages = []
+    for j, sb in enumerate(bounds.stages):
+        nodes = [n for n in sb.nodes if n in costs]
+        fwd = scale * float(sum(costs[n].fwd_flops for n in nodes))
+        bwd = scale * float(sum(costs[n].bwd_flops for n in nodes))
+        bwd_w = scale * float(sum(costs[n].bwd_weight_flops for n in nodes))
+        tj = sum_times(times, nodes).scaled(scale * slow[j])
+        if rc[j]:  # the backward runs the forward again first
+            tj = NodeTimes(tj.fwd_s, tj.fwd_s + tj.bwd_input_s, tj.bwd_weight_s)
+        mem = result if rc[j] or plain is None else plain  # a stage that keeps its activations
+        loss_s = (pr.loss.total_s * scale * slow[j] if pr.loss.total_s > 0
+                  and j == cand.num_stages - 1 else 0.0)
+        stages.append(StagePlan(
+            index=j, nodes=list(sb.nodes), params=list(sb.params), buffers=list(sb.buffers),
+            inputs=list(sb.inputs), outputs=list(sb.outputs),
+            fwd_flops=fwd, bwd_flops=bwd, bwd_weight_flops=bwd_w,
+            param_bytes=int(result.param_bytes[j]), activation_bytes=int(mem.saved_bytes[j]),
+            recv_bytes=int(result.recv_bytes[j]), send_bytes=int(result.send_bytes[j]),
+            compute_time_s=tj.total_s, comm_time_s=result.comm_s[j],
+            time_s=tj.total_s + result.comm_s[j], memory_bytes=int(mem.memory_bytes[j]),
+            fwd_time_s=tj.fwd_s, bwd_input_time_s=tj.bwd_input_s,
+            bwd_weight_time_s=tj.bwd_weight_s,
+            recompute=rc[j], loss_time_s=float(loss_s),
+        ))
+    values = {k: dataclasses.replace(v, nbytes=0 if k in cheap else int(v.nbytes * scale))
+              for k, v in bounds.values.items()}
+    plan = Plan(
+        model=traced.model_name or type(traced.gm).__name__,
+        num_stages=cand.num_stages, pipeline=cand.pipeline, dp=cand.dp,
+        microbatches=cand.microbatches, schedule=cand.schedule,
+        virtual_stages=stages_per_rank(cand.schedule, cand.virtual_stages),
+        microbatch_size=microbatch_size, stages=stages, values=values,
+        model_inputs=list(bounds.model_inputs), model_output=bounds.model_outputs[0],
+        shared_params=dict(bounds.shared_params), param_aliases=dict(bounds.param_aliases),
+        bottleneck_stage=_slowest(stages, result), lower_bound_s=_lower_bound(stages, result),
+        explain=list(explain), spec=spec.model_dump(mode="json"), recomputed=recomputed,
+        placement=cand.layout, data_sharding=cand.sharding,
+    )
+    _set_tensor(plan, pr, spec)
+    _set_send_times(plan, pr.send)
+    plan.predicted = predict(plan)
+    return plan
+
+def _stage_nodes(plan: Plan, pr: Priced) -> list[list[str]]:
+    """The traced graph's nodes each stage runs (with repeats: a folded plan's stage runs the
+    representative block's nodes once per block it holds)."""
+    fo = pr.table.folding
+    if fo is None:
+        return [list(st.nodes) for st in plan.stages]
+    pg, rec = pr.pg, plan.folded
+    out: list[list[str]] = [[] for _ in plan.stages]
+    for node, s in rec["prologue"].items():
+        out[s].append(node)
+    block = [m for u in fo.block_units[-1] for m in pg.graph.nodes[pg.order[u]]["members"]]
+    for s in rec["blocks"]:
+        out[s] += block
+    after = [m for u in fo.epilogue for m in pg.graph.nodes[pg.order[u]]["members"]]
+    for node, s in zip(after, rec["epilogue"]):
+        out[s].append(node)
+    return out
+
+def _stage_comms(plan: Plan, pr: Priced, spec: ParallelSpec) -> list[list]:
+    """Per stage, the tensor group's collectives of one micro-batch: as the runtime runs each
+    stage's own graph (its inputs and outputs whole: a value split where a cut falls is gathered
+    there); a plan of repeated blocks counts the traced graph's nodes block by block."""
+    tp = pr.tensor
+    if plan.folded:
+        return [[c for n in nodes if n in tp.sharding.nodes for c in tp.sharding.nodes[n].comm]
+                for nodes in _stage_nodes(plan, pr)]
+    loss = None if spec.train.loss == MODEL_LOSS else spec.train.loss
+    mods = build_stages(plan, pr.traced, list(range(plan.num_stages)))
+    return [[c for ns in plan_stage_sharding(plan, s, mods[s], loss)[0].nodes.values()
+             for c in ns.comm] for s in range(plan.num_stages)]
+
+def _set_tensor(plan: Plan, pr: Priced, spec: ParallelSpec) -> None:
+    """The plan's tensor-parallel fields from the priced units' sharding, and what it says:
+    how many parameters are split how, what stays whole, and the collectives per
+    micro-batch."""
+    tp = pr.tensor
+    if tp is None:
+        return
+    plan.tensor, plan.sequence_parallel = tp.t, tp.sequence_parallel
+    text = tp.placements_text()
+    fo = pr.table.folding
+    if fo is not None:  # names of the reduced trace -> every block of the full model
+        text = {fo.run.full_name(k): v for k, v in text.items()}
+        text = expand_blocks(text, fo.run.prefix, fo.run.start, fo.run.count)
+    plan.tensor_params = dict(sorted(text.items()))
+    plan.tensor_replicated = tp.replicated()
+    for st, comms in zip(plan.stages, _stage_comms(plan, pr, spec)):
+        st.tensor_collectives = len(comms)
+        st.tensor_bytes = [float(sum(c.nbytes for c in comms if c.phase == "fwd")),
+                           float(sum(c.nbytes for c in comms if c.phase == "bwd"))]
+    kinds = {"S(0)": 0, "other": 0}
+    for v in tp.choice.params.values():
+        kinds["S(0)" if v.dim == 0 else "other"] += 1
+    fwd = sum(b for b, _ in tp.comm_bytes.values())
+    bwd = sum(b for _, b in tp.comm_bytes.values())
+    count = sum(len(ns.comm) for ns in tp.sharding.nodes.values())
+    whole = (f"; {len(plan.tensor_replicated)} layers or ops run whole in their group "
+             f"(plan.tensor_replicated)" if plan.tensor_replicated else "")
+    plan.explain.append(
+        f"tensor parallelism {tp.t}{' with sequence parallelism' if tp.sequence_parallel else ''}:"
+        f" {len(tp.choice.params)} parameters of the traced graph split (plan.tensor_params: "
+        f"{kinds['S(0)']} on dim 0 - column-parallel outputs, vocabularies - and {kinds['other']}"
+        f" on another dim - row-parallel inputs, Conv1D columns){whole}; per micro-batch "
+        f"{count} collectives over the tensor group move {human_bytes(fwd, True)} forward and "
+        f"{human_bytes(bwd, True)} backward (whole tensors; ring on the intra-node link)")
+
+def _set_send_times(plan: Plan, send: SendCost) -> None:
+    """Fill each stage's ``send_time_s`` and ``grad_send_time_s`` from the plan's edges (a
+    gradient goes back from the consumer to the producer of a value)."""
+    fwd: dict[tuple[int, int], list[float]] = {}
+    grad: dict[tuple[int, int], list[float]] = {}
+    for (ps, cs), names in plan.stage_edges().items():
+        fwd[(ps, cs)] = [plan.values[n].nbytes for n in names]
+        g = [plan.values[n].nbytes for n in names if plan.values[n].requires_grad]
+        if g:
+            grad[(cs, ps)] = g
+    n = len(plan.stages)
+    for st, f, g in zip(plan.stages, edge_send_times(fwd, n, send),
+                        edge_send_times(grad, n, send)):
+        st.send_time_s, st.grad_send_time_s = f, g
+
+def folded_record(pr: Priced, stage_of: list[int]) -> dict:
+    """``Plan.folded`` of a folded partition (``stage_of``: the stage of every folded unit):
+    the stage of each prologue node, of each block and of each epilogue node, for
+    :func:`fxpipe.partitioner.blocks.resolve_folded`."""
+    fo, pg = pr.table.folding, pr.pg
+    g, run, n_pro = pg.graph, fo.run, len(fo.prologue)
+    folded_unit = {p_: i for i, p_ in enumerate(fo.prologue)}
+    folded_unit.update({p_: n_pro + run.count + i for i, p_ in enumerate(fo.epilogue)})
+    return {"run": run.to_dict(),
+            "prologue": {m: stage_of[folded_unit[p_]] for p_ in fo.prologue
+                         for m in g.nodes[pg.order[p_]]["members"]},
+            "blocks": [stage_of[n_pro + b] for b in range(run.count)],
+            "epilogue": [stage_of[folded_unit[p_]] for p_ in fo.epilogue
+                         for _ in g.nodes[pg.order[p_]]["members"]],
+            "cheap": sorted(pr.cheap)}
+
+def assemble_folded(pr: Priced, result: PartitionResult, cand: Candidate, spec: ParallelSpec,
+                     mbs: int, explain: list[str]) -> Plan:
+    """A Plan of a folded partition: stages as blocks (``Plan.folded`` records which node goes
+    where), with times, memory and the prediction from the folded units. Workers resolve it to
+    nodes against the full graph (:func:`fxpipe.partitioner.blocks.resolve_folded`)."""
+    tb, fo, pg = pr.table, pr.table.folding, pr.pg
+    run = fo.run
+    g = pg.graph
+    stage_of = result.stage_of()
+    n_pro = len(fo.prologue)
+    rep_index = run.start + KEEP - 1
+    rep_prefix = f"{run.block(rep_index)}."
+    rep = {"params": [], "buffers": []}
+    for p_ in fo.block_units[-1]:
+        for kind, held in rep.items():
+            for fqn in g.nodes[pg.order[p_]][kind]:
+                if fqn.startswith(rep_prefix) and fqn not in held:
+                    held.append(fqn)
+    record = folded_record(pr, stage_of)
+    block_stage = record["blocks"]
+    prefix = unit_prefix(pr)
+    cuts = list(result.cuts) + [len(tb.names)]
+    fl = np.concatenate([np.zeros((3, 1)), np.cumsum(np.asarray(tb.flops, dtype=np.float64).T
+                                                      .reshape(3, -1), axis=1)], axis=1)
+    slow = slowdowns(spec, cand, stage_to_rank(cand.schedule, cand.pipeline, cand.num_stages))
+    rc, plain, _ = recompute_stages(pr, spec, cand, result.cuts, 1.0)
+    stages = []
+    for j, (a, b) in enumerate(zip(cuts[:-1], cuts[1:])):
+        params: list[str] = []
+        buffers: list[str] = []
+        for u in range(a, b):
+            if n_pro <= u < n_pro + run.count:
+                at = f"{run.block(run.start + u - n_pro)}."
+                params += [at + f[len(rep_prefix):] for f in rep["params"]]
+                buffers += [at + f[len(rep_prefix):] for f in rep["buffers"]]
+            else:
+                pos = fo.prologue[u] if u < n_pro else fo.epilogue[u - n_pro - run.count]
+                params += [run.full_name(f) for f in g.nodes[pg.order[pos]]["params"]]
+                buffers += [run.full_name(f) for f in g.nodes[pg.order[pos]]["buffers"]]
+        f_s, bi_s, bw_s = (prefix[:, b] - prefix[:, a]) * slow[j]
+        if rc[j]:  # the backward runs the forward again first
+            bi_s = bi_s + f_s
+        mem = result if rc[j] or plain is None else plain  # a stage that keeps its activations
+        ff, bf, wf = (fl[:, b] - fl[:, a])
+        stages.append(StagePlan(
+            index=j, nodes=[], params=list(dict.fromkeys(params)),
+            buffers=list(dict.fromkeys(buffers)), inputs=[], outputs=[],
+            fwd_flops=float(ff), bwd_flops=float(bf), bwd_weight_flops=float(wf),
+            param_bytes=int(result.param_bytes[j]), activation_bytes=int(mem.saved_bytes[j]),
+            recv_bytes=int(result.recv_bytes[j]), send_bytes=int(result.send_bytes[j]),
+            compute_time_s=float(f_s + bi_s + bw_s), comm_time_s=result.comm_s[j],
+            time_s=float(f_s + bi_s + bw_s) + result.comm_s[j],
+            memory_bytes=int(mem.memory_bytes[j]), fwd_time_s=float(f_s),
+            bwd_input_time_s=float(bi_s), bwd_weight_time_s=float(bw_s),
+            recompute=rc[j],
+            loss_time_s=float(pr.loss.total_s * slow[j]) if j == cand.num_stages - 1 else 0.0,
+        ))
+    # shapes of the model's inputs and output (their names hold in the full graph too, but
+    # the output's: workers rename it when they resolve the plan)
+    one = stage_boundaries(pr.traced.gm, {n.name: 0 for n in pr.traced.compute_nodes()
+                                          if n.name != GUARDS_FN}, 1)
+    values = {k: v for k, v in one.values.items()
+              if k in one.model_inputs or k in one.model_outputs}
+    users: dict[str, list[int]] = {}
+    for st in stages:
+        for fqn in st.params:
+            users.setdefault(fqn, []).append(st.index)
+    explain = list(explain) + [
+        f"planned as blocks: {run.count} identical {run.prefix or 'top-level '}* blocks, two "
+        f"of them traced and priced; stage "
+        + ", stage ".join(f"{s}: " + _block_range(run, record, s)
+                          for s in range(cand.num_stages))]
+    plan = Plan(
+        model=pr.traced.model_name, num_stages=cand.num_stages, pipeline=cand.pipeline,
+        dp=cand.dp, microbatches=cand.microbatches, schedule=cand.schedule,
+        virtual_stages=stages_per_rank(cand.schedule, cand.virtual_stages),
+        microbatch_size=mbs, stages=stages, values=values,
+        model_inputs=list(one.model_inputs), model_output=one.model_outputs[0],
+        shared_params={k: v for k, v in users.items() if len(v) > 1},
+        param_aliases={run.full_name(a): run.full_name(c) for a, c in one.param_aliases.items()},
+        bottleneck_stage=_slowest(stages, result),
+        lower_bound_s=_lower_bound(stages, result), explain=explain, spec=spec.model_dump(mode="json"),
+        folded=record, placement=cand.layout, data_sharding=cand.sharding,
+    )
+    _set_tensor(plan, pr, spec)
+    problem = cut_problem(pr, spec, cand, 1.0)
+    _set_send_times(plan, pr.send)
+    plan.predicted = simulate_cut(pr, prefix, problem, result, cand, spec, 1.0).predicted()
+    return plan
+
+def placement_note(plan: Plan, spec: ParallelSpec) -> str:
+    """Which groups the chosen layout keeps inside a node, and which cross nodes."""
+    dpn = grid_slots_per_node(spec.cluster.devices_per_node, plan.tensor)
+    p, d = plan.pipeline, plan.dp
+    pairs = [(a, a + 1) for a in range(p - 1)]
+    crossing = [f"{a}->{b}" for a, b in pairs
+                if pair_crosses_nodes(a, b, p, d, dpn, plan.placement)]
+    cross_d = sum(ring_crosses_nodes(r, p, d, dpn, plan.placement) for r in range(p))
+    other = "data-inner" if plan.placement == "pipeline-inner" else "pipeline-inner"
+    shown = 16
+    nodes = [node_of(global_rank(r, 0, p, d, plan.placement), dpn) for r in range(min(p, shown))]
+    where = (f"; replica 0's pipeline ranks 0..{p - 1} sit on nodes "
+             f"{', '.join(map(str, nodes))}{', ...' if p > shown else ''}")
+    if crossing:
+        where += (f"; pipeline-rank links that cross nodes: {', '.join(crossing[:shown])}"
+                  f"{', ...' if len(crossing) > shown else ''}")
+    speeds = spec.cluster.node_tflops
+    if speeds is not None and len(set(speeds)) > 1:
+        where += (f"; node speeds {', '.join(f'{s:g}' for s in speeds[:shown])}"
+                  f"{', ...' if len(speeds) > shown else ''} TFLOP/s: stages on slower nodes "
+                  "were given less work (priced at their node's speed)")
+    return (f"placement {plan.placement}: {len(crossing)} of {len(pairs)} stage-to-stage links and "
+            f"{cross_d} of {p} data-parallel groups cross nodes (inter-node "
+            f"{spec.cluster.links.inter_node_GBps:g} GB/s, intra-node "
+            f"{spec.cluster.links.intra_node_GBps:g} GB/s); {other} priced slower or equal"
+            + where)
+
+def _block_range(run, record: dict, s: int) -> str:
+    """What stage ``s`` of a folded plan holds: its range of the run's blocks and how many
+    nodes before and after the run (``h.3-5 + 12 nodes after them``)."""
+    idx = [run.start + b for b, st in enumerate(record["blocks"]) if st == s]
+    parts = [f"{run.block(idx[0])}-{idx[-1]}"] if idx else []
+    before = sum(st == s for st in record["prologue"].values())
+    after = sum(st == s for st in record["epilogue"])
+    if before:
+        parts.append(f"{plural(before, 'node')} before the blocks")
+    if after:
+        parts.append(f"{plural(after, 'node')} after them")
+    return " + ".join(parts) or "nothing"

@@ -1,0 +1,310 @@
+"""The layout search pass: every candidate layout (pipeline x data x tensor x micro-batches x
+schedule x sharding x placement) in the order of its lower bound, cut, priced, ranked; and
+what the explanation says about the choice."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections import Counter
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from fxpipe.errors import FxpipeError, PlanError
+from fxpipe.partitioner.bounds import SPLIT_BACKWARD, candidate_bound, cut_bound, unit_shares
+from fxpipe.partitioner.cut_price import simulate_cut
+from fxpipe.partitioner.cutting import (cut_problem, fastest_slowdown, fits_without_recompute,
+                                        held_note, recompute_held, solve_fitting, static_share)
+from fxpipe.partitioner.pricing import Priced, unit_prefix
+from fxpipe.partitioner.problem import PartitionResult
+from fxpipe.partitioner.search import Candidate, candidates, stage_inflight, tensor_degrees
+from fxpipe.partitioner.solvers import chain_bottleneck
+from fxpipe.specs.schema import ParallelSpec, state_factor
+from fxpipe.tensor.choose import DegreeError
+from fxpipe.units import human_bytes, plural
+
+_progress = logging.getLogger("fxpipe.progress")
+
+
+@dataclass(order=True)
+class _Ranked:
+    step_s: float
+    label: str
+    cand: Candidate = dataclasses.field(compare=False)
+    result: PartitionResult = dataclasses.field(compare=False)
+    mbs: int = dataclasses.field(compare=False)
+
+def search_layouts(pr_at: Callable[[int], Priced], spec: ParallelSpec, prune: bool = True
+            ) -> tuple[Candidate, PartitionResult, int, list[str]]:
+    """The fastest candidate layout that fits, and the explanation of the ranking.
+
+    ``pr_at(t)``: the priced units at tensor-parallel degree ``t`` (one rank's costs). Every
+    degree of :func:`~fxpipe.partitioner.search.tensor_degrees` is tried; a degree the model
+    cannot take (heads, vocabulary) is left out and said why.
+
+    Candidates are visited in the order of a lower bound on their step time (every rank runs
+    its share of ``m`` micro-batches, ``m x total / p``, and all-reduces its share of the
+    parameters); a candidate whose bound, or whose cut's bound (:func:`cut_bound`), cannot beat
+    the best simulated step so far is not simulated. Where activations do not fit, the
+    candidate is tried again with activation recomputation (``train.activation_recompute``).
+    The bounds are valid lower bounds and a candidate is pruned only when its bound exceeds
+    the best step (ties are simulated), so ``prune=False`` (simulate every candidate that fits)
+    picks the same layout and cut."""
+    bounds = []
+    fastest = fastest_slowdown(spec)
+    degrees = tensor_degrees(spec)
+    mode = spec.train.activation_recompute
+    left_out: list[str] = []
+    first_error: FxpipeError | None = None
+    priced: dict[int, Priced] = {}
+    for t in degrees:
+        try:
+            pr = priced[t] = pr_at(t)
+            cands = candidates(spec, max_stages=len(pr.table.names), tensor=t)
+        except (DegreeError, PlanError) as e:
+            left_out.append(f"tensor {t}: {e}")
+            first_error = first_error or e
+            continue
+        prefix = unit_prefix(pr)
+        total = float(prefix[:, -1].sum())
+        total_params = float(sum(pr.table.params))
+        biggest = float(np.diff(prefix.sum(axis=0)).max(initial=0.0))  # the costliest unit
+        cumulative = [float(x) for x in prefix.sum(axis=0)]
+        with_rc = [float(x) for x in prefix.sum(axis=0) + prefix[0]]  # the forward twice
+        floors: dict[tuple[int, bool], float] = {}  # the best compute-only cut's slowest stage
+        shares: dict[tuple[bool, bool], tuple[float, float, float]] = {}
+        for cand in cands:
+            mbs = spec.data.batch_size // (cand.dp * cand.microbatches)
+            if mbs < 1:
+                continue
+            scale, k = mbs / pr.batch, cand.num_stages
+            if cand.schedule in _LOW_MEMORY and mode == "auto":
+                rc_only = None  # told in the loop below, if the candidate is tried at all
+            else:
+                rc_only = (mode == "on" or (mode == "auto" and not fits_without_recompute(
+                    pr, spec, cand, scale)))
+            rcb = bool(rc_only)  # (not recomputing: a lower bound either way)
+            if (k, rcb) not in floors:
+                floors[(k, rcb)] = chain_bottleneck(with_rc if rcb else cumulative, k)
+            floor = floors[(k, rcb)] if k == cand.pipeline else 0.0  # one stage per rank
+            split = cand.schedule in SPLIT_BACKWARD
+            if (rcb, split) not in shares:
+                shares[(rcb, split)] = unit_shares(prefix, rcb, split)
+            lb = candidate_bound(cand, scale, spec, total, total_params, biggest, fastest,
+                                  floor, shares[(rcb, split)])
+            bounds.append((lb, cand.label(), cand, mbs, pr, prefix, rc_only))
+    if not bounds:
+        if len(degrees) == 1 and first_error is not None:
+            raise first_error
+        raise PlanError("no tensor-parallel degree fits the model:\n  " + "\n  ".join(left_out))
+    bounds.sort(key=lambda x: (x[0], x[1]))
+    best: _Ranked | None = None
+    ranked: list[_Ranked] = []
+    failed: list[tuple[float, Candidate, float, Priced]] = []  # (bound, candidate, scale, pr)
+    pruned = 0
+    capacity = spec.cluster.memory_gb * 1e9
+    solved: dict = {}  # identical cut problems (e.g. the two placements of one grid) solve once
+    fit: dict[tuple, str] = {}  # (layout key, schedule) -> how it fits device memory
+    # V-Half / V-Min are tried at a layout only where ZB-V (for V-Min, also V-Half) does not
+    # fit it without recomputation, and then only without it: they are ZB-V's placement with
+    # fewer micro-batches in flight, so where it fits they only add bubble; with recomputation
+    # on, only where those do not fit at all. One met before those waits for them (twice: V-Min
+    # for V-Half, which may wait for ZB-V).
+    enough = "fits only with recomputation" if mode == "on" else "fits"
+    queue, waited, skipped = list(bounds), Counter(), 0
+    i = -1
+    while i + 1 < len(queue):
+        i += 1
+        lb, label, cand, mbs, pr, prefix, rc_only = queue[i]
+        _progress.info("auto search: candidate %d/%d (%s)%s", i + 1, len(bounds), label,
+                       f", best so far {best.step_s * 1e3:.3g} ms/step" if best else "")
+        if prune and best is not None and lb > best.step_s:
+            pruned += 1
+            continue
+        scale = mbs / pr.batch
+        fkey = (_layout_key(cand), cand.schedule)
+        if cand.schedule in _LOW_MEMORY:
+            full = [fit.get((fkey[0], s)) for s in _LOW_MEMORY_VERSUS[cand.schedule]]
+            if "fits" in full or enough in full:
+                skipped += 1
+                continue
+            if None in full and waited[label] < 2:
+                waited[label] += 1
+                queue.append(queue[i])
+                continue
+            if mode == "auto" and not fits_without_recompute(pr, spec, cand, scale):
+                skipped += 1
+                continue
+            rc_only = mode == "on"
+        if static_share(pr, spec, cand) > capacity:  # cannot fit, whatever the cut
+            failed.append((lb, cand, scale, pr))
+            fit[fkey] = "does not fit"
+            continue
+        found = None
+        low = cand.schedule in _LOW_MEMORY and mode == "auto"  # tried without recomputation
+        for rc in ((False,) if mode == "off" or low else (True,) if rc_only else (False, True)):
+            c = dataclasses.replace(cand, recompute=rc)
+            try:
+                found = (c, *solve_fitting(pr, spec, c, scale, solved))
+                break
+            except PlanError:
+                continue
+        if found is None:
+            failed.append((lb, cand, scale, pr))
+            fit[fkey] = "does not fit"
+            continue
+        fit[fkey] = "fits only with recomputation" if found[0].recompute else "fits"
+        cand, problem, result, rc = found
+        if prune and best is not None and cut_bound(prefix, result, cand, spec, scale,
+                                                     problem.slow, rc.flags) > best.step_s:
+            pruned += 1
+            continue
+        if len(bounds) == 1:
+            return cand, result, mbs, _degree_notes(left_out) + _sharding_notes(pr, spec, cand)
+        r = _Ranked(simulate_cut(pr, prefix, problem, result, cand, spec, scale,
+                                  rc).step_time_s, cand.label(), cand, result, mbs)
+        ranked.append(r)
+        best = r if best is None or r < best else best
+    if best is None:
+        raise _nothing_fits(spec, failed)
+    ranked.sort()
+    explain = [f"auto search: {len(bounds)} candidates, {len(ranked)} simulated, {pruned} "
+               f"pruned by a lower bound, {len(failed)} infeasible; ranked by simulated step "
+               "time:"]
+    explain += [f"  {i + 1}. {r.label:40s} {r.step_s * 1e3:10.2f} ms/step"
+                for i, r in enumerate(ranked[:5])]
+    explain += _degree_notes(left_out, ranked, degrees)
+    if spec.parallel.sequence_parallel and best.cand.tensor == 1:
+        explain.append("parallel.sequence_parallel is off in this plan: it splits the sequence "
+                       "over a tensor group, and the search chose tensor 1")
+    explain += _sharding_notes(priced[best.cand.tensor], spec, best.cand, ranked, failed)
+    explain += _memory_schedule_notes(best.cand, fit)
+    if skipped:
+        explain.append(f"v-half / v-min not tried at {skipped} candidate layouts: they are tried "
+                       "only where zb-v (for v-min, also v-half) needs activation recomputation "
+                       "and they do not (elsewhere they would only add bubble)")
+    return best.cand, best.result, best.mbs, explain
+
+#: schedules that trade bubble for activation memory, and the ones they are weighed against
+_LOW_MEMORY = ("v-half", "v-min")
+
+_FULL_MEMORY = ("zb-v", "1f1b", "zb-h1", "dualpipev", "interleaved", "gpipe")
+
+#: a layout tries V-Half / V-Min only where none of these fits it without recomputation (the
+#: same placement with more micro-batches in flight: less bubble)
+_LOW_MEMORY_VERSUS = {"v-half": ("zb-v",), "v-min": ("zb-v", "v-half")}
+
+def _layout_key(cand: Candidate) -> tuple:
+    """A candidate's layout without its schedule (and recomputation)."""
+    return (cand.pipeline, cand.dp, cand.microbatches, cand.tensor, cand.sharding, cand.layout)
+
+def _memory_schedule_notes(best: Candidate, fit: dict[tuple, str]) -> list[str]:
+    """Where the search picked a memory-capped V schedule (V-Half, V-Min) without
+    recomputation, why: the schedules that hold more activations at the same layout and how
+    they fared against the device memory (only those the search tried)."""
+    if best.schedule not in _LOW_MEMORY or best.recompute:
+        return []
+    key = _layout_key(best)
+    others = [f"{s} {fit[(key, s)]}" for s in _FULL_MEMORY if (key, s) in fit
+              and fit[(key, s)] != "fits"]
+    if not others:
+        return []
+    return [f"memory: {best.schedule} keeps {'half' if best.schedule == 'v-half' else 'a third'}"
+            f" of 1F1B's activations in flight and fits device memory without activation "
+            f"recomputation at pp={best.pipeline} dp={best.dp} m={best.microbatches}, where "
+            + ", ".join(others) + " (chosen by step time among what fits)"]
+
+def _sharding_notes(pr: Priced, spec: ParallelSpec, cand: Candidate,
+                    ranked: list[_Ranked] | None = None, failed: list | None = None
+                    ) -> list[str]:
+    """What ``parallel.data_sharding`` bought the chosen layout: the training state per rank
+    with and without it and, when the search weighed both, the fastest unsharded layout it
+    simulated (those it pruned have step-time bounds above the chosen step)."""
+    if cand.sharding == "none":
+        return []
+    opt = spec.train.optimizer
+    total = sum(pr.table.params) / cand.pipeline
+    with_, without = total * state_factor(opt, cand.sharding, cand.dp), total * state_factor(opt)
+    line = (f"data sharding {cand.sharding} over {cand.dp} replicas: parameters, gradients and "
+            f"optimizer state {human_bytes(with_, True)} per rank on average instead of "
+            f"{human_bytes(without, True)}")
+    if ranked is not None and spec.parallel.data_sharding == "auto":
+        best = ranked[0] if ranked else None
+        plain = next((r for r in ranked if r.cand.sharding == "none"), None)
+        if plain is not None and best is not None:
+            line += (f"; the fastest unsharded layout the search simulated, {plain.label}, "
+                     "is "
+                     f"{plain.step_s * 1e3:.2f} ms/step ({(plain.step_s / best.step_s - 1) * 100:+.1f}%"
+                     f"{', recomputing' if plain.cand.recompute and not cand.recompute else ''})")
+        elif any(c.sharding == "none" for _, c, _, _ in failed or []):
+            line += "; no unsharded layout fits device memory"
+        else:
+            line += "; the unsharded layouts were pruned by their step-time bounds"
+    return [line]
+
+def _degree_notes(left_out: list[str], ranked: list[_Ranked] | None = None,
+                  degrees: list[int] | None = None) -> list[str]:
+    """Why the chosen tensor degree: the degrees left out and, with several tried, the best
+    layout of another degree and how much slower it is."""
+    out = [f"left out {line}" for line in left_out]
+    if not ranked or not degrees or len(degrees) < 2:
+        return out
+    best = ranked[0]
+    other = next((r for r in ranked if r.cand.tensor != best.cand.tensor), None)
+    if other is not None:
+        out.append(f"tensor {best.cand.tensor} chosen: the best layout at another tensor degree "
+                   f"({other.label}) is {other.step_s * 1e3:.2f} ms/step, "
+                   f"{(other.step_s / best.step_s - 1) * 100:+.1f}% (tensor degrees tried: "
+                   f"{', '.join(map(str, degrees))})")
+    else:
+        out.append(f"tensor {best.cand.tensor} chosen: no layout of another degree was "
+                   f"simulated (fits or bounds; tensor degrees tried: "
+                   f"{', '.join(map(str, degrees))})")
+    return out
+
+def _nothing_fits(spec: ParallelSpec, failed: list) -> PlanError:
+    """Why no candidate fits, and what would: the explanation of the candidates that came
+    closest, and the levers (more pipeline stages, recomputation, smaller micro-batches)."""
+    lines = []
+    for lb, cand, scale, pr in failed[:3]:
+        c = dataclasses.replace(cand, recompute=spec.train.activation_recompute != "off")
+        try:
+            solve_fitting(pr, spec, c, scale)
+        except PlanError as e:
+            text = str(e)
+            if c.recompute and "but the device has" in text:  # its capacity less the inputs
+                held = recompute_held(cut_problem(pr, spec, dataclasses.replace(
+                    c, recompute=False), scale).values)
+                note = held_note(spec.cluster.memory_gb * 1e9, max(stage_inflight(c)[0]),
+                                  held, scale * pr.batch, False)
+                text += f" ({note})"
+            lines.append(f"{c.label()}: {text}")
+    if not any(w in line for line in lines for w in ("memory", "device has", "device's")):
+        # a pin, a pipe_split() marker or the number of units: memory is not what failed
+        return PlanError("no feasible plan:\n  " + "\n  ".join(lines))
+    pr = failed[0][3] if failed else None
+    factor = min((state_factor(spec.train.optimizer, c.sharding, c.dp) for _, c, _, _ in failed),
+                 default=state_factor(spec.train.optimizer))
+    need = sum(pr.table.params) * factor if pr else 0.0
+    cap = spec.cluster.memory_gb * 1e9
+    stages = int(np.ceil(need / cap))
+    tried = max((c.pipeline for _, c, _, _ in failed), default=0)
+    fix = (f"parameters, gradients and optimizer state alone need {human_bytes(need, True)}: at "
+           f"least {plural(stages, 'pipeline stage')} of {human_bytes(cap, True)} devices")
+    if tried >= stages:  # that many did not do: units cannot be split, and activations count
+        fix = (f"parameters, gradients and optimizer state alone need {human_bytes(need, True)} "
+               f"({plural(stages, 'device')} of {human_bytes(cap, True)} at the very least), "
+               f"but {plural(tried, 'pipeline stage')} did not fit (a stage holds whole "
+               f"planning units, and activations too): more than {tried} pipeline stages")
+    if spec.train.activation_recompute == "off":
+        fix += "; allow activation recomputation (train.activation_recompute: auto)"
+    if spec.parallel.tensor == 1 and spec.cluster.devices_per_node > 1:
+        fix += ("; tensor parallelism (parallel.tensor: auto, or a divisor of "
+                f"cluster.devices_per_node={spec.cluster.devices_per_node}) splits every "
+                "layer's parameters over the devices of a node")
+    return PlanError("no feasible plan (nothing fits device memory):\n  " + "\n  ".join(lines)
+                     + f"\nwhat would fit: {fix}; smaller micro-batches (more of them: "
+                     "parallel.microbatches) shrink the activations held per micro-batch; or "
+                     "devices with more memory (cluster.memory_gb)")
