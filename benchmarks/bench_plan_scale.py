@@ -9,8 +9,8 @@ n_layer=L, n_head=96, n_embd=12288)`` (175 B parameters at 96 layers), built und
 nodes), AdamW, bf16. ``fxpipe.plan`` traces two blocks and plans the model as blocks.
 
 Timed: each configuration's ``fxpipe.plan`` call end to end (the target's figure: tracing,
-pricing, the auto search, the plan), split into phases by wrapping the functions
-``fxpipe.partitioner.driver`` calls (restored afterwards): **trace** (fake copy of the model +
+pricing, the auto search, the plan), split into phases by wrapping the
+planner functions (restored afterwards): **trace** (fake copy of the model +
 ``torch.export``), **cost** (fake-tensor FLOPs and bytes), **graph** (priced unit graph and the
 block folding), **search** (every candidate layout: cut, bounds, simulation), **assemble** (the
 Plan and its prediction), **other** (the rest). Reported separately: the imports, the one-time
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import re
 import statistics
 import sys
@@ -44,7 +45,6 @@ _T_START = time.perf_counter()
 import torch  # noqa: E402
 
 import fxpipe  # noqa: E402
-import fxpipe.partitioner.driver as driver  # noqa: E402
 from benchmarks._report import BENCHMARKS_MD, markdown_table, write_section  # noqa: E402
 from fxpipe.errors import PlanError  # noqa: E402
 from fxpipe.examples.gpt import CharGPT  # noqa: E402
@@ -60,13 +60,14 @@ GPT3 = dict(vocab_size=50257, block_size=2048, n_head=96, n_embd=12288)
 #: the smoke-test shape
 TINY = dict(vocab_size=1000, block_size=64, n_head=2, n_embd=64)
 
-#: phase -> names in fxpipe.partitioner.driver whose time counts toward it (none nests another)
+#: phase -> the planner's functions (``module:name``, looked up where they are called) whose
+#: time counts toward it (none nests another)
 PHASES: dict[str, tuple[str, ...]] = {
-    "trace": ("tracing_model", "trace"),
-    "cost": ("price",),
-    "graph": ("build_graph", "fold"),
-    "search": ("_search",),
-    "assemble": ("_assemble", "_assemble_folded"),
+    "trace": ("units:tracing_model", "units:trace"),
+    "cost": ("units:price",),
+    "graph": ("units:build_graph", "units:fold", "pricing:build_graph", "pricing:fold"),
+    "search": ("driver:search_layouts",),
+    "assemble": ("driver:assemble", "driver:assemble_folded", "driver:finish_plan"),
 }
 #: targets: (layers, devices, seconds)
 TARGETS = [(96, 1024, 10.0), (96, 100_000, 60.0)]
@@ -144,16 +145,18 @@ def _phase_timers():
         return timed
 
     for phase, names in PHASES.items():
-        for name in names:
-            fn = getattr(driver, name, None)
+        for ref in names:
+            mod, name = ref.split(":")
+            module = importlib.import_module(f"fxpipe.partitioner.{mod}")
+            fn = getattr(module, name, None)
             if callable(fn):
-                saved[name] = fn
-                setattr(driver, name, wrap(phase, fn))
+                saved[(module, name)] = fn
+                setattr(module, name, wrap(phase, fn))
     try:
         yield secs
     finally:
-        for name, fn in saved.items():
-            setattr(driver, name, fn)
+        for (module, name), fn in saved.items():
+            setattr(module, name, fn)
 
 
 def timed_plan(model: torch.nn.Module, spec, x: torch.Tensor) -> Timed:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import statistics
 import sys
 import time
@@ -57,13 +58,14 @@ TINY = dict(vocab_size=1000, block_size=64, n_layer=2, n_head=2, n_embd=64)
 #: reference model for the machine-independent ratio: CharGPT's defaults, batch 8 x 128, eager
 REFERENCE = dict(vocab_size=256, block_size=128, n_layer=4, n_head=4, n_embd=128)
 
-#: phase -> names in fxpipe.partitioner.driver whose time counts toward it
+#: phase -> the planner's functions (``module:name``, looked up where they are called) whose
+#: time counts toward it
 PHASES: dict[str, tuple[str, ...]] = {
-    "trace": ("trace",),
-    "cost": ("price",),
-    "graph": ("build_graph",),
-    "plan": ("_cut_problem", "optimal_partition", "partition"),
-    "assemble": ("_assemble",),
+    "trace": ("units:trace",),
+    "cost": ("units:price",),
+    "graph": ("units:build_graph",),
+    "plan": ("driver:search_layouts", "driver:solve_fitting"),
+    "assemble": ("driver:assemble", "driver:finish_plan"),
 }
 
 
@@ -114,16 +116,18 @@ def _phase_timers():
         return timed
 
     for phase, names in PHASES.items():
-        for name in names:
-            fn = getattr(driver, name, None)
+        for ref in names:
+            mod, name = ref.split(":")
+            module = importlib.import_module(f"fxpipe.partitioner.{mod}")
+            fn = getattr(module, name, None)
             if callable(fn):
-                saved[name] = fn
-                setattr(driver, name, wrap(phase, fn))
+                saved[(module, name)] = fn
+                setattr(module, name, wrap(phase, fn))
     try:
         yield secs, calls
     finally:
-        for name, fn in saved.items():
-            setattr(driver, name, fn)
+        for (module, name), fn in saved.items():
+            setattr(module, name, fn)
 
 
 def timed_plan(model: torch.nn.Module, spec, example_inputs: tuple) -> SpeedResult:

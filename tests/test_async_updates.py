@@ -418,7 +418,7 @@ def test_plan_summary_shows_each_servers_links_and_traffic(tmp_path, nodes):
     from fxpipe.partitioner.driver import plan_with_graph
     from fxpipe.plans.placement import node_of
     from fxpipe.plans.plan import Plan
-    from fxpipe.schedule.simulate import links_from_plan
+    from fxpipe.schedule.plan_price import links_from_plan
     from fxpipe.specs.loader import build_model, load_spec
     from fxpipe.units import human_bytes, ms
 

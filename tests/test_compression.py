@@ -129,7 +129,12 @@ def test_predicted_step_prices_the_compressed_allreduce(tmp_path):
     cols) per matrix and vectors exact for PowerSGD, the values + indices all-gather for top-k;
     on a slow link (0.05 GB/s) the predicted step is shorter accordingly."""
     from fxpipe.data.batches import example_microbatch
-    from fxpipe.schedule.simulate import allreduce_priced_bytes
+    from fxpipe.schedule.plan_price import reduction_of, stage_steps
+
+    def allreduce_priced_bytes(plan):
+        red = reduction_of(plan)
+        return [red.allreduce_bytes(st) for st in stage_steps(plan)]
+
     from fxpipe.specs.loader import build_model
 
     plans, model = {}, None

@@ -153,8 +153,8 @@ def test_gpu_specs_plan_with_the_gpu_model_and_keep_the_profile_in_the_plan():
     from fxpipe.partitioner.timing import analytic_times
 
     gpu = _plan({"gpu": "A100-80GB"}, "bf16")
-    assert gpu.spec["cluster"]["gpu"] == "A100-80GB"
-    assert gpu.spec["cluster"]["device_tflops"] == A100.bf16_tflops
+    assert gpu.spec.cluster.gpu == "A100-80GB"
+    assert gpu.spec.cluster.device_tflops == A100.bf16_tflops
     # a tiny model on a GPU is launch-bound: at least one launch per op and pass
     assert gpu.predicted.step_time_s > 4 * 6e-6
     again = fxpipe.Plan.from_dict(gpu.to_dict())

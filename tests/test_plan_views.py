@@ -18,6 +18,7 @@ from fxpipe.plans.dump import dump_plan
 from fxpipe.plans.plan import Plan, Predicted, StagePlan
 from fxpipe.plans.summary import summary_table
 from fxpipe.plans.values import MODEL_INPUT, ValueInfo
+from fxpipe.specs.loader import load_spec
 from fxpipe.units import human_bytes
 
 # --------------------------------------------------------------------------- fixtures
@@ -65,7 +66,7 @@ def make_plan(predicted: bool = True) -> Plan:
         predicted=Predicted(0.1234, 0.25, [3 << 20, 6 << 20, 9 << 20], [3, 2, 1])
         if predicted else None,
         explain=["chose 1f1b: fastest of 4 candidates that fit", "pinned fc1 to stage 1"],
-        spec={"model": {"factory": "x:y"}},
+        spec=load_spec({"model": {"factory": "x:y"}}),
     )
 
 

@@ -151,6 +151,102 @@ def test_controllable_memory_schedules_hold_their_published_memory():
         _rank_peaks(compute_schedule("zb-v", 6, 18, 2)))
 
 
+#: the published bubbles with F = B = W (Qi et al., NeurIPS 2024), as BENCHMARKS.md's
+#: "v-schedules" section sets them beside the simulator's (benchmarks/bench_v_schedules.py)
+PUBLISHED_BUBBLE = {"v-half": lambda p, m: p / (2 * m), "v-min": lambda p, m: 2 * p / (3 * m)}
+
+
+def _unit_bubble(name: str, p: int, m: int) -> tuple[float, Schedule]:
+    """The simulator's bubble of ``name`` with a V stage's F = B = W = 1 (the bench's costs),
+    and the full schedule it priced."""
+    from fxpipe.schedule.simulate import StageCosts, simulate
+
+    full = build_schedule(name, p, m, 2)
+    n = full.num_stages
+    res = simulate(full, StageCosts([1.0] * n, [1.0] * n, [1.0] * n), timeline=False)
+    return res.bubble_fraction, full
+
+
+def test_v_half_and_v_min_bubbles_meet_the_published_formulas():
+    """Issue 28: at p in {2, 4, 8} and m in {2p, 3p, 4p, 8p} the simulated bubble (uniform
+    costs) of V-Half is within 10% of ~p/(2m) and V-Min's of ~2p/(3m) (at most 1.10 x), both
+    below 1F1B's (p-1)/(m+p-1), with every rank at the published memory and the schedule valid
+    (with its communication). Before the building-block construction V-Min at p = 4, m = 16
+    gave 0.267 (published 0.167, 1F1B 0.158)."""
+    for p in (2, 4, 8):
+        for k in (2, 3, 4, 8):
+            m = k * p
+            one = (p - 1) / (m + p - 1)
+            for name, cap in (("v-half", 2 * ((p + 2) // 2)), ("v-min", 2 * ((p + 4) // 3))):
+                bubble, full = _unit_bubble(name, p, m)
+                pub = PUBLISHED_BUBBLE[name](p, m)
+                assert bubble <= 1.10 * pub, (name, p, m, bubble, pub)
+                assert bubble < one, (name, p, m, bubble, one)
+                validate(full)
+                assert max(_rank_peaks(compute_schedule(name, p, m, 2))) == cap, (name, p, m)
+    bubble, _ = _unit_bubble("v-min", 4, 16)
+    assert bubble < 0.11  # was 0.267
+
+
+def test_v_building_block_slots_and_memory():
+    """The building block (generators._v_block): on every rank the four F/B slots of a
+    micro-batch are distinct modulo 6 (the blocks repeated every 6 slots never collide), every
+    F/B slot comes after what it waits for, and the block schedule holds exactly the cap at
+    m = 3p (its W's in the free slots) for p = 1..16; its drain reordering keeps each rank's
+    list up to its last F and only moves B's ahead of W's after it."""
+    from fxpipe.schedule.generators import (_block_schedule, _unit_makespan, _v_block,
+                                            v_memory_limit)
+
+    for name in ("v-half", "v-min"):
+        for p in range(1, 41):
+            f, b = _v_block(name, p)
+            n = 2 * p
+            for s in range(n):
+                assert s == 0 or f[s] >= f[s - 1] + 1
+                assert b[s] >= (f[s] + 1 if s == n - 1 else b[s + 1] + 1)
+            for r in range(p):
+                slots = [f[r], f[n - 1 - r], b[r], b[n - 1 - r]]
+                assert len({x % 6 for x in slots}) == 4, (name, p, r, slots)
+        for p in range(1, 17):
+            m = 3 * p
+            s2r = stage_to_rank(name, p, 2 * p)
+            block, step = _block_schedule(name, p, m, s2r)
+            validate(block)
+            assert max(_rank_peaks(block)) == v_memory_limit(name, p), (name, p)
+            assert step == _unit_makespan(block)
+        # the drain: each rank's list up to its last F as built, after it the same B's and the
+        # same W's, each kind in the same order (B's moved ahead of W's), and a shorter step
+        for p in (4, 8):
+            s2r = stage_to_rank(name, p, 2 * p)
+            plain, before = _block_schedule(name, p, 4 * p, s2r, drain=False)
+            drained, after = _block_schedule(name, p, 4 * p, s2r)
+            assert after <= before and max(_rank_peaks(drained)) == max(_rank_peaks(plain))
+            for x, y in zip(plain.actions, drained.actions):
+                last = max(k for k, a in enumerate(x) if a.op is Op.F)
+                assert y[:last + 1] == x[:last + 1]
+                for op in (Op.B, Op.W):
+                    assert [a for a in y[last + 1:] if a.op is op] == [
+                        a for a in x[last + 1:] if a.op is op]
+    s2r = stage_to_rank("v-half", 8, 16)
+    assert _block_schedule("v-half", 8, 64, s2r)[1] < _block_schedule(
+        "v-half", 8, 64, s2r, drain=False)[1]
+
+
+def test_unit_makespan_is_the_simulators_step():
+    """generators._unit_makespan (how _capped_v compares its two orders) gives the simulator's
+    step time with unit costs and free communication, for V and greedy orders alike."""
+    from fxpipe.schedule.generators import _unit_makespan
+    from fxpipe.schedule.simulate import StageCosts, simulate
+
+    for name in ("zb-v", "v-half", "v-min"):
+        for p, m in ((1, 3), (2, 4), (3, 7), (4, 16), (5, 10)):
+            s = compute_schedule(name, p, m, 2)
+            n = s.num_stages
+            res = simulate(add_communication(s, linear_edges(n)),
+                           StageCosts([1.0] * n, [1.0] * n, [1.0] * n), timeline=False)
+            assert res.step_time_s == pytest.approx(_unit_makespan(s)), (name, p, m)
+
+
 def test_dualpipev_phases():
     """DualPipeV: V placement; rank 0 warms up with 2(p-1) forwards of stage 0; in the steady
     phase a forward of one chunk is followed by a backward of the other (the overlapped pair);

@@ -9,7 +9,8 @@ import torch
 
 from fxpipe.partitioner.profile import SendCost
 from fxpipe.schedule.lowering import build_schedule
-from fxpipe.schedule.simulate import StageCosts, costs_from_plan, simulate
+from fxpipe.schedule.plan_price import stage_steps
+from fxpipe.schedule.simulate import StageCosts, simulate
 
 
 def test_measured_points_are_interpolated_not_fitted_by_one_line():
@@ -53,7 +54,7 @@ def test_plan_prices_the_last_stage_gradient_send(tmp_path, monkeypatch):
     assert first.send_time_s > 0 and last.send_bytes == 0
     assert last.grad_send_time_s and last.grad_send_time_s > 0
     assert not first.grad_send_time_s  # stage 0 sends no gradient back
-    assert costs_from_plan(plan).grad_send_s[1] == last.grad_send_time_s
+    assert stage_steps(plan)[1].grad_send_s == last.grad_send_time_s
     assert "sends ms" in plan.summary() and "sends ms: one forward send" in plan.summary()
     again = type(plan).from_dict(plan.to_dict())
     assert again.stages[1].grad_send_time_s == last.grad_send_time_s

@@ -11,7 +11,9 @@ from fxpipe.plans.plan import Plan, Predicted, StagePlan
 from fxpipe.plans.values import ValueInfo
 from fxpipe.schedule.actions import Op
 from fxpipe.schedule.lowering import build_schedule
-from fxpipe.schedule.simulate import Links, StageCosts, predict, simulate, simulate_plan
+from fxpipe.schedule.plan_price import predict, simulate_plan
+from fxpipe.specs.loader import load_spec
+from fxpipe.schedule.simulate import Links, StageCosts, simulate
 from fxpipe.schedule.timeline import action_label, chrome_trace, write_chrome_trace
 
 PM = [(p, m) for p in (1, 2, 3, 4) for m in (1, 2, 3, 4, 8)]
@@ -245,8 +247,12 @@ def _plan(schedule="1f1b", dp=1, m=4) -> Plan:
     return Plan(model="toy", num_stages=3, pipeline=3, dp=dp, microbatches=m, schedule=schedule,
                 virtual_stages=1, microbatch_size=2, stages=[_stage(i) for i in range(3)],
                 values=vals, model_inputs=["x"], model_output="h2",
-                spec={"train": {"optimizer": "sgd"},
-                      "cluster": {"links": {"intra_node_GBps": 1e-6, "latency_s": 0.0}}})
+                spec=load_spec({"model": {"factory": "x:y"}, "train": {"optimizer": "sgd"},
+                                "parallel": {"pipeline": 3, "data": dp, "microbatches": m},
+                                "data": {"batch_size": 2 * dp * m},
+                                "cluster": {"devices_per_node": 3 * dp,
+                                            "links": {"intra_node_GBps": 1e-6,
+                                                      "latency_s": 0.0}}}))
 
 
 def test_predict_from_plan():
@@ -273,7 +279,7 @@ def test_predict_falls_back_to_compute_time():
     plan = _plan()
     plan.stages = [_stage(i, fwd_time_s=0.0, bwd_input_time_s=0.0, bwd_weight_time_s=0.0,
                           compute_time_s=3.0) for i in range(3)]
-    plan.spec = {}
+    plan.spec = None  # a plan made by hand: the schema's defaults
     r = simulate_plan(plan, links=Links(p2p_GBps=1e9))
     # F = 1, B + W = 2 per stage -> 1F1B closed form
     assert r.step_time_s == pytest.approx(3 * (4 + 3 - 1), rel=1e-6)

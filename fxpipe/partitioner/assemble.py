@@ -7,23 +7,27 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+import torch
+import torch.nn as nn
 
+from fxpipe.errors import TraceError
 from fxpipe.partitioner.blocks import KEEP
 from fxpipe.partitioner.boundaries import GUARDS_FN, stage_boundaries
-from fxpipe.partitioner.cut_price import edge_send_times, simulate_cut
-from fxpipe.partitioner.cutting import cut_problem, recompute_stages, slowdowns
+from fxpipe.partitioner.cut_price import cut_steps, simulate_cut
+from fxpipe.partitioner.cutting import cut_problem, slowdowns
 from fxpipe.partitioner.pricing import Priced, unit_prefix
 from fxpipe.partitioner.problem import PartitionResult
-from fxpipe.partitioner.profile import SendCost
+from fxpipe.partitioner.profile import send_cost_path
 from fxpipe.partitioner.recompute import apply_recompute, is_clone
 from fxpipe.partitioner.search import Candidate
+from fxpipe.partitioner.servers import assign_servers
 from fxpipe.partitioner.split import build_stages
 from fxpipe.partitioner.tensor_costs import expand_blocks
-from fxpipe.partitioner.timing import NodeTimes, sum_times
 from fxpipe.plans.placement import (global_rank, grid_slots_per_node, node_of, pair_crosses_nodes,
                                     ring_crosses_nodes, stage_to_rank)
 from fxpipe.plans.plan import Plan, StagePlan
-from fxpipe.schedule.simulate import predict
+from fxpipe.schedule.plan_price import predict
+from fxpipe.schedule.step_price import StageStep
 from fxpipe.specs.schema import ParallelSpec, stages_per_rank
 from fxpipe.tensor.stages import plan_stage_sharding
 from fxpipe.training.losses import MODEL_LOSS
@@ -46,23 +50,28 @@ def _lower_bound(stages: list[StagePlan], result: PartitionResult) -> float:
     return result.lower_bound_s * now / solved if solved > 0 else result.lower_bound_s
 
 def assemble(pr: Priced, result: PartitionResult, cand: Candidate, spec: ParallelSpec,
-              microbatch_size: int, explain: list[str], scale: float = 1.0,
-              final: bool = True) -> Plan:
-    """Turn a partition of units into a Plan (stage boundaries from the traced graph).
+             microbatch_size: int, explain: list[str], scale: float = 1.0) -> Plan:
+    """Turn a partition of units into a Plan (stage boundaries from the traced graph), its
+    stages' times, shared bytes and sends as :func:`~fxpipe.partitioner.cut_price.cut_steps`
+    prices the cut (what the layout search ranked it by); the prediction is made once the plan
+    is complete (:func:`fxpipe.partitioner.driver.finish_plan`).
 
-    ``scale`` (micro-batch size / traced batch size) scales times and value bytes when ranking
-    candidates of another micro-batch size than the one traced; the final plan uses 1. The
-    final plan rewrites ``traced.gm`` so that each stage rebuilds the ``cheap`` values it reads
-    (:func:`~fxpipe.partitioner.recompute.apply_recompute`); a ranking plan leaves the graph as
-    it is and prices those values at 0 bytes instead."""
-    traced, pg, costs, times, cheap = pr.traced, pr.pg, pr.costs, pr.times, pr.cheap
+    ``scale`` (micro-batch size / traced batch size) scales times and value bytes for a
+    micro-batch size other than the traced one (the chosen plan is traced at its own: 1).
+    Rewrites ``traced.gm`` so that each stage rebuilds the ``cheap`` values it reads
+    (:func:`~fxpipe.partitioner.recompute.apply_recompute`)."""
+    traced, pg, costs, cheap = pr.traced, pr.pg, pr.costs, pr.cheap
     g = pg.graph
+    # priced before the graph is rewritten (the copies of rebuilt values are priced from the
+    # cones of the graph as traced)
+    steps = cut_steps(pr, unit_prefix(pr), cut_problem(pr, spec, cand, scale), result, cand,
+                      spec, scale)
     node_stage: dict[str, int] = {}
     for pos, stage in enumerate(result.stage_of()):
         for member in g.nodes[pg.order[pos]]["members"]:
             node_stage[member] = stage
     recomputed: dict[str, list[int]] = {}
-    if final and cheap:
+    if cheap:
         for name in sorted(cheap):
             s = node_stage.get(name)
             readers = {node_stage[u.name] for u in traced.node(name).users
@@ -70,38 +79,27 @@ def assemble(pr: Priced, result: PartitionResult, cand: Candidate, spec: Paralle
             if s is not None and readers:
                 recomputed[name] = sorted(readers)
         node_stage = apply_recompute(traced.gm, recomputed, node_stage)
-        costs, times = dict(costs), dict(times)
+        costs = dict(costs)
         for n in node_stage:
             if is_clone(n):
                 costs[n] = costs[n.rsplit("__r", 1)[0]]
-                times[n] = times[n.rsplit("__r", 1)[0]]
     bounds = stage_boundaries(traced.gm, node_stage, cand.num_stages)
     slow = slowdowns(spec, cand, stage_to_rank(cand.schedule, cand.pipeline, cand.num_stages))
-    rc, plain, _ = recompute_stages(pr, spec, cand, result.cuts, scale)
+    rc, plain, _ = steps.recompute
     stages = []
     for j, sb in enumerate(bounds.stages):
         nodes = [n for n in sb.nodes if n in costs]
         fwd = scale * float(sum(costs[n].fwd_flops for n in nodes))
         bwd = scale * float(sum(costs[n].bwd_flops for n in nodes))
         bwd_w = scale * float(sum(costs[n].bwd_weight_flops for n in nodes))
-        tj = sum_times(times, nodes).scaled(scale * slow[j])
-        if rc[j]:  # the backward runs the forward again first
-            tj = NodeTimes(tj.fwd_s, tj.fwd_s + tj.bwd_input_s, tj.bwd_weight_s)
         mem = result if rc[j] or plain is None else plain  # a stage that keeps its activations
         loss_s = (pr.loss.total_s * scale * slow[j] if pr.loss.total_s > 0
                   and j == cand.num_stages - 1 else 0.0)
-        stages.append(StagePlan(
-            index=j, nodes=list(sb.nodes), params=list(sb.params), buffers=list(sb.buffers),
-            inputs=list(sb.inputs), outputs=list(sb.outputs),
-            fwd_flops=fwd, bwd_flops=bwd, bwd_weight_flops=bwd_w,
-            param_bytes=int(result.param_bytes[j]), activation_bytes=int(mem.saved_bytes[j]),
-            recv_bytes=int(result.recv_bytes[j]), send_bytes=int(result.send_bytes[j]),
-            compute_time_s=tj.total_s, comm_time_s=result.comm_s[j],
-            time_s=tj.total_s + result.comm_s[j], memory_bytes=int(mem.memory_bytes[j]),
-            fwd_time_s=tj.fwd_s, bwd_input_time_s=tj.bwd_input_s,
-            bwd_weight_time_s=tj.bwd_weight_s,
-            recompute=rc[j], loss_time_s=float(loss_s),
-        ))
+        stages.append(_stage_plan(j, steps.stages[j], result, mem, rc[j], loss_s,
+                                  nodes=list(sb.nodes), params=list(sb.params),
+                                  buffers=list(sb.buffers), inputs=list(sb.inputs),
+                                  outputs=list(sb.outputs), fwd_flops=fwd, bwd_flops=bwd,
+                                  bwd_weight_flops=bwd_w))
     values = {k: dataclasses.replace(v, nbytes=0 if k in cheap else int(v.nbytes * scale))
               for k, v in bounds.values.items()}
     plan = Plan(
@@ -113,13 +111,29 @@ def assemble(pr: Priced, result: PartitionResult, cand: Candidate, spec: Paralle
         model_inputs=list(bounds.model_inputs), model_output=bounds.model_outputs[0],
         shared_params=dict(bounds.shared_params), param_aliases=dict(bounds.param_aliases),
         bottleneck_stage=_slowest(stages, result), lower_bound_s=_lower_bound(stages, result),
-        explain=list(explain), spec=spec.model_dump(mode="json"), recomputed=recomputed,
+        explain=list(explain), spec=spec, recomputed=recomputed,
         placement=cand.layout, data_sharding=cand.sharding,
     )
     _set_tensor(plan, pr, spec)
-    _set_send_times(plan, pr.send)
-    plan.predicted = predict(plan)
     return plan
+
+
+def _stage_plan(j: int, step: StageStep, result: PartitionResult, mem: PartitionResult,
+                recompute: bool, loss_s: float, **fields) -> StagePlan:
+    """Stage ``j`` of a cut: its times, shared bytes and sends as ``step`` priced them, its
+    bytes from the solved cut (``mem``: the cut without recomputation for a stage that keeps
+    its activations)."""
+    compute = step.fwd_s + step.bwd_input_s + step.bwd_weight_s
+    return StagePlan(
+        index=j, **fields,
+        param_bytes=int(result.param_bytes[j]), activation_bytes=int(mem.saved_bytes[j]),
+        recv_bytes=int(result.recv_bytes[j]), send_bytes=int(result.send_bytes[j]),
+        compute_time_s=compute, comm_time_s=result.comm_s[j],
+        time_s=compute + result.comm_s[j], memory_bytes=int(mem.memory_bytes[j]),
+        fwd_time_s=step.fwd_s, bwd_input_time_s=step.bwd_input_s,
+        bwd_weight_time_s=step.bwd_weight_s, send_time_s=step.send_s,
+        grad_send_time_s=step.grad_send_s, recompute=recompute, loss_time_s=float(loss_s),
+        shared_bytes=int(step.shared_bytes))
 
 def _stage_nodes(plan: Plan, pr: Priced) -> list[list[str]]:
     """The traced graph's nodes each stage runs (with repeats: a folded plan's stage runs the
@@ -187,21 +201,6 @@ def _set_tensor(plan: Plan, pr: Priced, spec: ParallelSpec) -> None:
         f"{count} collectives over the tensor group move {human_bytes(fwd, True)} forward and "
         f"{human_bytes(bwd, True)} backward (whole tensors; ring on the intra-node link)")
 
-def _set_send_times(plan: Plan, send: SendCost) -> None:
-    """Fill each stage's ``send_time_s`` and ``grad_send_time_s`` from the plan's edges (a
-    gradient goes back from the consumer to the producer of a value)."""
-    fwd: dict[tuple[int, int], list[float]] = {}
-    grad: dict[tuple[int, int], list[float]] = {}
-    for (ps, cs), names in plan.stage_edges().items():
-        fwd[(ps, cs)] = [plan.values[n].nbytes for n in names]
-        g = [plan.values[n].nbytes for n in names if plan.values[n].requires_grad]
-        if g:
-            grad[(cs, ps)] = g
-    n = len(plan.stages)
-    for st, f, g in zip(plan.stages, edge_send_times(fwd, n, send),
-                        edge_send_times(grad, n, send)):
-        st.send_time_s, st.grad_send_time_s = f, g
-
 def folded_record(pr: Priced, stage_of: list[int]) -> dict:
     """``Plan.folded`` of a folded partition (``stage_of``: the stage of every folded unit):
     the stage of each prologue node, of each block and of each epilogue node, for
@@ -237,13 +236,14 @@ def assemble_folded(pr: Priced, result: PartitionResult, cand: Candidate, spec: 
                 if fqn.startswith(rep_prefix) and fqn not in held:
                     held.append(fqn)
     record = folded_record(pr, stage_of)
-    block_stage = record["blocks"]
     prefix = unit_prefix(pr)
     cuts = list(result.cuts) + [len(tb.names)]
     fl = np.concatenate([np.zeros((3, 1)), np.cumsum(np.asarray(tb.flops, dtype=np.float64).T
                                                       .reshape(3, -1), axis=1)], axis=1)
     slow = slowdowns(spec, cand, stage_to_rank(cand.schedule, cand.pipeline, cand.num_stages))
-    rc, plain, _ = recompute_stages(pr, spec, cand, result.cuts, 1.0)
+    problem = cut_problem(pr, spec, cand, 1.0)
+    steps = cut_steps(pr, prefix, problem, result, cand, spec, 1.0)
+    rc, plain, _ = steps.recompute
     stages = []
     for j, (a, b) in enumerate(zip(cuts[:-1], cuts[1:])):
         params: list[str] = []
@@ -257,24 +257,14 @@ def assemble_folded(pr: Priced, result: PartitionResult, cand: Candidate, spec: 
                 pos = fo.prologue[u] if u < n_pro else fo.epilogue[u - n_pro - run.count]
                 params += [run.full_name(f) for f in g.nodes[pg.order[pos]]["params"]]
                 buffers += [run.full_name(f) for f in g.nodes[pg.order[pos]]["buffers"]]
-        f_s, bi_s, bw_s = (prefix[:, b] - prefix[:, a]) * slow[j]
-        if rc[j]:  # the backward runs the forward again first
-            bi_s = bi_s + f_s
         mem = result if rc[j] or plain is None else plain  # a stage that keeps its activations
         ff, bf, wf = (fl[:, b] - fl[:, a])
-        stages.append(StagePlan(
-            index=j, nodes=[], params=list(dict.fromkeys(params)),
-            buffers=list(dict.fromkeys(buffers)), inputs=[], outputs=[],
-            fwd_flops=float(ff), bwd_flops=float(bf), bwd_weight_flops=float(wf),
-            param_bytes=int(result.param_bytes[j]), activation_bytes=int(mem.saved_bytes[j]),
-            recv_bytes=int(result.recv_bytes[j]), send_bytes=int(result.send_bytes[j]),
-            compute_time_s=float(f_s + bi_s + bw_s), comm_time_s=result.comm_s[j],
-            time_s=float(f_s + bi_s + bw_s) + result.comm_s[j],
-            memory_bytes=int(mem.memory_bytes[j]), fwd_time_s=float(f_s),
-            bwd_input_time_s=float(bi_s), bwd_weight_time_s=float(bw_s),
-            recompute=rc[j],
-            loss_time_s=float(pr.loss.total_s * slow[j]) if j == cand.num_stages - 1 else 0.0,
-        ))
+        loss_s = pr.loss.total_s * slow[j] if j == cand.num_stages - 1 else 0.0
+        stages.append(_stage_plan(j, steps.stages[j], result, mem, rc[j], loss_s, nodes=[],
+                                  params=list(dict.fromkeys(params)),
+                                  buffers=list(dict.fromkeys(buffers)), inputs=[], outputs=[],
+                                  fwd_flops=float(ff), bwd_flops=float(bf),
+                                  bwd_weight_flops=float(wf)))
     # shapes of the model's inputs and output (their names hold in the full graph too, but
     # the output's: workers rename it when they resolve the plan)
     one = stage_boundaries(pr.traced.gm, {n.name: 0 for n in pr.traced.compute_nodes()
@@ -299,13 +289,14 @@ def assemble_folded(pr: Priced, result: PartitionResult, cand: Candidate, spec: 
         shared_params={k: v for k, v in users.items() if len(v) > 1},
         param_aliases={run.full_name(a): run.full_name(c) for a, c in one.param_aliases.items()},
         bottleneck_stage=_slowest(stages, result),
-        lower_bound_s=_lower_bound(stages, result), explain=explain, spec=spec.model_dump(mode="json"),
+        lower_bound_s=_lower_bound(stages, result), explain=explain, spec=spec,
         folded=record, placement=cand.layout, data_sharding=cand.sharding,
     )
     _set_tensor(plan, pr, spec)
-    problem = cut_problem(pr, spec, cand, 1.0)
-    _set_send_times(plan, pr.send)
-    plan.predicted = simulate_cut(pr, prefix, problem, result, cand, spec, 1.0).predicted()
+    # a plan of blocks lists no stage edges: it keeps the prediction of its cut, which is the
+    # search's (the same rule over the same steps)
+    plan.predicted = simulate_cut(pr, prefix, problem, result, cand, spec, 1.0,
+                                  steps=steps).predicted()
     return plan
 
 def placement_note(plan: Plan, spec: ParallelSpec) -> str:
@@ -347,3 +338,73 @@ def _block_range(run, record: dict, s: int) -> str:
     if after:
         parts.append(f"{plural(after, 'node')} after them")
     return " + ".join(parts) or "nothing"
+
+
+def model_notes(pr: Priced, model: nn.Module, mbs: int) -> list[str]:
+    """What the plan's explanation says about the model itself: the user's markers and pins it
+    honoured, BatchNorm's statistics over micro-batches."""
+    traced, out = pr.traced, []
+    if traced.pins or traced.split_after:
+        out.append(f"honoured {plural(len(traced.split_after), 'pipe_split() marker')} and "
+                   f"{plural(len(set(traced.pins.values())), 'annotate() pin')}")
+    if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
+        out.append(f"BatchNorm: statistics are computed over each micro-batch of "
+                   f"{plural(mbs, 'sample')}, as in GPipe, not over the whole batch; "
+                   "everything else equals single-process training")
+    return out
+
+
+def finish_plan(plan: Plan, pr: Priced, spec: ParallelSpec, model: nn.Module, kwargs: dict,
+                traced_on: str) -> None:
+    """Complete an assembled plan: the parameter servers of async updates, every trained
+    parameter's shape, the prediction (once, by the one pricing rule; a plan of blocks keeps
+    its cut's, which is the same rule over the same steps), the explanation's notes, and what
+    the workers need to call the model.
+
+    Raises:
+        TraceError: a keyword input is not an input of the traced graph.
+    """
+    if spec.train.updates == "async":
+        assign_servers(plan, {n: p.numel() * p.element_size()
+                              for n, p in model.named_parameters(remove_duplicate=False)}, spec)
+    # every trained parameter's shape: PowerSGD prices each matrix's low-rank factors,
+    # sharding the slices; the state each rank holds (fxpipe.plans.state_bytes) reads them
+    plan.param_shapes = {n: list(p.shape) for n, p in model.named_parameters(
+        remove_duplicate=False) if p.requires_grad}  # tied aliases too (stages name them)
+    plan.param_itemsize = next((p.element_size() for p in model.parameters()
+                                if p.requires_grad), 4)
+    if not plan.folded:
+        plan.predicted = predict(plan)
+    if spec.cluster.nodes > 1:
+        plan.explain.append(placement_note(plan, spec))
+    if (spec.cluster.costs == "measured" and plan.num_stages > 1
+            and pr.send.method is None and torch.device(spec.cluster.device).type == "cpu"):
+        cached = send_cost_path(spec.cluster.device)
+        why = (f"its cache {cached} is damaged or from an older fxpipe" if cached.exists()
+               else "not measured on this machine")
+        plan.explain.append(f"send cost: {why}, so the default (a fixed overhead plus the "
+                            "bytes at cluster.memory_GBps), which prices gloo sends low; "
+                            "`fxpipe profile SPEC` measures it")
+    rc_stages = [st.index for st in plan.stages if st.recompute]
+    if rc_stages:
+        every = len(rc_stages) == plan.num_stages
+        why = ("train.activation_recompute: on" if spec.train.activation_recompute == "on" else
+               f"the activations of the micro-batches in flight would not fit cluster.memory_gb"
+               f"{'' if every else '; the other stages keep theirs and skip the second forward'}")
+        where = ("every stage" if every else
+                 f"stage{'s' if len(rc_stages) > 1 else ''} {', '.join(map(str, rc_stages))}")
+        plan.explain.append(f"activation recomputation on {where}: each keeps only its inputs per "
+                            "micro-batch in flight and runs its forward again in the backward "
+                            f"({why})")
+    if plan.recomputed:
+        plan.explain.append("recomputed in each stage that reads them (cheaper than sending): "
+                            + ", ".join(f"{v} ({human_bytes(nbytes)}) in stages "
+                                        f"{', '.join(map(str, s))}"
+                                        for v, s in plan.recomputed.items()
+                                        for nbytes in [pr.pg.value_info(v)[2]]))
+    plan.input_kwargs = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
+    plan.traced_on = traced_on
+    missing = [k for k in plan.input_kwargs if k not in plan.model_inputs]
+    if missing:
+        raise TraceError(f"keyword inputs {missing} do not appear as inputs of the traced graph "
+                         f"(its inputs: {plan.model_inputs}); pass them by their forward() names")

@@ -31,6 +31,18 @@ def _ring_s(nbytes: float, n: int, spec: ParallelSpec, pipeline: int, dp: int,
         bw = min(links.intra_node_GBps, k * links.inter_node_GBps) * 1e9
     return 2 * (n - 1) / n * nbytes / bw + (2 * (n - 1) * links.latency_s if latency else 0.0)
 
+def reduce_floor(spec: ParallelSpec, cand: Candidate) -> float:
+    """At most the share of a stage's parameter bytes its all-reduce sends, under the
+    candidate's reduction (:class:`~fxpipe.schedule.step_price.Reduction`): 1 for the exact
+    fp32 all-reduce, 1/2 for 16-bit compression, 0 where the share depends on the cut (data
+    sharding leaves out the parameters no other stage shares; PowerSGD and top-k their
+    matrices' shapes): the bounds stay below the priced step."""
+    if cand.sharding != "none" and cand.dp > 1:
+        return 0.0
+    return {"none": 1.0, "fp16": 0.5, "bf16": 0.5}.get(spec.train.grad_compression or "none",
+                                                        0.0)
+
+
 #: schedules whose backward is split into B (input gradients) and W (weight gradients)
 SPLIT_BACKWARD = frozenset({"zb-h1", "zb-v", "v-half", "v-min", "dualpipev"})
 
@@ -54,6 +66,7 @@ def cut_bound(prefix: np.ndarray, result: PartitionResult, cand: Candidate, spec
         b.append(float(x[1] + (x[0] if recompute[j] else 0.0)))
         w.append(float(x[2]))
     ranks = stage_to_rank(cand.schedule, cand.pipeline, cand.num_stages)
+    floor = reduce_floor(spec, cand)
     work = [0.0] * cand.pipeline
     fb = [0.0] * cand.pipeline  # what must precede the rank's last B of its lowest stage
     low = [cand.num_stages] * cand.pipeline
@@ -62,8 +75,8 @@ def cut_bound(prefix: np.ndarray, result: PartitionResult, cand: Candidate, spec
         work[r] += f[j] + b[j] + w[j]
         fb[r] += f[j] + b[j] + (0.0 if split else w[j])
         low[r] = min(low[r], j)
-        ars[r].append(_ring_s(result.param_bytes[j], cand.dp, spec, cand.pipeline, cand.dp,
-                              cand.layout, tensor=cand.tensor))
+        ars[r].append(_ring_s(result.param_bytes[j] * floor, cand.dp, spec, cand.pipeline,
+                              cand.dp, cand.layout, tensor=cand.tensor))
     fcum = np.concatenate([[0.0], np.cumsum(f)])
     bcum = np.concatenate([[0.0], np.cumsum(b)])
     best = 0.0
@@ -130,7 +143,8 @@ def candidate_bound(cand: Candidate, scale: float, spec: ParallelSpec, total: fl
     if shares is not None:
         total = shares[0]
     work = m * max(total / cand.pipeline, biggest, stage_floor)
-    ring = _ring_s(total_params / cand.pipeline, cand.dp, spec, cand.pipeline, cand.dp,
+    ring = _ring_s(total_params / cand.pipeline * reduce_floor(spec, cand), cand.dp, spec,
+                   cand.pipeline, cand.dp,
                    cand.layout, latency=False, tensor=cand.tensor)
     if cand.num_stages == cand.pipeline:
         fill = (scale * fastest * _fill_drain_floor(shares[0], shares[1], shares[2],

@@ -14,7 +14,8 @@ from typing import Any
 from fxpipe.errors import PlanError, ScheduleError
 from fxpipe.partitioner.driver import as_spec, plan_from_spec
 from fxpipe.plans.plan import Plan
-from fxpipe.schedule.simulate import SimResult, simulate_plan
+from fxpipe.schedule.plan_price import simulate_plan
+from fxpipe.schedule.simulate import SimResult
 from fxpipe.schedule.timeline import write_chrome_trace
 from fxpipe.specs.schema import AUTO_VIRTUAL_STAGES, SCHEDULES, stages_per_rank
 from fxpipe.units import human_bytes, ms

@@ -1,22 +1,25 @@
-"""A cut's step price straight from the units (no Plan built): what the layout search ranks
-candidates by."""
+"""A cut's step straight from the units (no Plan built), priced by the one rule of
+:mod:`fxpipe.schedule.step_price`: what the layout search ranks candidates by, and what the
+assembled Plan records (its stages' times and shared bytes come from :func:`cut_steps`, so its
+prediction is the search's score)."""
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import numpy as np
 
+from fxpipe.partitioner.cut_tables import rebuilt_seconds, stage_params, unit_params
 from fxpipe.partitioner.cutting import Recompute, recompute_stages
 from fxpipe.partitioner.pricing import Priced
 from fxpipe.partitioner.problem import CutProblem, PartitionResult
 from fxpipe.partitioner.profile import SendCost
 from fxpipe.partitioner.search import Candidate
 from fxpipe.partitioner.servers import even_server_bytes
-from fxpipe.plans.placement import grid_slots_per_node
 from fxpipe.schedule.lowering import compute_schedule
-from fxpipe.schedule.simulate import Links, LoweredSchedule, SimResult, StageCosts, simulate
-from fxpipe.specs.gpus import link_curve
+from fxpipe.schedule.simulate import LoweredSchedule, SimResult
+from fxpipe.schedule.step_price import Reduction, StageStep, links_of, price_step
 from fxpipe.specs.schema import ParallelSpec
 
 
@@ -39,20 +42,56 @@ def _full_schedule(name: str, p: int, m: int, v: int, edges: frozenset, grad_edg
     micro-batches takes seconds to build)."""
     return LoweredSchedule(compute_schedule(name, p, m, v), set(edges), set(grad_edges))
 
-def simulate_cut(pr: Priced, prefix: np.ndarray, problem: CutProblem,
-                  result: PartitionResult, cand: Candidate, spec: ParallelSpec,
-                  scale: float,
-                  recompute: Recompute | None = None
-                  ) -> SimResult:
-    """Simulate one step of a candidate's partition straight from the cut (no Plan built):
-    per-stage F/B/W from the unit prefix sums, edge bytes from the values crossing the cuts.
-    ``recompute``: :func:`recompute_stages` of the cut (None: worked out here)."""
+
+@dataclass
+class CutSteps:
+    """One cut of a candidate as the pricing rule reads it.
+
+    Attributes:
+        stages: per stage, its :class:`~fxpipe.schedule.step_price.StageStep`.
+        fwd / grad: ``{(sender, receiver): [bytes of each tensor]}`` per micro-batch, of the
+            values and of their gradients (a gradient goes back from the consumer).
+        recompute: the cut's activation recomputation, stage by stage.
+    """
+
+    stages: list[StageStep]
+    fwd: dict[tuple[int, int], list[float]]
+    grad: dict[tuple[int, int], list[float]]
+    recompute: Recompute
+
+    def edge_bytes(self) -> tuple[dict[tuple[int, int], float], dict[tuple[int, int], float]]:
+        """Bytes per micro-batch per edge, forward and gradient (keyed by (producer,
+        consumer), as the simulator takes them)."""
+        return ({e: sum(v) for e, v in self.fwd.items()},
+                {(ps, cs): sum(v) for (cs, ps), v in self.grad.items()})
+
+
+def reduction_for(spec: ParallelSpec, cand: Candidate) -> Reduction:
+    """How the candidate's replicas reduce gradients (``train``, its sharding, the parameter
+    servers of async updates)."""
+    servers = spec.cluster.parameter_servers if spec.train.updates == "async" else 0
+    return Reduction.of(spec.train, cand.dp, cand.sharding, servers)
+
+
+def cut_steps(pr: Priced, prefix: np.ndarray, problem: CutProblem, result: PartitionResult,
+              cand: Candidate, spec: ParallelSpec, scale: float,
+              recompute: Recompute | None = None) -> CutSteps:
+    """The stages of a cut as the pricing rule reads them: F/B/W seconds from the unit prefix
+    sums and the copies of the values each stage rebuilds (at ``scale`` x the traced
+    micro-batch and the stage's node speed; a recomputing stage's forward again in its B), the
+    activation bytes it holds per micro-batch, its parameters' bytes and the bytes of those
+    other stages share, its trained matrices (for PowerSGD), its send seconds; and the bytes
+    crossing each edge. ``recompute``: :func:`recompute_stages` of the cut (None: worked out
+    here)."""
     cuts = list(result.cuts) + [problem.n]
-    recompute, plain, _ = recompute or recompute_stages(pr, spec, cand, result.cuts, scale)
-    per = [(prefix[:, b] - prefix[:, a]) * scale * problem.slow[j]
-           for j, (a, b) in enumerate(zip(cuts[:-1], cuts[1:]))]
-    per = [np.array([x[0], x[0] + x[1], x[2]]) if rc else x for x, rc in zip(per, recompute)]
+    k = len(cuts) - 1
+    rc = recompute or recompute_stages(pr, spec, cand, result.cuts, scale)
+    flags, plain = rc.flags, rc.plain
     stage_of = result.stage_of()
+    clones = rebuilt_seconds(pr, stage_of, k)
+    per = [((prefix[:, b] - prefix[:, a]) + clones[j]) * scale * problem.slow[j]
+           for j, (a, b) in enumerate(zip(cuts[:-1], cuts[1:]))]
+    per = [np.array([x[0], x[0] + x[1], x[2]]) if r else x for x, r in zip(per, flags)]
     fwd: dict[tuple[int, int], list[float]] = {}
     grad: dict[tuple[int, int], list[float]] = {}  # keyed by (sender of the gradient, receiver)
     for v in problem.values:
@@ -63,25 +102,38 @@ def simulate_cut(pr: Priced, prefix: np.ndarray, problem: CutProblem,
             fwd.setdefault((ps, cs), []).append(v.nbytes)
             if v.grad:
                 grad.setdefault((cs, ps), []).append(v.nbytes)
-    factor = float(problem.param_multiplier)
-    costs = StageCosts([float(x[0]) for x in per], [float(x[1]) for x in per],
-                       [float(x[2]) for x in per],
-                       activation_bytes=[int((result if rc or plain is None else plain)
-                                             .saved_bytes[j]) for j, rc in enumerate(recompute)],
-                       static_bytes=[int(b * factor) for b in result.param_bytes],
-                       send_s=edge_send_times(fwd, len(per), pr.send),
-                       grad_send_s=edge_send_times(grad, len(per), pr.send))
-    fwd_bytes = {e: sum(v) for e, v in fwd.items()}
-    grad_bytes = {(ps, cs): sum(v) for (cs, ps), v in grad.items()}
+    red = reduction_for(spec, cand)
+    sharding = red.sharding != "none" and red.dp > 1 and not red.servers
+    matrices = red.method == "powersgd" and red.dp > 1 and not red.servers
+    shared, names = (stage_params(pr, stage_of, k, names=matrices) if sharding or matrices
+                     else ([0.0] * k, None))
+    shapes = unit_params(pr).shapes if matrices else {}
+    send_s = edge_send_times(fwd, k, pr.send)
+    grad_send_s = edge_send_times(grad, k, pr.send)
+    stages = [StageStep(
+        float(x[0]), float(x[1]), float(x[2]),
+        int((result if r or plain is None else plain).saved_bytes[j]),
+        float(result.param_bytes[j]), float(shared[j]),
+        [shapes[f] for f in names[j] if f in shapes] if names is not None else [],
+        send_s[j], grad_send_s[j]) for j, (x, r) in enumerate(zip(per, flags))]
+    return CutSteps(stages, fwd, grad, rc)
+
+
+def simulate_cut(pr: Priced, prefix: np.ndarray, problem: CutProblem,
+                 result: PartitionResult, cand: Candidate, spec: ParallelSpec, scale: float,
+                 recompute: Recompute | None = None, steps: CutSteps | None = None
+                 ) -> SimResult:
+    """Simulate one step of a candidate's partition straight from the cut (no Plan built), by
+    the one pricing rule (:func:`~fxpipe.schedule.step_price.price_step`) over
+    :func:`cut_steps` (``steps``: made already). Under async updates the servers' shares are
+    the even spread of each stage's parameters (the placement comes with the Plan)."""
+    steps = steps or cut_steps(pr, prefix, problem, result, cand, spec, scale, recompute)
+    fwd_bytes, grad_bytes = steps.edge_bytes()
     sched = _full_schedule(cand.schedule, cand.pipeline, cand.microbatches,
                            cand.virtual_stages, frozenset(fwd_bytes), frozenset(grad_bytes))
-    cl = spec.cluster
-    servers = cl.parameter_servers if spec.train.updates == "async" else 0
-    links = Links.from_cluster(cand.pipeline, cand.dp, cl.nodes,
-                               grid_slots_per_node(cl.devices_per_node, cand.tensor),
-                               cl.links.intra_node_GBps, cl.links.inter_node_GBps,
-                               cl.links.latency_s, cand.layout, servers,
-                               **link_curve(cl.device, cl.gpu))
-    return simulate(sched, costs, fwd_bytes, links, dp=cand.dp, allreduce_bytes=list(
-        result.param_bytes), grad_edge_bytes=grad_bytes, check=False, timeline=False,
-        server_bytes=even_server_bytes(list(result.param_bytes), servers) if servers else None)
+    red = reduction_for(spec, cand)
+    links = links_of(spec.cluster, cand.pipeline, cand.dp, cand.tensor, cand.layout, red.servers)
+    servers = (even_server_bytes([s.param_bytes for s in steps.stages], red.servers)
+               if red.servers else None)
+    return price_step(sched, steps.stages, fwd_bytes, grad_bytes, links, red, servers,
+                      check=False, timeline=False)

@@ -1,18 +1,23 @@
 """The partitioner's driver, ``fxpipe.plan()``: from a model and a spec to a :class:`Plan`.
 
 Takes an ``nn.Module`` (real or on the meta device), a spec and one micro-batch of example
-inputs; gives a :class:`~fxpipe.plans.plan.Plan`. The steps, each in its own module: trace
-(torch.export) -> cost (fake-tensor FLOPs and bytes) -> graph (networkx units) -> the cut problem
--> the exact solvers (min-bottleneck cut, memory-checked; with ``auto``, every layout of
-:mod:`fxpipe.partitioner.search` priced by the simulator) -> boundaries (stage inputs and
-outputs) -> Plan.
+inputs; gives a :class:`~fxpipe.plans.plan.Plan`. It only chains the passes, each its own
+module with a typed result:
+
+* trace and price (:mod:`~fxpipe.partitioner.units`, :mod:`~fxpipe.partitioner.pricing`):
+  :class:`~fxpipe.partitioner.pricing.Priced` units at a micro-batch size and tensor degree;
+* layout search (:mod:`~fxpipe.partitioner.layout_search`, over the candidates of
+  :mod:`~fxpipe.partitioner.search`, pruned by :mod:`~fxpipe.partitioner.bounds`): the
+  fastest :class:`~fxpipe.partitioner.search.Candidate` that fits, each priced by the one rule
+  (:mod:`~fxpipe.partitioner.cut_price` -> :mod:`fxpipe.schedule.step_price`);
+* cut (:mod:`~fxpipe.partitioner.cutting`; :mod:`~fxpipe.partitioner.measured` with timed
+  stages): the chosen layout's :class:`~fxpipe.partitioner.problem.PartitionResult`;
+* assemble (:mod:`~fxpipe.partitioner.assemble`): the complete Plan, predicted once.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import warnings
 from typing import Any
 
 import networkx as nx
@@ -21,27 +26,17 @@ import torch.nn as nn
 
 from fxpipe.data.batches import check_vocabulary, example_microbatch
 from fxpipe.errors import PlanError, SpecError, TraceError
-from fxpipe.partitioner.assemble import assemble, assemble_folded, placement_note
-from fxpipe.partitioner.blocks import check_run, find_block_run, fold, reduced
-from fxpipe.partitioner.cost import price
+from fxpipe.partitioner.assemble import assemble, assemble_folded, finish_plan, model_notes
 from fxpipe.partitioner.cutting import cut_problem, solve_fitting
-from fxpipe.partitioner.graph import build_graph
 from fxpipe.partitioner.layout_search import search_layouts
-from fxpipe.partitioner.loss_cost import loss_node
 from fxpipe.partitioner.measured import refine_by_stages
-from fxpipe.partitioner.pricing import (Priced, at_degree, node_seconds, rebuilt_values,
-                                        send_cost_of, tensor_inputs)
-from fxpipe.partitioner.problem import evaluate
-from fxpipe.partitioner.profile import send_cost_path
-from fxpipe.partitioner.search import candidates, tensor_degrees
-from fxpipe.partitioner.servers import assign_servers
-from fxpipe.partitioner.trace import trace
-from fxpipe.partitioner.units import is_fake, resize, tracing_model, warn_again
+from fxpipe.partitioner.pricing import Priced
+from fxpipe.partitioner.problem import PartitionResult, evaluate
+from fxpipe.partitioner.search import Candidate, candidates, tensor_degrees
+from fxpipe.partitioner.units import PricedUnits, is_fake, resize
 from fxpipe.plans.plan import Plan
-from fxpipe.schedule.simulate import predict
 from fxpipe.specs.loader import build_model, load_spec, spec_location
 from fxpipe.specs.schema import ParallelSpec, compression_rank_problems
-from fxpipe.units import human_bytes, plural
 
 #: the planner's phases (tracing, pricing, profiling, the auto search), at INFO: silent unless a
 #: caller listens (``fxpipe.reports.progress.planning_progress`` shows them on a terminal)
@@ -82,10 +77,11 @@ def plan_with_graph(model: nn.Module, spec: Any, example_inputs: Any = None,
     with torch.random.fork_rng(devices=[torch.cuda.current_device()] if cuda else []):
         return _plan_with_graph(model, spec, example_inputs, example_kwargs, cuts, units_only)
 
-def _plan_with_graph(model: nn.Module, spec: ParallelSpec, example_inputs: Any,
-                     example_kwargs: dict | None, cuts: list[int] | None, units_only: bool
-                     ) -> tuple[Plan, "nx.DiGraph"]:
-    _check_compression_rank(model, spec)
+def _example_inputs(spec: ParallelSpec, example_inputs: Any, example_kwargs: dict | None
+                    ) -> tuple[tuple, dict, int]:
+    """One micro-batch of example inputs (batch 0 of the spec's dataset when none are given)
+    and the micro-batch size to trace at: the spec's when data and micro-batches are fixed
+    (traced once, at it), else the example's."""
     if example_inputs is None and example_kwargs is None:
         batch = example_microbatch(spec, 1)
         args, kwargs = batch.args, batch.kwargs
@@ -94,190 +90,82 @@ def _plan_with_graph(model: nn.Module, spec: ParallelSpec, example_inputs: Any,
             example_inputs = (example_inputs,)
         args, kwargs = tuple(example_inputs or ()), dict(example_kwargs or {})
     tensors = [t for t in [*args, *kwargs.values()] if isinstance(t, torch.Tensor) and t.dim()]
-    b0 = int(tensors[0].shape[0]) if tensors else 1
+    size = int(tensors[0].shape[0]) if tensors else 1
     par = spec.parallel
     if "auto" not in (par.data, par.microbatches) and \
             spec.data.batch_size % (par.data * par.microbatches) == 0:
-        # the micro-batch size is fixed: trace once, at it, rather than at the example's size
-        # for the search and again at the micro-batch's for the plan
-        b0 = spec.data.batch_size // (par.data * par.microbatches)
-    run = find_block_run(model)
-    given = model
-    key = spec.loss_output
-    tracers: dict[bool, tuple] = {}  # short (blocks folded) or full -> (model, args, kwargs, on)
+        size = spec.data.batch_size // (par.data * par.microbatches)
+    return args, kwargs, size
 
-    def tracing(short: bool) -> tuple:
-        """The model to trace (a fake copy on the device, of the shortened model when folding:
-        copying 96 blocks' tensors costs seconds, two of them nothing)."""
-        if short not in tracers:
-            with reduced(given, run) if short else contextlib.nullcontext():
-                m, a, kw, on = tracing_model(given, tuple(args), dict(kwargs),
-                                             spec.cluster.device)
-            tracers[short] = (m, tuple(a), kw, on)
-        return tracers[short]
 
-    def priced_at(size: int, short: bool) -> Priced:
-        m, args_, kwargs_, on = tracing(short)
-        real = None if on == "meta" or is_fake(m) else m
-        a = tuple(resize(x, size) for x in args_)
-        kw = {k: resize(v, size) for k, v in kwargs_.items()}
-        same = m is given and short  # shortening a model traced as it is: swap its blocks
-        with reduced(m, run) if same else contextlib.nullcontext():
-            _progress.info("tracing %s%s at micro-batch %d", type(m).__name__,
-                           " (two of its repeated blocks)" if short else "", size)
-            traced = trace(m, a, spec.model.tracer, example_kwargs=kw, output=key)
-            _progress.info("pricing %d nodes", len(traced.gm.graph.nodes))
-            costs = price(traced)
-            times, loss = node_seconds(traced, costs, spec, real, tensor_inputs(a, kw))
-        with warnings.catch_warnings(record=True) as held:
-            warnings.simplefilter("always")
-            pg = build_graph(traced, costs)
-        pr = Priced(traced, costs, times, pg, rebuilt_values(pg, spec), send_cost_of(spec), size,
-                    loss=loss, loss_at=loss_node(traced, costs) if loss.total_s > 0 else None)
-        if short:
-            pr.table = fold(pg, run, pr.table.times, pr.cheap)
-            held_back[:] = held  # said only where the fold stands (see priced)
-        else:
-            warn_again(held)
-        return pr
+def _given_cuts(units: PricedUnits, spec: ParallelSpec, size: int, cuts: list[int]
+                ) -> tuple[Candidate, PartitionResult, int, list[str]]:
+    """The layout of a fixed spec cut at the stage starts ``cuts``."""
+    degrees = tensor_degrees(spec)
+    pr = units.at(size)
+    cands = (candidates(spec, max_stages=len(pr.table.names), tensor=degrees[0])
+             if len(degrees) == 1 else [])
+    if len(cands) != 1:
+        raise PlanError("plan_with_graph(cuts=...) needs a spec with a fixed layout "
+                        f"(pipeline, data, tensor, microbatches, schedule); it has "
+                        f"{len(cands)}")
+    cand = cands[0]
+    mbs = spec.data.batch_size // (cand.dp * cand.microbatches)
+    pr = units.at(mbs, cand.tensor)
+    result = evaluate(cut_problem(pr, spec, cand, 1.0), cuts, method="given")
+    return cand, result, mbs, [f"cuts given: stages start at units {list(cuts)}"]
 
-    # the two-block trace's warnings are about the model only where the fold stands (a
-    # pipe_split() after block 1 is "after the last computation" of two blocks); else the full
-    # trace is planned and warns for itself
-    held_back: list = []
-    unfolded: list[str] = []  # why a run of identical blocks was not planned as blocks
-    checked: list[bool] = []  # the full model ran once and repeats as the fold assumes
 
-    def priced(size: int) -> Priced:
-        nonlocal run
-        if run is not None:
-            pr = priced_at(size, True)
-            why = None if pr.table is not None else (
-                "the graph between them does not repeat block by block (a block's value read "
-                "by a later block, the parent's nodes between blocks that differ or hold "
-                "parameters, or pipe_split()/annotate() in the run)")
-            if why is None and not checked:
-                _progress.info("checking that the model's %d blocks repeat", run.count)
-                why = check_run(given, run, tuple(resize(x, 1) for x in args),
-                                {k: resize(v, 1) for k, v in kwargs.items()})
-                checked.append(why is None)
-            if why is None:
-                warn_again(held_back)
-                return pr
-            unfolded.append(
-                f"not planned as blocks: {run.count} identical {run.prefix or 'top-level '}* "
-                f"blocks were found, but {why}; planned node by node, which takes longer for "
-                "deep models")
-            run = None  # the full model does not fold: plan node by node
-        return priced_at(size, False)
+def _measured_cut(units: PricedUnits, pr: Priced, spec: ParallelSpec, cand: Candidate,
+                  result: PartitionResult, mbs: int, explain: list[str]
+                  ) -> tuple[Priced, PartitionResult]:
+    """``cluster.measure_stages``: the cut checked against its stages timed whole."""
+    cl = spec.cluster
+    if cl.costs != "measured" or not cl.measure_stages or cand.num_stages <= 1:
+        return pr, result
+    if cand.tensor > 1:
+        explain.append("cluster.measure_stages: not done under tensor parallelism (the "
+                       "stages would run sharded); the cut rests on the per-node profile")
+        return pr, result
+    m, args_, kwargs_, on = units.tracing(False)
+    real = None if on == "meta" or is_fake(m) else m
+    pr, result, note = refine_by_stages(pr, spec, cand, result, real,
+                                        tuple(resize(x, mbs) for x in args_),
+                                        {k: resize(v, mbs) for k, v in kwargs_.items()})
+    explain.append(note)
+    return pr, result
 
-    at_size: dict[int, Priced] = {}
-    at_both: dict[tuple[int, int], Priced] = {}
 
-    def priced_t(size: int, t: int) -> Priced:
-        """The units traced at ``size`` per micro-batch, at tensor degree ``t``."""
-        if size not in at_size:
-            at_size[size] = priced(size)
-        if (size, t) not in at_both:
-            at_both[(size, t)] = at_degree(at_size[size], spec, t)
-        return at_both[(size, t)]
-
-    pr = priced_t(b0, 1)
+def _plan_with_graph(model: nn.Module, spec: ParallelSpec, example_inputs: Any,
+                     example_kwargs: dict | None, cuts: list[int] | None, units_only: bool
+                     ) -> tuple[Plan, "nx.DiGraph"]:
+    """The passes: trace and price (:class:`PricedUnits`) -> layout search (or the given
+    cuts) -> the chosen layout cut exactly at its micro-batch size (and checked against timed
+    stages) -> assemble -> finish (predicted once)."""
+    _check_compression_rank(model, spec)
+    args, kwargs, size = _example_inputs(spec, example_inputs, example_kwargs)
+    units = PricedUnits(model, args, kwargs, spec)
+    pr = units.at(size)
     if units_only:
         return pr, None
     if cuts is not None:
-        degrees = tensor_degrees(spec)
-        cands = (candidates(spec, max_stages=len(pr.table.names), tensor=degrees[0])
-                 if len(degrees) == 1 else [])
-        if len(cands) != 1:
-            raise PlanError("plan_with_graph(cuts=...) needs a spec with a fixed layout "
-                            f"(pipeline, data, tensor, microbatches, schedule); it has "
-                            f"{len(cands)}")
-        cand = cands[0]
-        mbs = spec.data.batch_size // (cand.dp * cand.microbatches)
-        pr = priced_t(mbs, cand.tensor)
-        result = evaluate(cut_problem(pr, spec, cand, 1.0), cuts, method="given")
-        explain = [f"cuts given: stages start at units {list(cuts)}"]
+        cand, result, mbs, explain = _given_cuts(units, spec, size, cuts)
+        pr = units.at(mbs, cand.tensor)
     else:
-        cand, result, mbs, explain = search_layouts(lambda t: priced_t(b0, t), spec)
-    if cuts is None:  # the chosen layout cut exactly (the search ranks near-optimal cuts), at
-        pr = priced_t(mbs, cand.tensor)  # the real micro-batch size (the plan's shapes exact)
+        cand, result, mbs, explain = search_layouts(lambda t: units.at(size, t), spec)
+        # the chosen layout cut exactly (the search ranks near-optimal cuts), at the real
+        # micro-batch size (the plan's shapes exact)
+        pr = units.at(mbs, cand.tensor)
         result = solve_fitting(pr, spec, cand, 1.0)[1]
-    if (cuts is None and spec.cluster.costs == "measured" and spec.cluster.measure_stages
-            and cand.num_stages > 1 and cand.tensor > 1):
-        explain.append("cluster.measure_stages: not done under tensor parallelism (the "
-                       "stages would run sharded); the cut rests on the per-node profile")
-    elif (cuts is None and spec.cluster.costs == "measured" and spec.cluster.measure_stages
-            and cand.num_stages > 1):
-        m, args_, kwargs_, on = tracing(False)
-        real = None if on == "meta" or is_fake(m) else m
-        pr, result, note = refine_by_stages(
-            pr, spec, cand, result, real, tuple(resize(x, mbs) for x in args_),
-            {k: resize(v, mbs) for k, v in kwargs_.items()})
-        explain.append(note)
-    explain += unfolded
-    traced, pg = pr.traced, pr.pg
-    model, traced_on = tracing(pr.table.folding is not None)[0], tracing(
-        pr.table.folding is not None)[3]
-    if traced.pins or traced.split_after:
-        explain.append(f"honoured {plural(len(traced.split_after), 'pipe_split() marker')} and "
-                       f"{plural(len(set(traced.pins.values())), 'annotate() pin')}")
-    if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
-        explain.append(f"BatchNorm: statistics are computed over each micro-batch of "
-                       f"{plural(mbs, 'sample')}, as in GPipe, not over the whole batch; "
-                       "everything else equals single-process training")
-    if pr.table.folding is not None:
-        plan = assemble_folded(pr, result, cand, spec, mbs, explain)
-    else:
-        plan = assemble(pr, result, cand, spec, mbs, explain)
-    if spec.train.updates == "async":
-        assign_servers(plan, {n: p.numel() * p.element_size()
-                              for n, p in given.named_parameters(remove_duplicate=False)}, spec)
-        if not plan.folded:  # priced again with the servers' real shares
-            plan.predicted = predict(plan)
-    # every trained parameter's shape: PowerSGD prices each matrix's low-rank factors,
-    # sharding the slices; the state each rank holds (fxpipe.plans.state_bytes) reads them
-    plan.param_shapes = {n: list(p.shape) for n, p in given.named_parameters(
-        remove_duplicate=False) if p.requires_grad}  # tied aliases too (stages name them)
-    plan.param_itemsize = next((p.element_size() for p in given.parameters()
-                                if p.requires_grad), 4)
-    if (spec.train.grad_compression == "powersgd" or plan.data_sharding != "none") \
-            and not plan.folded:
-        plan.predicted = predict(plan)
-    if spec.cluster.nodes > 1:
-        plan.explain.append(placement_note(plan, spec))
-    if (spec.cluster.costs == "measured" and plan.num_stages > 1
-            and pr.send.method is None and torch.device(spec.cluster.device).type == "cpu"):
-        cached = send_cost_path(spec.cluster.device)
-        why = (f"its cache {cached} is damaged or from an older fxpipe" if cached.exists()
-               else "not measured on this machine")
-        plan.explain.append(f"send cost: {why}, so the default (a fixed overhead plus the "
-                            "bytes at cluster.memory_GBps), which prices gloo sends low; "
-                            "`fxpipe profile SPEC` measures it")
-    rc_stages = [st.index for st in plan.stages if st.recompute]
-    if rc_stages:
-        every = len(rc_stages) == plan.num_stages
-        why = ("train.activation_recompute: on" if spec.train.activation_recompute == "on" else
-               f"the activations of the micro-batches in flight would not fit cluster.memory_gb"
-               f"{'' if every else '; the other stages keep theirs and skip the second forward'}")
-        where = ("every stage" if every else
-                 f"stage{'s' if len(rc_stages) > 1 else ''} {', '.join(map(str, rc_stages))}")
-        plan.explain.append(f"activation recomputation on {where}: each keeps only its inputs per "
-                            "micro-batch in flight and runs its forward again in the backward "
-                            f"({why})")
-    if plan.recomputed:
-        plan.explain.append("recomputed in each stage that reads them (cheaper than sending): "
-                            + ", ".join(f"{v} ({human_bytes(bounds_bytes)}) in stages "
-                                        f"{', '.join(map(str, s))}"
-                                        for v, s in plan.recomputed.items()
-                                        for bounds_bytes in [pg.value_info(v)[2]]))
-    plan.input_kwargs = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
-    plan.traced_on = traced_on
-    missing = [k for k in plan.input_kwargs if k not in plan.model_inputs]
-    if missing:
-        raise TraceError(f"keyword inputs {missing} do not appear as inputs of the traced graph "
-                         f"(its inputs: {plan.model_inputs}); pass them by their forward() names")
-    return plan, (None if plan.folded else pg.graph)
+        pr, result = _measured_cut(units, pr, spec, cand, result, mbs, explain)
+    explain += units.notes
+    folded = pr.table.folding is not None
+    traced_model, _, _, traced_on = units.tracing(folded)
+    explain += model_notes(pr, traced_model, mbs)
+    plan = (assemble_folded if folded else assemble)(pr, result, cand, spec, mbs, explain)
+    finish_plan(plan, pr, spec, model, kwargs, traced_on)
+    return plan, (None if plan.folded else pr.pg.graph)
+
 
 def planning_units(model: nn.Module, spec: Any, example_inputs: Any = None,
                    example_kwargs: dict | None = None) -> list[tuple[str, str]]:

@@ -83,6 +83,9 @@ class Priced:
     loss: NodeTimes = dataclasses.field(default_factory=NodeTimes)
     loss_at: str | None = None
     tensor: TensorPricing | None = None
+    #: what is derived once from these figures (:mod:`fxpipe.partitioner.cut_tables`); not
+    #: copied by ``dataclasses.replace``, whose copy derives its own
+    cache: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def degree(self) -> int:
@@ -252,6 +255,9 @@ def at_degree(pr: Priced, spec: ParallelSpec, t: int) -> Priced:
             raise PlanError("the model's blocks fold at tensor degree 1 but not at "
                             f"{t}; plan it with parallel.tensor: 1")
         out.table = folded
+    # values cross a cut whole (a stage's outputs are gathered: the runtime sends whole
+    # tensors), so they keep the degree-1 bytes; only the work and memory inside are shared
+    out.table = dataclasses.replace(out.table, values=list(pr.table.values))
     return out
 
 def tensor_inputs(args: tuple, kwargs: dict) -> list[torch.Tensor]:

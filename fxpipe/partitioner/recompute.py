@@ -128,6 +128,10 @@ def apply_recompute(gm: fx.GraphModule, recomputed: Mapping[str, list[int]],
         if s is not None and s not in anchor:
             anchor[s] = n
     out = dict(node_stage)
+    # a copy -> the node it copies: a value rebuilt in one stage rewires its readers there to
+    # the stage's copy, and a cone copied for another stage later must read that stage's own
+    # copies, not the first stage's (which would then cross the cut after all)
+    original: dict[fx.Node, fx.Node] = {}
     for value in sorted(recomputed):
         if value not in cones:
             raise KeyError(f"{value!r} cannot be recomputed in this graph")
@@ -140,13 +144,15 @@ def apply_recompute(gm: fx.GraphModule, recomputed: Mapping[str, list[int]],
                 src, cname = nodes[name], clone_name(name, s)
                 if cname not in nodes:  # else already rebuilt for another value of this stage
                     with gm.graph.inserting_before(anchor[s]):
-                        copy = gm.graph.node_copy(src, lambda a: env.get(a, a))
+                        copy = gm.graph.node_copy(
+                            src, lambda a: env.get(original.get(a, a), a))
                     copy._rename(cname)
                     if copy.name != cname:
                         raise KeyError(f"cannot name the copy of {name!r} {cname!r} "
                                        f"(got {copy.name!r})")
                     copy.meta = dict(src.meta)
                     nodes[cname] = copy
+                    original[copy] = src
                     out[cname] = s
                 env[src] = nodes[cname]
             for u in users:

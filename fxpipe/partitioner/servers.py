@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Mapping
 
 from fxpipe.errors import PlanError
-from fxpipe.plans.placement import node_of, server_ranks
+from fxpipe.plans.placement import grid_slots_per_node, node_of, server_ranks
 from fxpipe.plans.plan import Plan
 from fxpipe.specs.schema import OPTIMIZER_STATE_FACTOR, ParallelSpec
 from fxpipe.units import human_bytes, plural
@@ -120,9 +120,9 @@ def assign_servers(plan: Plan, param_bytes: Mapping[str, int], spec: ParallelSpe
 
 def _price_links(plan: Plan) -> None:
     """``plan.server_links`` and ``plan.server_priced_s`` (see :class:`Plan`), on the links the
-    prediction uses (:func:`~fxpipe.schedule.simulate.links_from_plan`)."""
+    prediction uses (:func:`~fxpipe.schedule.plan_price.links_from_plan`)."""
     from fxpipe.plans.placement import server_link_crosses_nodes
-    from fxpipe.schedule.simulate import links_from_plan
+    from fxpipe.schedule.plan_price import links_from_plan
 
     links = links_from_plan(plan)
     dpn = links_dpn(plan)
@@ -149,8 +149,8 @@ def _price_links(plan: Plan) -> None:
 
 
 def links_dpn(plan: Plan) -> int:
-    """Devices per node of the plan's cluster (as :meth:`~fxpipe.schedule.simulate.Links.
-    from_cluster` takes it)."""
-    cl = (plan.spec or {}).get("cluster", {}) or {}
-    return cl.get("devices_per_node") or max(1, (plan.pipeline * plan.dp)
-                                             // max(int(cl.get("nodes", 1)), 1))
+    """Grid slots per node of the plan's cluster (as :func:`~fxpipe.schedule.step_price.links_of`
+    gives them to :meth:`~fxpipe.schedule.simulate.Links.from_cluster`)."""
+    if plan.spec is None:
+        return plan.pipeline * plan.dp
+    return grid_slots_per_node(plan.spec.cluster.devices_per_node, plan.tensor)

@@ -1,8 +1,12 @@
-"""What the trace pass traces: the model as a worker on the spec's device traces it (itself,
-or a fake copy), inputs resized to a micro-batch size."""
+"""The trace and price passes: :class:`PricedUnits` traces the model as a worker on the spec's
+device traces it (itself, or a fake copy; two of its repeated blocks when it folds), at a
+micro-batch size, and prices it (:class:`~fxpipe.partitioner.pricing.Priced`) at each tensor
+degree, each once."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import warnings
 from typing import Any
 
@@ -10,7 +14,16 @@ import torch
 import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensor
 
-from fxpipe.partitioner.trace import fake_on_device
+from fxpipe.partitioner.blocks import check_run, find_block_run, fold, reduced
+from fxpipe.partitioner.cost import price
+from fxpipe.partitioner.graph import build_graph
+from fxpipe.partitioner.loss_cost import loss_node
+from fxpipe.partitioner.pricing import (Priced, at_degree, node_seconds, rebuilt_values,
+                                        send_cost_of, tensor_inputs)
+from fxpipe.partitioner.trace import fake_on_device, trace
+from fxpipe.specs.schema import ParallelSpec
+
+_progress = logging.getLogger("fxpipe.progress")
 
 
 def resize(t: Any, size: int) -> Any:
@@ -54,3 +67,100 @@ def warn_again(caught: list) -> None:
     """Issue again the warnings that ``warnings.catch_warnings(record=True)`` held back."""
     for w in caught:
         warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+
+
+class PricedUnits:
+    """The model's planning units priced at a micro-batch size and a tensor degree, each
+    traced and priced once (the trace pass, then the price pass).
+
+    A model with a run of identical blocks is traced with two of them and planned as blocks
+    when the graph repeats block by block (checked once on the full model); else it is traced
+    whole, and :attr:`notes` says why it was not folded.
+
+    Attributes:
+        model: the model as given. args, kwargs: one micro-batch of its example inputs.
+        notes: lines for the plan's explanation (why a run of blocks was not folded).
+    """
+
+    def __init__(self, model: nn.Module, args: tuple, kwargs: dict, spec: ParallelSpec):
+        self.model, self.args, self.kwargs, self.spec = model, tuple(args), dict(kwargs), spec
+        self.run = find_block_run(model)
+        self.notes: list[str] = []
+        self._tracers: dict[bool, tuple] = {}
+        self._at_size: dict[int, Priced] = {}
+        self._at_both: dict[tuple[int, int], Priced] = {}
+        # the two-block trace's warnings are about the model only where the fold stands (a
+        # pipe_split() after block 1 is "after the last computation" of two blocks); else the
+        # full trace is planned and warns for itself
+        self._held_back: list = []
+        self._checked = False  # the full model ran once and repeats as the fold assumes
+
+    def tracing(self, short: bool) -> tuple[nn.Module, tuple, dict, str]:
+        """The model to trace, its inputs and the device type traced on (a fake copy on the
+        device, of the shortened model when folding: copying 96 blocks' tensors costs
+        seconds, two of them nothing)."""
+        if short not in self._tracers:
+            with reduced(self.model, self.run) if short else contextlib.nullcontext():
+                m, a, kw, on = tracing_model(self.model, self.args, self.kwargs,
+                                             self.spec.cluster.device)
+            self._tracers[short] = (m, tuple(a), kw, on)
+        return self._tracers[short]
+
+    def _price(self, size: int, short: bool) -> Priced:
+        spec = self.spec
+        m, args_, kwargs_, on = self.tracing(short)
+        real = None if on == "meta" or is_fake(m) else m
+        a = tuple(resize(x, size) for x in args_)
+        kw = {k: resize(v, size) for k, v in kwargs_.items()}
+        same = m is self.model and short  # shortening a model traced as it is: swap its blocks
+        with reduced(m, self.run) if same else contextlib.nullcontext():
+            _progress.info("tracing %s%s at micro-batch %d", type(m).__name__,
+                           " (two of its repeated blocks)" if short else "", size)
+            traced = trace(m, a, spec.model.tracer, example_kwargs=kw, output=spec.loss_output)
+            _progress.info("pricing %d nodes", len(traced.gm.graph.nodes))
+            costs = price(traced)
+            times, loss = node_seconds(traced, costs, spec, real, tensor_inputs(a, kw))
+        with warnings.catch_warnings(record=True) as held:
+            warnings.simplefilter("always")
+            pg = build_graph(traced, costs)
+        pr = Priced(traced, costs, times, pg, rebuilt_values(pg, spec), send_cost_of(spec),
+                    size, loss=loss,
+                    loss_at=loss_node(traced, costs) if loss.total_s > 0 else None)
+        if short:
+            pr.table = fold(pg, self.run, pr.table.times, pr.cheap)
+            self._held_back[:] = held  # said only where the fold stands (see _priced)
+        else:
+            warn_again(held)
+        return pr
+
+    def _priced(self, size: int) -> Priced:
+        run = self.run
+        if run is not None:
+            pr = self._price(size, True)
+            why = None if pr.table is not None else (
+                "the graph between them does not repeat block by block (a block's value read "
+                "by a later block, the parent's nodes between blocks that differ or hold "
+                "parameters, or pipe_split()/annotate() in the run)")
+            if why is None and not self._checked:
+                _progress.info("checking that the model's %d blocks repeat", run.count)
+                why = check_run(self.model, run, tuple(resize(x, 1) for x in self.args),
+                                {k: resize(v, 1) for k, v in self.kwargs.items()})
+                self._checked = why is None
+            if why is None:
+                warn_again(self._held_back)
+                return pr
+            self.notes.append(
+                f"not planned as blocks: {run.count} identical {run.prefix or 'top-level '}* "
+                f"blocks were found, but {why}; planned node by node, which takes longer for "
+                "deep models")
+            self.run = None  # the full model does not fold: plan node by node
+        return self._price(size, False)
+
+    def at(self, size: int, t: int = 1) -> Priced:
+        """The units traced at ``size`` samples per micro-batch, priced at tensor degree
+        ``t`` (:func:`~fxpipe.partitioner.pricing.at_degree`)."""
+        if size not in self._at_size:
+            self._at_size[size] = self._priced(size)
+        if (size, t) not in self._at_both:
+            self._at_both[(size, t)] = at_degree(self._at_size[size], self.spec, t)
+        return self._at_both[(size, t)]

@@ -23,6 +23,7 @@ from fxpipe.plans.dump import dump_plan
 from fxpipe.plans.placement import stage_to_rank
 from fxpipe.plans.summary import summary_table
 from fxpipe.plans.values import MODEL_INPUT, ValueInfo
+from fxpipe.specs.schema import ParallelSpec
 
 PLAN_FORMAT_VERSION = 1
 
@@ -46,6 +47,8 @@ class StagePlan:
         fwd_flops / bwd_flops: forward and backward FLOPs for one micro-batch (backward includes
             input- and weight-gradients; ``bwd_weight_flops`` is the weight-gradient part).
         param_bytes: bytes of the parameters the stage holds (a tied parameter counted once).
+        shared_bytes: of ``param_bytes``, the bytes of parameters other stages use too (a tied
+            embedding): reduced whole over the replicas, never sharded.
         activation_bytes: bytes of activations kept for backward per micro-batch in flight.
         recv_bytes / send_bytes: bytes received / sent per micro-batch in the forward pass
             (the backward pass moves the same float values the other way).
@@ -99,6 +102,7 @@ class StagePlan:
     loss_time_s: float = 0.0
     tensor_collectives: int = 0
     tensor_bytes: list[float] = field(default_factory=list)
+    shared_bytes: int = 0
 
 
 @dataclass
@@ -143,7 +147,9 @@ class Plan:
         lower_bound_s: total per-micro-batch compute time / num_stages (no plan can beat it).
         predicted: simulator prediction, or None if not simulated.
         explain: free-text lines explaining choices (auto search ranking, annotations honoured).
-        spec: the validated spec as a plain dict (so the runtime can rebuild the model).
+        spec: the validated, typed spec the plan was made for (the runtime rebuilds the model
+            and reads its training options from it; the prediction its cluster and training
+            options); None for a plan made by hand (the schema's defaults then).
         input_kwargs: the model inputs passed by keyword (the rest of ``model_inputs`` are
             positional, in order).
         traced_on: the device type the graph was traced on (``cpu``, ``cuda``, ``meta``); a
@@ -206,7 +212,7 @@ class Plan:
     lower_bound_s: float = 0.0
     predicted: Predicted | None = None
     explain: list[str] = field(default_factory=list)
-    spec: dict[str, Any] = field(default_factory=dict)
+    spec: ParallelSpec | None = None
     input_kwargs: list[str] = field(default_factory=list)
     traced_on: str = "cpu"
     recomputed: dict[str, list[int]] = field(default_factory=dict)
@@ -286,7 +292,12 @@ class Plan:
     # ------------------------------------------------------------------ serialisation
     def to_dict(self) -> dict[str, Any]:
         """Plain-data view (JSON-serialisable)."""
-        d = dataclasses.asdict(self)
+        spec, self.spec = self.spec, None  # pydantic, not a dataclass: dumped on its own
+        try:
+            d = dataclasses.asdict(self)
+        finally:
+            self.spec = spec
+        d["spec"] = spec.model_dump(mode="json") if spec is not None else None
         d["format_version"] = PLAN_FORMAT_VERSION
         return d
 
@@ -315,6 +326,16 @@ class Plan:
         d["values"] = {k: ValueInfo(**v) for k, v in d["values"].items()}
         if d.get("predicted") is not None:
             d["predicted"] = Predicted(**d["predicted"])
+        if d.get("spec"):
+            from fxpipe.errors import SpecError
+            from fxpipe.specs.loader import load_spec
+
+            try:
+                d["spec"] = load_spec(d["spec"])
+            except SpecError as e:
+                raise ValueError(f"plan.json: its spec is not valid ({e}); {_RECREATE}") from None
+        else:
+            d["spec"] = None
         plan = cls(**d)
         problems = plan.inconsistencies()
         if problems:
@@ -435,7 +456,7 @@ def _type_ok(value: Any, tp: Any) -> bool:
             return False
         return not args or all(isinstance(k, str) and _type_ok(v, args[1])
                                for k, v in value.items())
-    if tp is dict or dataclasses.is_dataclass(tp):
+    if tp is dict or dataclasses.is_dataclass(tp) or hasattr(tp, "model_validate"):
         return isinstance(value, dict)
     if tp is int:
         return isinstance(value, int) and not isinstance(value, bool)
@@ -456,7 +477,8 @@ def _type_words(tp: Any) -> str:
         item = _type_words(args[0]) if args else "values"
         return "a list of " + {"an integer": "integers", "a string": "strings",
                                "a number": "numbers", "a mapping": "mappings"}.get(item, item)
-    if origin is dict or tp is dict or dataclasses.is_dataclass(tp):
+    if origin is dict or tp is dict or dataclasses.is_dataclass(tp) or \
+            hasattr(tp, "model_validate"):
         return "a mapping"
     return {int: "an integer", float: "a number", str: "a string"}.get(tp, str(tp))
 

@@ -151,8 +151,7 @@ def summary_table(plan: "Plan") -> str:
 def _loss_lines(plan) -> list[str]:
     """The stage that runs the loss on the model's output, and what its times include for it."""
     spec = getattr(plan, "spec", None)
-    train = spec.get("train") if isinstance(spec, dict) else None
-    name = (train.get("loss") if isinstance(train, dict) else None) or "loss"
+    name = spec.train.loss if spec is not None else "loss"
     return [f"loss:         {name} on stage {st.index}, {ms(st.loss_time_s)} ms per micro-batch "
             "forward + backward (included in its compute ms)"
             for st in plan.stages if getattr(st, "loss_time_s", 0.0) > 0]

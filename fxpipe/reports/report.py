@@ -150,11 +150,11 @@ def _measured(run: Path, plan: Plan) -> dict[str, Any]:
     return m
 
 
-def _overview(plan: Plan, measured: dict[str, Any], spec: dict) -> str:
+def _overview(plan: Plan, measured: dict[str, Any]) -> str:
     pred = plan.predicted
     tl = measured.get("timeline")
     log = measured.get("log")
-    k = int((spec.get("train") or {}).get("grad_accumulation", 1) or 1)
+    k = plan.spec.train.grad_accumulation if plan.spec is not None else 1
     rows = []
     rows.append(["step time: one global batch through the schedule",
                  f"{ms(pred.step_time_s)} ms" if pred else "n/a",
@@ -201,7 +201,7 @@ def _stage_table(plan: Plan) -> str:
                   rows, left=3, row_class={bpos: "bottleneck"}, ident="stages")
 
 
-def _environment(run: Path, plan: Plan, spec: dict) -> str:
+def _environment(run: Path, plan: Plan) -> str:
     env = _read_json(run / "environment.json")
     rows: list[list[str]] = []
     if isinstance(env, dict):
@@ -217,8 +217,8 @@ def _environment(run: Path, plan: Plan, spec: dict) -> str:
         if per_rank:
             rows.append(["devices", "; ".join(per_rank)])
     else:
-        cl = spec.get("cluster") or {}
-        rows = [["world size", str(plan.world_size)], ["device", str(cl.get("device", "?"))],
+        device = plan.spec.cluster.device if plan.spec is not None else "?"
+        rows = [["world size", str(plan.world_size)], ["device", device],
                 ["recorded", "no environment.json in the run folder (the run predates it)"]]
     from fxpipe import __version__
 
@@ -251,7 +251,7 @@ def write_report(run_dir: str | Path, out: str | Path | None = None,
     plan = Plan.read(run / "plan.json")
     if pictures:
         write_run_pictures(run, plan)
-    spec = plan.spec or {}
+    spec = plan.spec.model_dump(mode="json") if plan.spec is not None else {}
     measured = _measured(run, plan)
     parts = []
     when = _dt.datetime.now().strftime("%Y-%m-%d %H:%M")
@@ -265,7 +265,7 @@ def write_report(run_dir: str | Path, out: str | Path | None = None,
                  f"{plural(plan.microbatch_size, 'sample')}"
                  f" &middot; report written {when}</p>")
     parts.append("<h2>Predicted vs measured</h2>")
-    parts.append(_overview(plan, measured, spec))
+    parts.append(_overview(plan, measured))
     parts.append('<p class="note">Predicted: the simulator on the plan\'s cost model. Measured: '
                  "wall-clock per rank (timeline.json), the first step excluded (start-up). "
                  "A blocking receive counts as idle in both.</p>")
@@ -291,8 +291,8 @@ def write_report(run_dir: str | Path, out: str | Path | None = None,
     parts.append(_stage_table(plan))
     parts.append(f"<details><summary>the plan's summary (summary.txt)</summary><pre>"
                  f"{_esc(plan.summary())}</pre></details>")
-    par = spec.get("parallel") or {}
-    searched = any(str(v) == "auto" for v in par.values())
+    searched = plan.spec is not None and any(
+        str(v) == "auto" for v in plan.spec.parallel.model_dump().values())
     parts.append("<h2>" + ("Auto-search ranking" if searched else "Planner's notes") + "</h2>")
     if plan.explain:
         parts.append(f'<pre id="explain">{_esc(chr(10).join(plan.explain))}</pre>')
@@ -303,7 +303,7 @@ def write_report(run_dir: str | Path, out: str | Path | None = None,
     parts.append("<h2>Spec</h2>")
     parts.append(f'<pre id="spec">{_esc(yaml.safe_dump(spec, sort_keys=False))}</pre>')
     parts.append("<h2>Environment</h2>")
-    parts.append(_environment(run, plan, spec))
+    parts.append(_environment(run, plan))
     files = sorted(p for p in run.iterdir() if p.is_file() and not p.name.startswith("."))
     parts.append("<h2>Files</h2>")
     parts.append(_table(["file", "size"], [[p.name, human_bytes(p.stat().st_size)]

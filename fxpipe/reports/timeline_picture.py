@@ -12,7 +12,7 @@ stacked on **one time axis** (milliseconds from the start of each panel's step):
 * each rank's bubble (idle share of the step, busy = F/B/W as in the simulator) in the right
   margin, and the panel's mean in its title.
 
-:func:`simulated_panel` prices the plan's schedule (:func:`fxpipe.schedule.simulate.simulate_plan`);
+:func:`simulated_panel` prices the plan's schedule (:func:`fxpipe.schedule.plan_price.simulate_plan`);
 :func:`measured_panel` picks one step of a measured timeline (the step of median length, the
 first excluded: it pays for start-up), with its rows the global ranks. SVG ids:
 ``<panel id>-row-<rank>`` (one per row), ``<panel id>-bubble-<rank>``.
@@ -79,7 +79,7 @@ def simulated_panel(plan: "Plan", result=None, schedule: str | None = None,
     """The simulator's step of ``plan`` (or of its ``result``, a
     :class:`~fxpipe.schedule.simulate.SimResult`), one row per pipeline rank."""
     if result is None:
-        from fxpipe.schedule.simulate import simulate_plan
+        from fxpipe.schedule.plan_price import simulate_plan
 
         result = simulate_plan(plan, schedule)
     p = len(result.idle_fraction)

@@ -443,6 +443,259 @@ def v_memory_limit(name: str, p: int) -> int:
     return 2 * p
 
 
+def _v_block(name: str, p: int) -> tuple[list[int], list[int]]:
+    """The building block of V-Half / V-Min on the ``2p`` V stages: the slot (unit-time step,
+    F = B = W = 1) at which F and B of micro-batch 0 start on each stage; micro-batch ``i``
+    repeats it ``6 i`` slots later (a rank's 6 actions per micro-batch, F, B and W of its two
+    stages).
+
+    Derived from the paper's description (Qi et al., NeurIPS 2024, section 4: a building block
+    repeated at a fixed interval, its lifespan setting the memory): the F's and B's of a
+    micro-batch follow each other through the V with offsets chosen so that (1) every action
+    comes after what it depends on, (2) the four F/B slots of a rank are distinct modulo 6
+    (the repeated blocks never collide; the two slots left are where the W's go) and (3) the
+    time from a stage's F to its W, summed over a rank's two stages, is about ``6 x`` the
+    memory wanted. With ``I`` a pause at the tip of the V (``(1)``-``(2)`` fail without it for
+    the ``p`` named):
+
+    * ``v-min``: offset 1 everywhere, F of stage ``s`` at ``s``, B at ``4p - 1 + I - s``
+      (``I = 2`` when ``3 | p``): a rank's two lifespans add to about ``4p + 4`` slots, a third
+      of 1F1B's memory;
+    * ``v-half``: F 2 slots apart on the down arm, 1 on the return arm, B 2 apart on the return
+      arm and 1 on the down arm (``I = 3`` when ``p`` is even): about ``6p`` slots, a half.
+
+    Rank ``r`` (stages ``r`` and ``2p-1-r``) then has its F's at ``r, 2p-1-r`` and B's at
+    ``2p+I+r, 4p+I-1-r`` (V-Min), or at ``2r, 3p-2-r`` and ``3p+I-1+2r, 6p+I-2-r`` (V-Half):
+    pairwise distinct modulo 6 for every ``p`` (V-Min: each difference is odd or ``2p + I``,
+    which 6 does not divide; V-Half: each is no multiple of 3, or the odd ``3p + I``). With
+    the W's in the free slots (:func:`_block_schedule`) a rank's peak is exactly
+    :func:`v_memory_limit` once ``m`` is a few times ``p`` (checked by :func:`_capped_v`)."""
+    n = 2 * p
+    if name == "v-min":
+        gap = 2 if p % 3 == 0 else 0
+        return list(range(n)), [4 * p - 1 + gap - s for s in range(n)]
+    gap = 3 if p % 2 == 0 else 0
+    f = [2 * s if s < p else p - 1 + s for s in range(n)]
+    b = [6 * p + gap - 2 - s if s < p else 7 * p + gap - 3 - 2 * s for s in range(n)]
+    return f, b
+
+
+def _block_schedule(name: str, p: int, m: int, s2r: list[int],
+                    drain: bool = True) -> tuple[Schedule, int]:
+    """The per-rank orders of :func:`_v_block` repeated ``m`` times: each rank's F's and B's
+    sorted by their slot, each W (first in, first out) in the rank's next slot that no F or B
+    takes, the W's left over at the end. Executed as soon as dependencies allow (as the
+    simulator and executor do), this is the paper's "squeezed" block schedule: ahead of the
+    slots, never behind them, since the slots themselves respect every dependency. The part of
+    each rank's list after its last F is then reordered by :func:`_drain_b_first` (unless
+    ``drain`` is False); returned with its step length at unit costs."""
+    f, b = _v_block(name, p)
+    n = 2 * p
+    acts: list[list[Action]] = []
+    for r in range(p):
+        timed = []
+        for s in (r, n - 1 - r):
+            fs, bs = f[s], b[s]
+            for i in range(m):
+                timed.append((fs + 6 * i, Action(Op.F, s, i)))
+                timed.append((bs + 6 * i, Action(Op.B, s, i)))
+        timed.sort(key=lambda x: x[0])
+        lst: list[Action] = []
+        pend: deque[Action] = deque()
+        free = 0  # the first slot not yet taken
+        for slot, a in timed:
+            while pend and free < slot:
+                lst.append(pend.popleft())
+                free += 1
+            lst.append(a)
+            free = slot + 1
+            if a.op is Op.B:
+                pend.append(Action(Op.W, a.stage, a.microbatch))
+        lst.extend(pend)
+        acts.append(lst)
+    s = Schedule(name, p, n, m, list(s2r), acts, split_backward=True)
+    return _drain_b_first(s) if drain else (s, _unit_makespan(s))
+
+
+def _drain_b_first(s: Schedule) -> tuple[Schedule, int]:
+    """``s`` (compute-only, split backward, linear stage chain) with each rank's actions after
+    its last F reordered: run in time order with unit costs, a rank there starts its next B
+    (in the list's order) when it is ready, else its oldest W whose B is done, else waits for
+    the B. Before that point every list keeps its order.
+
+    The drain is where the block schedule loses time to the slots it gave the W's: a B that the
+    previous rank waits for sat behind a W. No F follows, so the held micro-batches only fall
+    there and the rank's peak does not change; W's only move later, B's earlier. Returns the
+    schedule and its step length at unit costs (the last action's end)."""
+    p, n, m = s.num_ranks, s.num_stages, s.microbatches
+    F, B = Op.F, Op.B
+    s2r = s.stage_to_rank
+    head: list[list[Action]] = []
+    tail_b: list[deque[Action]] = []
+    tail_w: list[deque[Action]] = []
+    for lst in s.actions:
+        last = max((k for k, a in enumerate(lst) if a.op is F), default=-1)
+        head.append(lst[:last + 1])
+        tail_b.append(deque(a for a in lst[last + 1:] if a.op is B))
+        tail_w.append(deque(a for a in lst[last + 1:] if a.op is Op.W))
+    done_f = [[-1] * m for _ in range(n)]
+    done_b = [[-1] * m for _ in range(n)]
+    t = [0] * p
+    pos = [0] * p
+    out: list[list[Action]] = [[] for _ in range(p)]
+
+    def ready(a: Action) -> int:
+        """When what ``a`` waits for is done; -1: not yet."""
+        st, i = a.stage, a.microbatch
+        if a.op is F:
+            return 0 if st == 0 else done_f[st - 1][i]
+        if a.op is B:
+            d = done_f[st][i]
+            return d if d < 0 or st == n - 1 else done_b[st + 1][i]
+        return done_b[st][i]
+
+    def pick(r: int) -> tuple[int, Action] | None:
+        """Rank ``r``'s next action and its start, or None while it waits for a neighbour."""
+        now = t[r]
+        if pos[r] < len(head[r]):
+            a = head[r][pos[r]]
+            d = ready(a)
+            return None if d < 0 else (d if d > now else now, a)
+        d = ready(tail_b[r][0]) if tail_b[r] else -1
+        if 0 <= d <= now:
+            return now, tail_b[r][0]
+        if tail_w[r] and ready(tail_w[r][0]) >= 0:
+            return now, tail_w[r][0]
+        return (d, tail_b[r][0]) if d > now else None
+
+    # the least (start, rank) first; a rank's pick is redone whenever a neighbour stage's
+    # action is placed (it may have become ready): then every pick placed was the rank's
+    # choice at its start time, whatever finished by then known
+    best = [pick(r) for r in range(p)]
+    version = [0] * p
+    heap = [(c[0], r, 0) for r, c in enumerate(best) if c is not None]
+    heapq.heapify(heap)
+    total = sum(len(x) for x in s.actions)
+    placed = 0
+    while heap:
+        start, r, ver = heapq.heappop(heap)
+        if ver != version[r] or best[r] is None:
+            continue
+        a = best[r][1]
+        st, i = a.stage, a.microbatch
+        if pos[r] < len(head[r]):
+            pos[r] += 1
+        elif a.op is B:
+            tail_b[r].popleft()
+        else:
+            tail_w[r].popleft()
+        t[r] = start + 1
+        if a.op is F:
+            done_f[st][i] = start + 1
+        elif a.op is B:
+            done_b[st][i] = start + 1
+        out[r].append(a)
+        placed += 1
+        for q in {r, s2r[st - 1] if st > 0 else r, s2r[st + 1] if st < n - 1 else r}:
+            best[q] = c = pick(q)
+            version[q] += 1
+            if c is not None:
+                heapq.heappush(heap, (c[0], q, version[q]))
+    if placed != total:
+        raise ScheduleError(f"{s.name}: the action lists deadlock (p={p}, m={m})")
+    return Schedule(s.name, p, n, m, list(s2r), out, split_backward=True), max(t)
+
+
+def _held_peak(s: Schedule) -> int:
+    """The most stage micro-batches (F done, W not) any rank holds, walked in list order."""
+    peak = 0
+    for acts in s.actions:
+        held = 0
+        for a in acts:
+            if a.op is Op.F:
+                held += 1
+                if held > peak:
+                    peak = held
+            elif a.op is Op.W:
+                held -= 1
+    return peak
+
+
+def _unit_makespan(s: Schedule) -> int:
+    """Step length of a compute-only split-backward schedule over the linear stage chain, every
+    F, B and W one time unit, each action started as soon as its rank is free and its inputs
+    are done (what the simulator gives with uniform costs and free communication).
+
+    Raises:
+        ScheduleError: the lists deadlock (not for the generators' own schedules)."""
+    p, n, m = s.num_ranks, s.num_stages, s.microbatches
+    F, B = Op.F, Op.B
+    done_f = [[-1] * m for _ in range(n)]
+    done_b = [[-1] * m for _ in range(n)]
+    t = [0] * p
+    pos = [0] * p
+    nm = n * m  # a waited-for action as an int: F (s, i) -> s m + i, B -> n m + s m + i
+    waiting: dict[int, list[int]] = {}
+    work = list(range(p))
+    while work:
+        r = work.pop()
+        acts = s.actions[r]
+        k, now = pos[r], t[r]
+        while k < len(acts):
+            a = acts[k]
+            op, st, i = a.op, a.stage, a.microbatch
+            if op is F:
+                dep = 0 if st == 0 else done_f[st - 1][i]
+                key = (st - 1) * m + i
+            elif op is B:
+                dep, key = done_f[st][i], st * m + i
+                if dep >= 0 and st < n - 1:
+                    dep, key = done_b[st + 1][i], nm + (st + 1) * m + i
+            else:
+                dep, key = done_b[st][i], nm + st * m + i
+            if dep < 0:
+                waiting.setdefault(key, []).append(r)
+                break
+            now = (dep if dep > now else now) + 1
+            if op is F:
+                done_f[st][i] = now
+                key = st * m + i
+            elif op is B:
+                done_b[st][i] = now
+                key = nm + st * m + i
+            else:
+                key = -1
+            if key in waiting:
+                work.extend(waiting.pop(key))
+            k += 1
+        pos[r], t[r] = k, now
+    if any(pos[r] < len(s.actions[r]) for r in range(p)):
+        raise ScheduleError(f"{s.name}: the action lists deadlock (p={p}, m={m})")
+    return max(t)
+
+
+def _capped_v(name: str, p: int, m: int) -> Schedule:
+    """V-Half / V-Min: of two orders that both hold at most :func:`v_memory_limit` stage
+    micro-batches per rank, the one with the shorter step at unit costs (F = B = W; the block
+    schedule on a tie):
+
+    * the building-block schedule (:func:`_block_schedule`), the paper's construction, whose
+      bubble follows the published formula (BENCHMARKS.md, "v-schedules");
+    * the greedy list schedule of ZB-V under the cap (:func:`_list_schedule` with ``reserve``),
+      which wins at ``p = 2`` (both caps are ZB-V's ``2p`` there, the block would leave them
+      unused) and for ``m`` below about ``p`` (too few micro-batches to fill a block).
+
+    The block schedule's peak equals the cap for every ``p`` from 1 to 64 (tests); it is checked
+    here all the same, and the greedy order taken should it ever exceed it."""
+    limit = v_memory_limit(name, p)
+    s2r = stage_to_rank(name, p, 2 * p)
+    greedy = _list_schedule(name, p, m, s2r, limit, reserve=True)
+    block, step = _block_schedule(name, p, m, s2r)
+    if _held_peak(block) > limit or _unit_makespan(greedy) < step:
+        return greedy
+    return block
+
+
 def v_half(p: int, m: int) -> Schedule:
     """V-Half (Qi et al., "Pipeline Parallelism with Controllable Memory", NeurIPS 2024): ZB-V's
     placement (2 stages per rank in a V, backward split into B and W) with about half of 1F1B's
@@ -451,20 +704,20 @@ def v_half(p: int, m: int) -> Schedule:
     Published: peak activation memory ``(p+2)//2`` micro-batches of a 1F1B stage (1F1B: ``p``),
     bubble rate about ``p/(2m)`` (1F1B: about ``p/m``) with ``T_F = T_B = T_W``.
 
-    Construction (fxpipe's, not the paper's hand-made building block): the greedy list
-    scheduler of ZB-V (:func:`_list_schedule`, unit costs, B > F > W, W filling gaps) with the
-    rank's held stage micro-batches capped at :func:`v_memory_limit` ``= 2 * ((p+2)//2)``; a
-    forward of the rank's first (down-arm) stage is admitted only while it leaves a slot for the
-    return arm, so the order never gets stuck. The cap bounds the rank's peak exactly; the bubble
-    is what the greedy order gives (BENCHMARKS.md, "Controllable-memory schedules": measured
-    against the formula). Any ``m >= 1``.
+    Construction (:func:`_capped_v`): the paper's building block repeated every 6 slots
+    (:func:`_v_block`, :func:`_block_schedule`), or the greedy list schedule of ZB-V capped at
+    :func:`v_memory_limit` ``= 2 * ((p+2)//2)`` stage micro-batches per rank where that gives
+    the shorter step at unit costs. Either holds at most the cap (the block exactly). With
+    ``F = B = W`` the block's fill and drain add at most ``3.2p`` slots per rank to the ``6m``
+    of work (``p <= 64``), against the ``3p`` that ``p/(2m)`` of ``6m`` is: the bubble stays
+    below ``1.07 x p/(2m)`` for every ``m`` (below ``p/(2m)`` for ``p <= 16`` and ``m`` up to
+    ``8p``), and below 1F1B's (BENCHMARKS.md, "v-schedules"). Any ``m >= 1``.
 
     Raises:
         ScheduleError: ``p`` or ``m`` is not a positive integer.
     """
     _check_pm(p, m)
-    return _list_schedule("v-half", p, m, stage_to_rank("v-half", p, 2 * p),
-                          limit=v_memory_limit("v-half", p), reserve=True)
+    return _capped_v("v-half", p, m)
 
 
 def v_min(p: int, m: int) -> Schedule:
@@ -474,16 +727,17 @@ def v_min(p: int, m: int) -> Schedule:
     Published: peak activation memory ``(p+4)//3`` micro-batches of a 1F1B stage (1F1B: ``p``),
     bubble rate about ``2p/(3m)`` with ``T_F = T_B = T_W``.
 
-    Construction: as :func:`v_half`, capped at :func:`v_memory_limit` ``= 2 * ((p+4)//3)`` stage
-    micro-batches per rank. The greedy order pays more bubble than the paper's building block
-    at this cap (measured in BENCHMARKS.md); the memory bound is exact. Any ``m >= 1``.
+    Construction: as :func:`v_half`, capped at :func:`v_memory_limit` ``= 2 * ((p+4)//3)``
+    stage micro-batches per rank. With ``F = B = W`` the block's fill and drain add less than
+    ``4p`` slots per rank (``p <= 64``), the ``4p`` that ``2p/(3m)`` of ``6m`` is: the bubble
+    stays below ``2p/(3m)`` for every ``m``, and below 1F1B's (BENCHMARKS.md, "v-schedules").
+    Any ``m >= 1``.
 
     Raises:
         ScheduleError: ``p`` or ``m`` is not a positive integer.
     """
     _check_pm(p, m)
-    return _list_schedule("v-min", p, m, stage_to_rank("v-min", p, 2 * p),
-                          limit=v_memory_limit("v-min", p), reserve=True)
+    return _capped_v("v-min", p, m)
 
 
 def dualpipev(p: int, m: int) -> Schedule:

@@ -30,31 +30,21 @@ Units: seconds, bytes, GB/s = 1e9 bytes/s.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping, Sequence
 
-import numpy as np
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from fxpipe.errors import ScheduleError
-from fxpipe.plans.placement import (global_rank, grid_slots_per_node, node_of, replica_period,
-                                    ring_members_per_node,
+from fxpipe.plans.placement import (global_rank, node_of, replica_period, ring_members_per_node,
                                     server_link_crosses_nodes)
-from fxpipe.plans.plan import Plan, Predicted
-from fxpipe.specs.gpus import link_curve
+from fxpipe.plans.plan import Predicted
 from fxpipe.schedule.actions import Action, Op, Schedule
-from fxpipe.schedule.lowering import (add_communication, communication_peers, linear_edges,
-                                     schedule_for_plan)
+from fxpipe.schedule.lowering import add_communication, communication_peers, linear_edges
 from fxpipe.schedule.timeline import TimelineEvent, action_label
 from fxpipe.schedule.validate import validate
-from fxpipe.specs.schema import (
-    DEFAULT_INTER_NODE_GBPS,
-    DEFAULT_INTRA_NODE_GBPS,
-    DEFAULT_LATENCY_S,
-    OPTIMIZER_STATE_FACTOR,
-    state_factor,
-    LinksSpec,
-)
+from fxpipe.specs.schema import DEFAULT_INTER_NODE_GBPS, DEFAULT_INTRA_NODE_GBPS, DEFAULT_LATENCY_S
 
 Edge = tuple[int, int]
 
@@ -875,156 +865,3 @@ def _run_reference(schedule: Schedule, costs: StageCosts, edge_bytes, grad_edge_
                 ptr[r] += 1
                 progress = True
     return t, busy, ar_free, ptr, peak, events
-
-
-# ----------------------------------------------------------------------------- from a Plan
-
-def costs_from_plan(plan: Plan) -> StageCosts:
-    """StageCosts from a Plan's stages.
-
-    F/B/W seconds: ``fwd_time_s``, ``bwd_input_time_s``, ``bwd_weight_time_s``. When a stage has
-    no split times (all 0) but ``compute_time_s > 0``, forward = 1/3 and backward = 2/3 of it
-    (backward costs about twice the forward), the backward split by
-    ``bwd_weight_flops / bwd_flops``. Activation bytes: ``activation_bytes``. Static bytes:
-    ``param_bytes x 4`` for AdamW (weights, gradients, two moments), ``x 2`` for SGD
-    (``plan.spec['train']['optimizer']``, default AdamW), less under ``plan.data_sharding``
-    (:func:`~fxpipe.specs.schema.state_factor`). Sender-side send seconds:
-    ``send_time_s`` (``grad_send_time_s`` for gradient sends).
-    """
-    f, bi, bw, act, static = [], [], [], [], []
-    opt = str((plan.spec or {}).get("train", {}).get("optimizer", "adamw")).lower()
-    factor = state_factor(opt if opt in OPTIMIZER_STATE_FACTOR else "adamw",
-                          getattr(plan, "data_sharding", "none"), plan.dp)
-    for st in plan.stages:
-        ff, b1, b2 = st.fwd_time_s, st.bwd_input_time_s, st.bwd_weight_time_s
-        if ff + b1 + b2 == 0 and st.compute_time_s > 0:
-            ff = st.compute_time_s / 3
-            bwd = st.compute_time_s - ff
-            wfrac = st.bwd_weight_flops / st.bwd_flops if st.bwd_flops else 0.5
-            b2 = bwd * wfrac
-            b1 = bwd - b2
-        f.append(ff)
-        bi.append(b1)
-        bw.append(b2)
-        act.append(int(st.activation_bytes))
-        static.append(int(int(st.param_bytes) * factor))
-    grad = [st.send_time_s if st.grad_send_time_s is None else st.grad_send_time_s
-            for st in plan.stages]
-    return StageCosts(f, bi, bw, act, static, send_s=[st.send_time_s for st in plan.stages],
-                      grad_send_s=grad)
-
-
-def links_from_plan(plan: Plan) -> Links:
-    """Links from ``plan.spec['cluster']`` (nodes, devices_per_node, links.intra_node_GBps,
-    inter_node_GBps, latency_s); defaults of the spec schema when absent."""
-    cl = (plan.spec or {}).get("cluster", {}) or {}
-    lk = LinksSpec(**(cl.get("links", {}) or {}))
-    return Links.from_cluster(
-        plan.pipeline,
-        plan.dp,
-        nodes=int(cl.get("nodes", 1)),
-        devices_per_node=(grid_slots_per_node(cl["devices_per_node"], plan.tensor)
-                          if cl.get("devices_per_node") else None),
-        intra_node_GBps=lk.intra_node_GBps,
-        inter_node_GBps=lk.inter_node_GBps,
-        latency_s=lk.latency_s,
-        layout=plan.placement,
-        servers=len(plan.parameter_servers),
-        **link_curve(cl.get("device", "cpu"), cl.get("gpu")),
-    )
-
-
-def simulate_plan(
-    plan: Plan,
-    schedule: str | None = None,
-    microbatches: int | None = None,
-    links: Links | None = None,
-) -> SimResult:
-    """Simulate one step of ``plan`` (optionally with another schedule name / micro-batch count).
-
-    Costs from :func:`costs_from_plan`, edges and bytes from the plan's values, links from
-    :func:`links_from_plan` unless given, all-reduce bytes = each stage's ``param_bytes``
-    over ``plan.dp`` replicas; with parameter servers, their push/pull of
-    ``plan.server_stage_bytes`` instead.
-
-    Raises:
-        ScheduleError: the plan's parameters do not suit the schedule.
-    """
-    sched = schedule_for_plan(plan, schedule, microbatches)
-    fwd, grad = plan.edge_bytes()
-    return simulate(
-        sched,
-        costs_from_plan(plan),
-        fwd,
-        links or links_from_plan(plan),
-        dp=plan.dp,
-        allreduce_bytes=allreduce_priced_bytes(plan),
-        grad_edge_bytes=grad,
-        server_bytes=plan.server_stage_bytes if plan.parameter_servers else None,
-        scatter_bytes=sharded_priced_bytes(plan)[0],
-        gather_bytes=sharded_priced_bytes(plan)[1],
-    )
-
-
-def allreduce_priced_bytes(plan: Plan) -> list[float]:
-    """Per stage, the bytes :meth:`Links.allreduce_seconds` prices for its data-parallel
-    all-reduce: ``param_bytes`` (fp32) under ``train.grad_compression: none``, else scaled by
-    what the compression sends once compressing (after its warm-up) against the fp32 ring,
-    by :func:`~fxpipe.runtime.compression.bucket_bytes_sent` (the bytes the reducers count):
-    half for ``fp16`` / ``bf16``, ``rank x (rows + cols)`` per matrix parameter and vectors
-    exact for ``powersgd`` (``plan.param_shapes``; without them, as ``none``), the all-gather
-    of values and indices for ``topk`` (a top-k all-gather priced as the all-reduce that
-    sends the same bytes)."""
-    raw = [float(st.param_bytes) - sh for st, sh in zip(plan.stages, _sharded_bytes(plan))]
-    t = (plan.spec or {}).get("train", {}) or {}
-    method = t.get("grad_compression", "none") or "none"
-    n = plan.dp
-    if method == "none" or n <= 1 or plan.parameter_servers:
-        return raw
-    from fxpipe.runtime.compression import (Compression, bucket_bytes_sent,
-                                            ring_allreduce_bytes)
-
-    c = t.get("compression", {}) or {}
-    comp = Compression(method, **{k: c[k] for k in ("rank", "ratio", "warmup_steps") if k in c})
-    shapes = plan.param_shapes if method == "powersgd" else {}
-    if method == "powersgd" and not shapes:
-        return raw
-    out = []
-    for st, b in zip(plan.stages, raw):
-        numel = int(b) // 4
-        mine = [shapes[f] for f in st.params if f in shapes] if shapes else []
-        if not mine or numel <= 0:
-            mine = [(numel,)]
-        total = sum(math.prod(s) for s in mine)
-        exact = ring_allreduce_bytes(total * 4, n)
-        out.append(b * bucket_bytes_sent(comp, mine, n) / exact if exact else b)
-    return out
-
-
-def _sharded_bytes(plan: Plan) -> list[float]:
-    """Per stage, the bytes of its parameters the replicas shard (every parameter no other stage
-    shares; all of them when the plan keeps no shapes), 0 without sharding."""
-    if plan.data_sharding == "none" or plan.dp <= 1 or plan.parameter_servers:
-        return [0.0] * len(plan.stages)
-    if not plan.param_shapes:
-        return [float(st.param_bytes) for st in plan.stages]
-    from fxpipe.plans.state_bytes import stage_shared_bytes
-
-    return [float(st.param_bytes - stage_shared_bytes(plan, st.index)) for st in plan.stages]
-
-
-def sharded_priced_bytes(plan: Plan) -> tuple[list[float], list[float]]:
-    """Per stage, the bytes priced for the reduce-scatter of its sharded gradients (half under
-    ``fp16`` / ``bf16`` gradient compression) and for the all-gather of its parameters after the
-    step, under ``plan.data_sharding`` (:mod:`fxpipe.runtime.data_sharding`)."""
-    sharded = _sharded_bytes(plan)
-    t = (plan.spec or {}).get("train", {}) or {}
-    wire = 0.5 if (t.get("grad_compression") or "none") in ("fp16", "bf16") else 1.0
-    return [b * wire for b in sharded], sharded
-
-
-def predict(plan: Plan, schedule: str | None = None, microbatches: int | None = None,
-            links: Links | None = None) -> Predicted:
-    """:func:`simulate_plan` reduced to a :class:`~fxpipe.plans.plan.Predicted` (what
-    ``plan.predicted`` holds)."""
-    return simulate_plan(plan, schedule, microbatches, links).predicted()

@@ -61,13 +61,14 @@ def _read_source(source: str | Path) -> tuple[str, str]:
                     f"to a YAML file or one of the bundled names: {', '.join(names)}")
 
 
-def load_spec(source: str | Path | dict) -> ParallelSpec:
+def load_spec(source: str | Path | dict | ParallelSpec) -> ParallelSpec:
     """Read and validate a parallelism spec.
 
     Args:
         source: a YAML file path (``str`` or ``Path``); or the name of a bundled spec such as
             ``"gpt-char"`` (see :func:`list_bundled_specs`), used when no file of that name
-            exists; or a plain ``dict`` with the same structure as the YAML.
+            exists; or a plain ``dict`` with the same structure as the YAML; or a
+            :class:`ParallelSpec` (returned as it is).
 
     Returns:
         The frozen, validated :class:`ParallelSpec`. Its source lines stay available through
@@ -83,6 +84,8 @@ def load_spec(source: str | Path | dict) -> ParallelSpec:
         with microbatches not a multiple of pipeline, interleaved / zb-v with pipeline 1). One line per problem, each ``FILE:LINE: key.path: problem``
         followed by the fix (``<dict>`` in place of ``FILE:LINE`` for dict input).
     """
+    if isinstance(source, ParallelSpec):  # validated already (a Plan's typed spec)
+        return source
     if isinstance(source, dict):
         data, smap = source, SourceMap("<dict>")
     elif isinstance(source, (str, Path)):

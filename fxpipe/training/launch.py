@@ -199,7 +199,8 @@ def run_fingerprint(plan) -> str:
 
     import fxpipe
 
-    spec = {k: v for k, v in plan.spec.items() if k != "output"}
+    spec = {k: v for k, v in (plan.spec.model_dump(mode="json") if plan.spec is not None
+                              else {}).items() if k != "output"}
     source = hashlib.sha256()
     root = Path(fxpipe.__file__).parent
     for f in sorted(root.rglob("*.py")):

@@ -21,7 +21,8 @@ import torch
 
 from fxpipe.data.batches import example_microbatch
 from fxpipe.errors import PlanError
-from fxpipe.partitioner.driver import as_spec, tracing_model
+from fxpipe.partitioner.driver import as_spec
+from fxpipe.partitioner.units import tracing_model
 from fxpipe.runtime.threads import set_rank_threads
 from fxpipe.partitioner.loss_cost import measured_loss_times
 from fxpipe.partitioner.profile import (SEND_METHOD, SendCost, profile_graph, profile_key,

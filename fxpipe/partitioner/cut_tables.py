@@ -1,0 +1,199 @@
+"""What pricing a cut needs beyond the unit table, computed once per priced graph: the trained
+parameters each unit reads (which ones several stages share, the shapes PowerSGD compresses)
+and the values each stage rebuilds instead of receiving (the cones of
+:mod:`fxpipe.partitioner.recompute`, whose copies run in every reader stage).
+
+Both are read per cut: :func:`stage_params` (per stage, the bytes of parameters other stages use
+too and the stage's parameter names) and :func:`rebuilt_seconds` (per stage, the seconds of the
+cone copies it runs). A plan made from the cut lists the same parameters and runs the same
+copies (:func:`fxpipe.partitioner.recompute.apply_recompute`), so the layout search and the
+Plan's prediction price the same step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from fxpipe.partitioner.blocks import KEEP
+from fxpipe.partitioner.pricing import Priced
+from fxpipe.partitioner.recompute import recompute_cones
+
+__all__ = ["UnitParams", "unit_params", "stage_params", "rebuilt_seconds"]
+
+
+@dataclass
+class UnitParams:
+    """The trained parameters of the units, by the names the full model gives them.
+
+    Attributes:
+        names: per unit, the parameters it reads (tied ones under their canonical name).
+        nbytes: parameter -> bytes one rank holds (a tensor-parallel shard's share).
+        shapes: parameter -> whole shape.
+        spread: the parameters read by several units: ``(name, unit positions)``.
+        first: parameter -> the first unit reading it (the one its bytes are charged to).
+    """
+
+    names: list[tuple[str, ...]]
+    nbytes: dict[str, float]
+    shapes: dict[str, tuple[int, ...]]
+    spread: list[tuple[str, tuple[int, ...]]]
+    first: dict[str, int]
+
+
+def _param_tensors(pr: Priced) -> tuple[dict[str, float], dict[str, tuple[int, ...]]]:
+    """Bytes (at ``pr``'s tensor degree) and whole shape of every parameter of the trace, by
+    canonical FQN of the traced model."""
+    traced = pr.traced
+    sharded = pr.tensor.choice.params if pr.tensor is not None else {}
+    t = pr.degree
+    nbytes: dict[str, float] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    for n in traced.gm.graph.nodes:
+        if n.op != "get_attr" or n.target not in traced.param_fqns:
+            continue
+        fqn = traced.param_fqns[n.target]
+        if fqn in traced.buffer_fqns or fqn in nbytes:
+            continue
+        v = n.meta.get("val")
+        if v is None or not hasattr(v, "numel"):
+            try:
+                v = traced.gm.get_parameter(n.target)
+            except AttributeError:
+                continue
+        size = float(v.numel() * v.element_size())
+        p = sharded.get(n.target)
+        nbytes[fqn] = size / t if p is not None and p.sharded else size
+        shapes[fqn] = tuple(int(d) for d in v.shape)
+    return nbytes, shapes
+
+
+def unit_params(pr: Priced) -> UnitParams:
+    """:class:`UnitParams` of ``pr``'s units (node-level, or folded: a block unit reads the
+    representative block's parameters under its own block's names), computed once."""
+    got = pr.cache.get("unit_params")
+    if got is not None:
+        return got
+    pg, fo = pr.pg, pr.table.folding
+    g = pg.graph
+    nbytes, shapes = _param_tensors(pr)
+    if fo is None:
+        names = [tuple(g.nodes[u]["params"]) for u in pg.order]
+    else:
+        run = fo.run
+        rep_prefix = f"{run.block(run.start + KEEP - 1)}."
+        rep = list(dict.fromkeys(f for p_ in fo.block_units[-1]
+                                 for f in g.nodes[pg.order[p_]]["params"]
+                                 if f.startswith(rep_prefix)))
+        full_bytes, full_shapes = {}, {}
+        for f, b in nbytes.items():
+            full_bytes[run.full_name(f)], full_shapes[run.full_name(f)] = b, shapes[f]
+        names = []
+        for p_ in fo.prologue:
+            names.append(tuple(run.full_name(f) for f in g.nodes[pg.order[p_]]["params"]))
+        for b in range(run.count):
+            at = f"{run.block(run.start + b)}."
+            block = tuple(at + f[len(rep_prefix):] for f in rep)
+            for f, r in zip(block, rep):
+                full_bytes[f], full_shapes[f] = nbytes[r], shapes[r]
+            names.append(block)
+        for p_ in fo.epilogue:
+            names.append(tuple(run.full_name(f) for f in g.nodes[pg.order[p_]]["params"]))
+        nbytes, shapes = full_bytes, full_shapes
+    where: dict[str, list[int]] = {}
+    for pos, ns in enumerate(names):
+        for f in ns:
+            where.setdefault(f, []).append(pos)
+    spread = [(f, tuple(ps)) for f, ps in where.items() if len(ps) > 1]
+    out = UnitParams(names, nbytes, shapes, spread, {f: ps[0] for f, ps in where.items()})
+    pr.cache["unit_params"] = out
+    return out
+
+
+def _copied_params(pr: Priced, stage_of: Sequence[int], k: int) -> list[dict[str, None]]:
+    """Per stage, the parameters its copies of rebuilt values read (an embedding table in the
+    cone of a value rebuilt there: the stage then holds it too, as a tied one)."""
+    per: list[dict[str, None]] = [{} for _ in range(k)]
+    for producer, users, _, params in _rebuilt(pr):
+        home = stage_of[producer]
+        for s in {stage_of[u] for u in users} - {home}:
+            per[s].update(dict.fromkeys(params))
+    return per
+
+
+def stage_params(pr: Priced, stage_of: Sequence[int], k: int, names: bool = False
+                 ) -> tuple[list[float], list[list[str]] | None]:
+    """Per stage of the cut ``stage_of`` (unit -> stage): the bytes of the parameters charged
+    to it (their first reader) that another stage reads too (its units, or its copies of
+    rebuilt values), and, with ``names``, the parameters it reads (each once)."""
+    up = unit_params(pr)
+    copied = _copied_params(pr, stage_of, k)
+    shared = [0.0] * k
+    spread = {f: positions for f, positions in up.spread}
+    for f in {f for d in copied for f in d}:
+        spread.setdefault(f, (up.first[f],) if f in up.first else ())
+    for f, positions in spread.items():
+        if not positions:
+            continue
+        stages = {stage_of[p] for p in positions} | {s for s in range(k) if f in copied[s]}
+        if len(stages) > 1:
+            shared[stage_of[positions[0]]] += up.nbytes.get(f, 0.0)
+    if not names:
+        return shared, None
+    per: list[dict[str, None]] = [{} for _ in range(k)]
+    for pos, ns in enumerate(up.names):
+        for f in ns:
+            per[stage_of[pos]].setdefault(f, None)
+    for s in range(k):
+        for f in copied[s]:
+            per[s].setdefault(f, None)
+    return shared, [list(d) for d in per]
+
+
+def _rebuilt(pr: Priced) -> list[tuple[int, tuple[int, ...], tuple[str, ...], tuple[str, ...]]]:
+    """The values each reader stage rebuilds: ``(producer unit, reader units, cone nodes,
+    trained parameters the cone reads)`` (node-level units only: a plan of repeated blocks
+    rebuilds them unpriced)."""
+    got = pr.cache.get("rebuilt")
+    if got is not None:
+        return got
+    out: list[tuple[int, tuple[int, ...], tuple[str, ...], tuple[str, ...]]] = []
+    if pr.cheap and pr.table.folding is None:
+        traced = pr.traced
+        cones = recompute_cones(traced.gm)
+        nodes = {n.name: n for n in traced.gm.graph.nodes}
+        n = len(pr.pg.order)
+        for row in pr.pg.values:
+            if row.name in pr.cheap and row.name in cones:
+                users = tuple(u for u in row.user_positions if u < n)
+                if users:
+                    params = tuple(dict.fromkeys(
+                        f for c in cones[row.name] for f in traced.node_params(nodes[c])
+                        if f not in traced.buffer_fqns))
+                    out.append((row.producer_pos, users, tuple(cones[row.name]), params))
+    pr.cache["rebuilt"] = out
+    return out
+
+
+def rebuilt_seconds(pr: Priced, stage_of: Sequence[int], k: int) -> list[np.ndarray]:
+    """Per stage, the forward / input-gradient / weight-gradient seconds (per traced
+    micro-batch) of the cone copies it runs: the union of the cones of the values it reads from
+    another stage, each node once (as :func:`~fxpipe.partitioner.recompute.apply_recompute`
+    copies them)."""
+    out = [np.zeros(3) for _ in range(k)]
+    rows = _rebuilt(pr)
+    if not rows:
+        return out
+    nodes: list[dict[str, None]] = [{} for _ in range(k)]
+    for producer, users, cone, _ in rows:
+        home = stage_of[producer]
+        for s in sorted({stage_of[u] for u in users} - {home}):
+            nodes[s].update(dict.fromkeys(cone))
+    for s in range(k):
+        for name in nodes[s]:
+            t = pr.times.get(name)
+            if t is not None:
+                out[s] += (t.fwd_s, t.bwd_input_s, t.bwd_weight_s)
+    return out

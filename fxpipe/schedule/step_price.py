@@ -1,0 +1,169 @@
+"""The one rule that prices a training step: the planner's layout search ranks every candidate
+cut with it and the Plan's prediction (:func:`~fxpipe.schedule.simulate.simulate_plan`) is
+made with it, so a plan is predicted on the numbers it was chosen on.
+
+Both sides describe the step the same way: per stage a :class:`StageStep` (its F/B/W seconds
+per micro-batch, its activation bytes, the parameter bytes it holds and how many of them other
+stages use too, the shapes of its trained matrices, its send seconds) and the bytes crossing
+each stage edge per micro-batch; :func:`price_step` adds what follows from the training
+options and the cluster (:class:`Reduction`: the data-parallel all-reduce, reduce-scatter and
+all-gather bytes under ``train.grad_compression`` and ``parallel.data_sharding``, the state
+each stage holds; :func:`links_of`: the links the layout uses) and simulates the step.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+from fxpipe.plans.placement import grid_slots_per_node
+from fxpipe.schedule.actions import Schedule
+from fxpipe.schedule.simulate import Edge, Links, LoweredSchedule, SimResult, StageCosts, simulate
+from fxpipe.schedule.wire import WIRE16, compressed_bytes, ring_allreduce_bytes
+from fxpipe.specs.gpus import link_curve
+from fxpipe.specs.schema import (OPTIMIZER_STATE_FACTOR, ClusterSpec, CompressionSpec, TrainSpec,
+                                 state_factor)
+
+__all__ = ["StageStep", "Reduction", "links_of", "price_step"]
+
+
+@dataclass
+class StageStep:
+    """One stage's share of a step, as the pricing rule reads it.
+
+    Attributes:
+        fwd_s, bwd_input_s, bwd_weight_s: seconds per micro-batch (a recomputing stage's
+            forward again included in ``bwd_input_s``).
+        activation_bytes: bytes held per micro-batch in flight.
+        param_bytes: bytes of the parameters charged to the stage (a tied one to its first
+            stage only): what its replicas reduce.
+        shared_bytes: of those, the bytes of parameters other stages use too (a tied
+            embedding): reduced whole, never sharded.
+        matrices: the shapes of the stage's trained parameters (PowerSGD compresses each
+            matrix); empty when unknown (then priced as one vector of ``param_bytes``).
+        send_s, grad_send_s: sender-side seconds of one forward / gradient send.
+    """
+
+    fwd_s: float
+    bwd_input_s: float
+    bwd_weight_s: float
+    activation_bytes: int = 0
+    param_bytes: float = 0.0
+    shared_bytes: float = 0.0
+    matrices: list[tuple[int, ...]] = field(default_factory=list)
+    send_s: float = 0.0
+    grad_send_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Reduction:
+    """How each stage's gradients travel between its ``dp`` replicas, and the training state a
+    stage holds per parameter byte.
+
+    Attributes:
+        dp: replicas per stage.
+        optimizer: ``train.optimizer`` (the state it keeps per parameter).
+        method, rank, ratio: ``train.grad_compression`` and its settings.
+        sharding: ``parallel.data_sharding`` as planned (``none``, ``optimizer``,
+            ``gradients``, ``full``).
+        servers: parameter servers (``train.updates: async``): they replace the all-reduce.
+    """
+
+    dp: int = 1
+    optimizer: str = "adamw"
+    method: str = "none"
+    rank: int = CompressionSpec().rank
+    ratio: float = CompressionSpec().ratio
+    sharding: str = "none"
+    servers: int = 0
+
+    @classmethod
+    def of(cls, train: TrainSpec, dp: int, sharding: str, servers: int = 0) -> "Reduction":
+        """From the typed ``train`` section, the layout's replicas and sharding level."""
+        c = train.compression
+        opt = train.optimizer if train.optimizer in OPTIMIZER_STATE_FACTOR else "adamw"
+        return cls(dp, opt, train.grad_compression or "none", c.rank, c.ratio, sharding,
+                   servers)
+
+    @property
+    def state_factor(self) -> float:
+        """Bytes of parameters, gradients and optimizer state a stage holds per parameter
+        byte (:func:`~fxpipe.specs.schema.state_factor`)."""
+        return state_factor(self.optimizer, self.sharding, self.dp)
+
+    def sharded_bytes(self, st: StageStep) -> float:
+        """Bytes of the stage's parameters its replicas shard: those no other stage uses,
+        under data sharding (0 without it, with one replica or parameter servers)."""
+        if self.sharding == "none" or self.dp <= 1 or self.servers:
+            return 0.0
+        return max(0.0, float(st.param_bytes) - float(st.shared_bytes))
+
+    def allreduce_bytes(self, st: StageStep) -> float:
+        """The bytes the simulator prices for the stage's all-reduce: its unsharded
+        parameters' (fp32) bytes, scaled by what the compression sends once compressing
+        against the fp32 ring (:func:`~fxpipe.schedule.wire.compressed_bytes`: half for
+        ``fp16`` / ``bf16``, ``rank x (rows + cols)`` per matrix for ``powersgd``, the
+        values and indices all-gather for ``topk``)."""
+        raw = float(st.param_bytes) - self.sharded_bytes(st)
+        if self.method == "none" or self.dp <= 1 or self.servers:
+            return raw
+        if self.method == "powersgd" and not st.matrices:
+            return raw
+        numel = int(raw) // 4
+        mine = [tuple(s) for s in st.matrices] if self.method == "powersgd" else []
+        if not mine or numel <= 0:
+            mine = [(numel,)]
+        total = sum(math.prod(s) for s in mine)
+        exact = ring_allreduce_bytes(total * 4, self.dp)
+        sent = compressed_bytes(self.method, mine, self.dp, rank=self.rank, ratio=self.ratio)
+        return raw * sent / exact if exact else raw
+
+    def scatter_gather_bytes(self, st: StageStep) -> tuple[float, float]:
+        """The bytes priced for the reduce-scatter of the stage's sharded gradients (half under
+        16-bit compression) and for the all-gather of its parameters after the step."""
+        sharded = self.sharded_bytes(st)
+        return sharded * (0.5 if self.method in WIRE16 else 1.0), sharded
+
+
+def links_of(cluster: ClusterSpec, pipeline: int, dp: int, tensor: int = 1,
+             layout: str = "pipeline-inner", servers: int = 0) -> Links:
+    """The links a ``pipeline x dp`` grid of tensor groups of ``tensor`` uses on ``cluster``
+    (typed, its defaults applied once by the schema), placed by ``layout``, with ``servers``
+    parameter servers after the grid."""
+    lk = cluster.links
+    return Links.from_cluster(pipeline, dp, cluster.nodes,
+                              grid_slots_per_node(cluster.devices_per_node, tensor),
+                              lk.intra_node_GBps, lk.inter_node_GBps, lk.latency_s, layout,
+                              servers, **link_curve(cluster.device, cluster.gpu))
+
+
+def price_step(schedule: Schedule | LoweredSchedule, stages: Sequence[StageStep],
+               fwd_edges: Mapping[Edge, float], grad_edges: Mapping[Edge, float],
+               links: Links, reduction: Reduction,
+               server_bytes: Sequence[Sequence[float]] | None = None, *, check: bool = True,
+               timeline: bool = True) -> SimResult:
+    """Simulate one step of ``schedule`` over ``stages`` (see the module doc).
+
+    Args:
+        fwd_edges / grad_edges: ``{(sender, receiver): bytes per micro-batch}`` of the values
+            and of their gradients.
+        server_bytes: ``[stage][server]`` bytes each stage pushes and pulls under parameter
+            servers (None: the all-reduce).
+        check, timeline: as :func:`~fxpipe.schedule.simulate.simulate`.
+    """
+    factor = reduction.state_factor
+    costs = StageCosts([float(s.fwd_s) for s in stages], [float(s.bwd_input_s) for s in stages],
+                       [float(s.bwd_weight_s) for s in stages],
+                       activation_bytes=[int(s.activation_bytes) for s in stages],
+                       static_bytes=[int(float(s.param_bytes) * factor) for s in stages],
+                       send_s=[float(s.send_s) for s in stages],
+                       grad_send_s=[float(s.grad_send_s) for s in stages])
+    sharding = reduction.sharding != "none" and reduction.dp > 1 and not reduction.servers
+    sg = [reduction.scatter_gather_bytes(s) for s in stages] if sharding else None
+    return simulate(schedule, costs, dict(fwd_edges), links, dp=reduction.dp,
+                    allreduce_bytes=[reduction.allreduce_bytes(s) for s in stages],
+                    grad_edge_bytes=dict(grad_edges), check=check, timeline=timeline,
+                    server_bytes=server_bytes if reduction.servers else None,
+                    scatter_bytes=[x[0] for x in sg] if sg else None,
+                    gather_bytes=[x[1] for x in sg] if sg else None)
