@@ -214,11 +214,10 @@ def _worker(rank: int, plan, cfgs: list[Config], steps: int, val_batches: int) -
     torch.set_num_threads(1)
     runs = []
     for cfg in cfgs:
-        spec_d = cfg.spec(plan.spec)
-        spec = load_spec(spec_d)
+        spec = load_spec(cfg.spec(plan.spec.model_dump(mode="json")))
         t = spec.train
         torch.manual_seed(t.seed)
-        pipe = compile(build_model(spec), dataclasses.replace(plan, spec=spec_d))
+        pipe = compile(build_model(spec), dataclasses.replace(plan, spec=spec))
         params = list(pipe.parameters())
         opt = (torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay)
                if params else None)

@@ -379,8 +379,10 @@ def _worker(rank: int, plan, ref):
                       for name, comp in OVERLAP_CASES}
     # the spec route (last: fxpipe.compile hooks optimizer steps): fxpipe.compile reads
     # train.grad_compression / train.compression
-    spec = dict(plan.spec, train=dict(plan.spec["train"], grad_compression="powersgd",
-                                      compression={"rank": 2, "warmup_steps": 1}))
+    spec = plan.spec.model_copy(update={"train": plan.spec.train.model_copy(update={
+        "grad_compression": "powersgd",
+        "compression": plan.spec.train.compression.model_copy(update={"rank": 2,
+                                                                      "warmup_steps": 1})})})
     model.load_state_dict(init)
     pipe = fxpipe.compile(model, dataclasses.replace(plan, spec=spec), timeout_s=60)
     out["compiled"] = (pipe.executor.compression, [pipe.step(x, y) for x, y in _batches()[:2]])

@@ -75,7 +75,8 @@ def _variant(plan: Plan, schedule: str | None = None, placement: str | None = No
     plan = copy.deepcopy(plan)
     if schedule is not None:
         plan.schedule = schedule
-        plan.spec["parallel"]["schedule"] = schedule
+        plan.spec = plan.spec.model_copy(update={"parallel": plan.spec.parallel.model_copy(
+            update={"schedule": schedule})})
     if placement is not None:
         plan.placement = placement
     for st, on in zip(plan.stages, recompute or ()):

@@ -97,3 +97,38 @@ def test_every_scored_candidate_is_priced_as_its_plan_predicts(make, train, monk
     assert seen["tensor"] == {1, 2} and "none" in seen["sharding"], seen
     if spec.parallel.data_sharding == "auto":
         assert len(seen["sharding"]) > 1, seen
+
+
+@pytest.mark.parametrize("name, sp, schedule", [("gpt", False, "1f1b"), ("gpt", True, "zb-v"),
+                                                ("gpt2", True, "1f1b"), ("llama", True, "1f1b")])
+def test_a_cut_prices_the_tensor_collectives_each_stage_runs(name, sp, schedule):
+    """Item 4: the plan's per-stage tensor collectives (what its cut was priced with) are those
+    the runtime's per-stage analysis gives the stages a worker builds (with sequence
+    parallelism a value split where a cut falls is gathered there: not in the traced graph's
+    own collectives)."""
+    import fxpipe
+    from fxpipe.partitioner.split import materialize_stages
+    from fxpipe.tensor.stages import plan_stage_sharding
+
+    if name == "gpt":
+        model, args, kwargs, model_spec, seq = _gpt()
+        spec = _spec(model_spec, 8, seq)
+    else:
+        model, args, kwargs = zoo.build(name), (), {k: v[:1] for k, v in zoo.batch(name, 0)[1]
+                                                    .items()}
+        spec = _spec(zoo.hf_spec(name), 8, zoo.T, loss="model")
+    spec["parallel"] = {"pipeline": 2, "data": 1, "tensor": 2, "microbatches": 2,
+                        "schedule": schedule, "sequence_parallel": sp}
+    spec["cluster"] = {"devices_per_node": 4, "memory_gb": 4}
+    plan = fxpipe.plan(model, spec, args, kwargs)
+    mods = materialize_stages(copy.deepcopy(plan), model, list(range(plan.num_stages)))
+    loss = None if spec["train"]["loss"] == "model" else spec["train"]["loss"]
+    gathered = 0
+    for st in plan.stages:
+        comms = [c for ns in plan_stage_sharding(plan, st.index, mods[st.index], loss)[0]
+                 .nodes.values() for c in ns.comm]
+        assert st.tensor_collectives == len(comms), st.index
+        assert st.tensor_bytes == [float(sum(c.nbytes for c in comms if c.phase == p))
+                                   for p in ("fwd", "bwd")], st.index
+        gathered += st.tensor_collectives
+    assert gathered > 0

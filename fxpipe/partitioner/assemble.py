@@ -21,7 +21,6 @@ from fxpipe.partitioner.profile import send_cost_path
 from fxpipe.partitioner.recompute import apply_recompute, is_clone
 from fxpipe.partitioner.search import Candidate
 from fxpipe.partitioner.servers import assign_servers
-from fxpipe.partitioner.split import build_stages
 from fxpipe.partitioner.tensor_costs import expand_blocks
 from fxpipe.plans.placement import (global_rank, grid_slots_per_node, node_of, pair_crosses_nodes,
                                     ring_crosses_nodes, stage_to_rank)
@@ -29,8 +28,6 @@ from fxpipe.plans.plan import Plan, StagePlan
 from fxpipe.schedule.plan_price import predict
 from fxpipe.schedule.step_price import StageStep
 from fxpipe.specs.schema import ParallelSpec, stages_per_rank
-from fxpipe.tensor.stages import plan_stage_sharding
-from fxpipe.training.losses import MODEL_LOSS
 from fxpipe.units import human_bytes, plural
 
 
@@ -114,7 +111,7 @@ def assemble(pr: Priced, result: PartitionResult, cand: Candidate, spec: Paralle
         explain=list(explain), spec=spec, recomputed=recomputed,
         placement=cand.layout, data_sharding=cand.sharding,
     )
-    _set_tensor(plan, pr, spec)
+    _set_tensor(plan, pr, steps.tensor_comms)
     return plan
 
 
@@ -153,23 +150,17 @@ def _stage_nodes(plan: Plan, pr: Priced) -> list[list[str]]:
         out[s].append(node)
     return out
 
-def _stage_comms(plan: Plan, pr: Priced, spec: ParallelSpec) -> list[list]:
-    """Per stage, the tensor group's collectives of one micro-batch: as the runtime runs each
-    stage's own graph (its inputs and outputs whole: a value split where a cut falls is gathered
-    there); a plan of repeated blocks counts the traced graph's nodes block by block."""
+def _folded_comms(plan: Plan, pr: Priced) -> list[list]:
+    """Per stage of a plan of repeated blocks, the tensor group's collectives of one
+    micro-batch: the traced graph's, node by node, block by block."""
     tp = pr.tensor
-    if plan.folded:
-        return [[c for n in nodes if n in tp.sharding.nodes for c in tp.sharding.nodes[n].comm]
-                for nodes in _stage_nodes(plan, pr)]
-    loss = None if spec.train.loss == MODEL_LOSS else spec.train.loss
-    mods = build_stages(plan, pr.traced, list(range(plan.num_stages)))
-    return [[c for ns in plan_stage_sharding(plan, s, mods[s], loss)[0].nodes.values()
-             for c in ns.comm] for s in range(plan.num_stages)]
+    return [[c for n in nodes if n in tp.sharding.nodes for c in tp.sharding.nodes[n].comm]
+            for nodes in _stage_nodes(plan, pr)]
 
-def _set_tensor(plan: Plan, pr: Priced, spec: ParallelSpec) -> None:
+def _set_tensor(plan: Plan, pr: Priced, comms: list[list] | None) -> None:
     """The plan's tensor-parallel fields from the priced units' sharding, and what it says:
-    how many parameters are split how, what stays whole, and the collectives per
-    micro-batch."""
+    how many parameters are split how, what stays whole, and the collectives per micro-batch
+    (``comms``: per stage, as the cut was priced; None: a plan of repeated blocks)."""
     tp = pr.tensor
     if tp is None:
         return
@@ -181,10 +172,10 @@ def _set_tensor(plan: Plan, pr: Priced, spec: ParallelSpec) -> None:
         text = expand_blocks(text, fo.run.prefix, fo.run.start, fo.run.count)
     plan.tensor_params = dict(sorted(text.items()))
     plan.tensor_replicated = tp.replicated()
-    for st, comms in zip(plan.stages, _stage_comms(plan, pr, spec)):
-        st.tensor_collectives = len(comms)
-        st.tensor_bytes = [float(sum(c.nbytes for c in comms if c.phase == "fwd")),
-                           float(sum(c.nbytes for c in comms if c.phase == "bwd"))]
+    for st, mine in zip(plan.stages, comms if comms is not None else _folded_comms(plan, pr)):
+        st.tensor_collectives = len(mine)
+        st.tensor_bytes = [float(sum(c.nbytes for c in mine if c.phase == "fwd")),
+                           float(sum(c.nbytes for c in mine if c.phase == "bwd"))]
     kinds = {"S(0)": 0, "other": 0}
     for v in tp.choice.params.values():
         kinds["S(0)" if v.dim == 0 else "other"] += 1
@@ -292,7 +283,7 @@ def assemble_folded(pr: Priced, result: PartitionResult, cand: Candidate, spec: 
         lower_bound_s=_lower_bound(stages, result), explain=explain, spec=spec,
         folded=record, placement=cand.layout, data_sharding=cand.sharding,
     )
-    _set_tensor(plan, pr, spec)
+    _set_tensor(plan, pr, None)
     # a plan of blocks lists no stage edges: it keeps the prediction of its cut, which is the
     # search's (the same rule over the same steps)
     plan.predicted = simulate_cut(pr, prefix, problem, result, cand, spec, 1.0,

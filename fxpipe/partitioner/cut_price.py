@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fxpipe.partitioner.cut_tables import rebuilt_seconds, stage_params, unit_params
+from fxpipe.partitioner.cut_tables import (rebuilt_seconds, stage_params, stage_tensor_comms,
+                                           unit_params)
 from fxpipe.partitioner.cutting import Recompute, recompute_stages
 from fxpipe.partitioner.pricing import Priced
 from fxpipe.partitioner.problem import CutProblem, PartitionResult
@@ -21,6 +22,7 @@ from fxpipe.schedule.lowering import compute_schedule
 from fxpipe.schedule.simulate import LoweredSchedule, SimResult
 from fxpipe.schedule.step_price import Reduction, StageStep, links_of, price_step
 from fxpipe.specs.schema import ParallelSpec
+from fxpipe.training.losses import MODEL_LOSS
 
 
 def edge_send_times(messages: dict[tuple[int, int], list[float]], num_stages: int,
@@ -52,12 +54,15 @@ class CutSteps:
         fwd / grad: ``{(sender, receiver): [bytes of each tensor]}`` per micro-batch, of the
             values and of their gradients (a gradient goes back from the consumer).
         recompute: the cut's activation recomputation, stage by stage.
+        tensor_comms: under tensor parallelism (units not folded), per stage the collectives
+            of one micro-batch as the runtime runs the stage; else None.
     """
 
     stages: list[StageStep]
     fwd: dict[tuple[int, int], list[float]]
     grad: dict[tuple[int, int], list[float]]
     recompute: Recompute
+    tensor_comms: list[list] | None = None
 
     def edge_bytes(self) -> tuple[dict[tuple[int, int], float], dict[tuple[int, int], float]]:
         """Bytes per micro-batch per edge, forward and gradient (keyed by (producer,
@@ -77,7 +82,8 @@ def cut_steps(pr: Priced, prefix: np.ndarray, problem: CutProblem, result: Parti
               cand: Candidate, spec: ParallelSpec, scale: float,
               recompute: Recompute | None = None) -> CutSteps:
     """The stages of a cut as the pricing rule reads them: F/B/W seconds from the unit prefix
-    sums and the copies of the values each stage rebuilds (at ``scale`` x the traced
+    sums, the copies of the values each stage rebuilds and, under tensor parallelism, the
+    collectives the runtime's per-stage analysis adds (at ``scale`` x the traced
     micro-batch and the stage's node speed; a recomputing stage's forward again in its B), the
     activation bytes it holds per micro-batch, its parameters' bytes and the bytes of those
     other stages share, its trained matrices (for PowerSGD), its send seconds; and the bytes
@@ -88,8 +94,12 @@ def cut_steps(pr: Priced, prefix: np.ndarray, problem: CutProblem, result: Parti
     rc = recompute or recompute_stages(pr, spec, cand, result.cuts, scale)
     flags, plain = rc.flags, rc.plain
     stage_of = result.stage_of()
-    clones = rebuilt_seconds(pr, stage_of, k)
-    per = [((prefix[:, b] - prefix[:, a]) + clones[j]) * scale * problem.slow[j]
+    extra = rebuilt_seconds(pr, stage_of, k)
+    tensor = stage_tensor_comms(pr, list(result.cuts),
+                                None if spec.train.loss == MODEL_LOSS else spec.train.loss)
+    if tensor is not None:  # the collectives the stages run beyond the units' own
+        extra = [x + y for x, y in zip(extra, tensor[1])]
+    per = [((prefix[:, b] - prefix[:, a]) + extra[j]) * scale * problem.slow[j]
            for j, (a, b) in enumerate(zip(cuts[:-1], cuts[1:]))]
     per = [np.array([x[0], x[0] + x[1], x[2]]) if r else x for x, r in zip(per, flags)]
     fwd: dict[tuple[int, int], list[float]] = {}
@@ -116,7 +126,7 @@ def cut_steps(pr: Priced, prefix: np.ndarray, problem: CutProblem, result: Parti
         float(result.param_bytes[j]), float(shared[j]),
         [shapes[f] for f in names[j] if f in shapes] if names is not None else [],
         send_s[j], grad_send_s[j]) for j, (x, r) in enumerate(zip(per, flags))]
-    return CutSteps(stages, fwd, grad, rc)
+    return CutSteps(stages, fwd, grad, rc, tensor[0] if tensor is not None else None)
 
 
 def simulate_cut(pr: Priced, prefix: np.ndarray, problem: CutProblem,

@@ -18,10 +18,14 @@ from typing import Sequence
 import numpy as np
 
 from fxpipe.partitioner.blocks import KEEP
+from fxpipe.partitioner.boundaries import stage_boundaries
 from fxpipe.partitioner.pricing import Priced
 from fxpipe.partitioner.recompute import recompute_cones
+from fxpipe.partitioner.split import build_stage_module
+from fxpipe.tensor.analysis import stage_sharding
+from fxpipe.tensor.stages import VOCAB_PARALLEL_LOSSES
 
-__all__ = ["UnitParams", "unit_params", "stage_params", "rebuilt_seconds"]
+__all__ = ["UnitParams", "unit_params", "stage_params", "rebuilt_seconds", "stage_tensor_comms"]
 
 
 @dataclass
@@ -197,3 +201,70 @@ def rebuilt_seconds(pr: Priced, stage_of: Sequence[int], k: int) -> list[np.ndar
             if t is not None:
                 out[s] += (t.fwd_s, t.bwd_input_s, t.bwd_weight_s)
     return out
+
+
+def _range_comms(pr: Priced, a: int, b: int, loss_name: str | None) -> list:
+    """The tensor group's collectives of one micro-batch of a stage holding units ``a..b-1``,
+    as the runtime runs the stage (:func:`fxpipe.tensor.analysis.stage_sharding` over the
+    stage's own graph: its inputs arrive whole, its outputs leave whole, a value split where
+    a cut falls is gathered there); computed once per unit range."""
+    key = ("comms", a, b)
+    got = pr.cache.get(key)
+    if got is not None:
+        return got
+    tp, traced, pg = pr.tensor, pr.traced, pr.pg
+    g, order = pg.graph, pg.order
+    where = {}
+    for pos, u in enumerate(order):
+        s = 0 if pos < a else (1 if pos < b else 2)
+        for m in g.nodes[u]["members"]:
+            where[m] = s
+    used = sorted(set(where.values()))
+    number = {s: i for i, s in enumerate(used)}
+    bounds = stage_boundaries(traced.gm, {m: number[s] for m, s in where.items()}, len(used))
+    me = number[1]
+    mod = build_stage_module(traced.gm, bounds, me)
+    sb = bounds.stages[me]
+    canon = {traced.param_fqns.get(k, k): v for k, v in tp.choice.params.items()}
+    placements = {n.target: tp.choice.params.get(n.target, canon.get(n.target))
+                  for n in mod.graph.nodes if n.op == "get_attr"}
+    placements = {k: v for k, v in placements.items() if v is not None}
+    received = {v for v in sb.inputs if v not in bounds.model_inputs and v not in pr.cheap}
+    logits = None
+    model_output = bounds.model_outputs[0]
+    if loss_name in VOCAB_PARALLEL_LOSSES and model_output in sb.outputs:
+        out = next(iter(mod.graph.find_nodes(op="output"))).args[0]
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        logits = outs[sb.outputs.index(model_output)]
+    sharding = stage_sharding(mod, placements, tp.t, sequence_parallel=tp.sequence_parallel,
+                              received=received, logits=logits)
+    comms = [c for ns in sharding.nodes.values() for c in ns.comm]
+    pr.cache[key] = comms
+    return comms
+
+
+def stage_tensor_comms(pr: Priced, cuts: Sequence[int], loss_name: str | None
+                       ) -> tuple[list[list], list[np.ndarray]] | None:
+    """Under tensor parallelism, per stage of the cut (stage starts ``cuts`` over the units):
+    the collectives the runtime's per-stage analysis runs, and the forward / input-gradient
+    seconds they take beyond what the units' prices hold (the traced graph's collectives of the
+    stage's nodes): the gathers and slices where a cut splits a sharded value, and any decision
+    a stage's whole inputs change. None at degree 1 and for units that are repeated blocks
+    (their cuts fall between blocks; the traced graph's collectives stand)."""
+    tp = pr.tensor
+    if tp is None or pr.table.folding is not None:
+        return None
+    ends = list(cuts[1:]) + [len(pr.table.names)]
+    g, order = pr.pg.graph, pr.pg.order
+    lists, extra = [], []
+    for a, b in zip(cuts, ends):
+        comms = _range_comms(pr, a, b, loss_name)
+        fs, bs = tp.seconds(comms)
+        had_f = had_b = 0.0
+        for pos in range(a, b):
+            for m in g.nodes[order[pos]]["members"]:
+                f, bw = tp.comm_s.get(m, (0.0, 0.0))
+                had_f, had_b = had_f + f, had_b + bw
+        lists.append(comms)
+        extra.append(np.array([fs - had_f, bs - had_b, 0.0]))
+    return lists, extra

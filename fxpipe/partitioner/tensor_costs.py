@@ -41,6 +41,8 @@ class TensorPricing:
         param_fraction: node -> the share of the parameter bytes charged to it one rank holds.
         comm_s: node -> (forward, backward) seconds of its tensor-group collectives.
         comm_bytes: node -> (forward, backward) bytes its collectives move (whole tensors).
+        link: what prices one collective on the tensor group: :func:`ring_seconds`'s
+            ``(bandwidth_Bps, latency_s, half_bytes, allreduce_Bps, byte_scale)``.
     """
 
     t: int
@@ -51,6 +53,19 @@ class TensorPricing:
     param_fraction: dict[str, float]
     comm_s: dict[str, tuple[float, float]]
     comm_bytes: dict[str, tuple[float, float]]
+    link: tuple = (1.0, 0.0, 0.0, None, 1.0)
+
+    def seconds(self, comms) -> tuple[float, float]:
+        """Forward and backward seconds of ``comms`` (:class:`~fxpipe.tensor.analysis.Comm`)
+        on the tensor group."""
+        fs = bs = 0.0
+        for c in comms:
+            sec = ring_seconds(c, self.t, *self.link)
+            if c.phase == "fwd":
+                fs += sec
+            else:
+                bs += sec
+        return fs, bs
 
     def placements_text(self) -> dict[str, str]:
         """get_attr target -> placement text (the Plan's ``tensor_params``)."""
@@ -137,14 +152,14 @@ def tensor_pricing(gm: fx.GraphModule, t: int, *, sequence_parallel: bool,
     if logits is not None and sharding.placement(logits.name).sharded:  # the executor's loss
         v = logits.meta["val"]
         sharding.nodes[logits.name].comm += vocab_loss_comms(v.numel() // int(v.shape[-1]))
-    bw = intra_node_GBps * 1e9
+    link = (intra_node_GBps * 1e9, latency_s, half_bytes,
+            allreduce_GBps * 1e9 if allreduce_GBps else None, byte_scale)
     fraction, comm_s, comm_bytes = {}, {}, {}
     for name, ns in sharding.nodes.items():
         fraction[name] = ns.compute
         fs = bs = fb = bb = 0.0
         for c in ns.comm:
-            sec = ring_seconds(c, t, bw, latency_s, half_bytes,
-                               allreduce_GBps * 1e9 if allreduce_GBps else None, byte_scale)
+            sec = ring_seconds(c, t, *link)
             if c.phase == "fwd":
                 fs, fb = fs + sec, fb + c.nbytes
             else:
@@ -152,7 +167,7 @@ def tensor_pricing(gm: fx.GraphModule, t: int, *, sequence_parallel: bool,
         if fs or bs:
             comm_s[name], comm_bytes[name] = (fs, bs), (fb, bb)
     return TensorPricing(t, sequence_parallel, choice, sharding, fraction,
-                         _param_fractions(gm, choice, t), comm_s, comm_bytes)
+                         _param_fractions(gm, choice, t), comm_s, comm_bytes, link)
 
 
 def scaled_costs(costs: dict[str, NodeCost], tp: TensorPricing) -> dict[str, NodeCost]:

@@ -1,16 +1,19 @@
-"""Construction checks of the executor: the schedule, the mesh and the modules fit the plan.
+"""Checks of the executor: the schedule, the mesh and the modules fit the plan (at
+construction), and so does each batch it is given (:func:`split_batch`).
 
-Each raises :class:`~fxpipe.errors.ScheduleError` naming what is missing or inconsistent and how
-to build a schedule that fits (``fxpipe.schedule.lowering.schedule_for_plan``).
+The construction checks raise :class:`~fxpipe.errors.ScheduleError` naming what is missing or
+inconsistent and how to build a schedule that fits (``fxpipe.schedule.lowering.
+schedule_for_plan``); a batch that does not fit is a :class:`~fxpipe.errors.RuntimeFailure`
+saying what to feed instead.
 """
 
 from __future__ import annotations
 
 import torch
 
-from fxpipe.errors import ScheduleError
+from fxpipe.errors import RuntimeFailure, ScheduleError
 from fxpipe.plans.plan import Plan
-from fxpipe.plans.values import needs_grad
+from fxpipe.plans.values import ValueInfo, needs_grad
 from fxpipe.runtime.mesh import Mesh
 from fxpipe.schedule.actions import Action, Op, Schedule
 
@@ -104,3 +107,47 @@ def check_actions(schedule: Schedule, pipe_rank: int, local_stages: list[int],
             + ". Every stage needs F and B (and W when split_backward) once per micro-batch, "
             "and every edge between ranks a send and a receive in each direction: build it "
             "with fxpipe.schedule.lowering.schedule_for_plan(plan)")
+
+
+def loss_stage(plan: Plan) -> int:
+    """The one stage that returns the model output (and computes the loss).
+
+    Raises:
+        RuntimeFailure: no stage or several do.
+    """
+    holders = [sp.index for sp in plan.stages if plan.model_output in sp.outputs]
+    if len(holders) != 1:
+        raise RuntimeFailure(
+            f"the model output {plan.model_output!r} is in the outputs of stages {holders}; "
+            "exactly one stage must return it - re-create the plan")
+    return holders[0]
+
+
+def split_batch(name: str, x: torch.Tensor, m: int, mbs: int, info: ValueInfo | None,
+                device: torch.device) -> tuple[torch.Tensor, ...]:
+    """``x`` (model input or target ``name``, this replica's batch) as ``m`` micro-batches on
+    ``device``, checked against the plan: ``mbs`` samples each (0: any) and, for a model input
+    (``info``), the planned per-sample shape and dtype.
+
+    Raises:
+        RuntimeFailure: the batch does not split so (the message says what to feed).
+    """
+    b = x.shape[0]
+    if b % m:
+        raise RuntimeFailure(
+            f"{name!r} has batch {b}, which does not split into {m} equal micro-batches; use a "
+            f"per-replica batch divisible by {m} (global batch = dp x micro-batches x "
+            "micro-batch size)")
+    if mbs and b // m != mbs:
+        raise RuntimeFailure(
+            f"{name!r} has batch {b} = {m} micro-batches of {b // m}, but the plan was made "
+            f"for micro-batches of {mbs} samples (it fixes the shapes sent between stages); pass a "
+            f"per-replica batch of {m * mbs} or re-plan with this batch size")
+    if info is not None and (list(x.shape[1:]) != list(info.shape[1:])
+                             or str(x.dtype).removeprefix("torch.") != info.dtype):
+        raise RuntimeFailure(
+            f"model input {name!r} is {tuple(x.shape[1:])} {str(x.dtype).removeprefix('torch.')}"
+            f" per sample but the plan was made for {tuple(info.shape[1:])} {info.dtype} (it "
+            "fixes the shapes sent between stages); feed inputs of the planned shape (e.g. the "
+            "same data.seq_len) or re-plan with this one")
+    return x.to(device).split(b // m, dim=0)

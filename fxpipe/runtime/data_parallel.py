@@ -151,7 +151,8 @@ class GradBucket:
 
 
 class GradSynchronizer:
-    """Launches each parameter's all-reduce once all of this rank's stages that use it are done.
+    """Launches each parameter's all-reduce once all of this rank's stages that use it are done
+    (the all-reduce :class:`~fxpipe.runtime.grad_reducer.GradReducer`).
 
     Args:
         stage_params: local stage index -> its parameters (objects; a parameter held by two local
@@ -246,11 +247,25 @@ class GradSynchronizer:
         """Bytes this rank sent for this step's all-reduces (after :meth:`finish`)."""
         return sum(b.bytes_sent for b in self.buckets)
 
-    def end_step(self, applied: bool) -> None:
+    def take_bytes(self) -> int:
+        """:attr:`bytes_sent`, counted once: the buckets' counts restart at 0."""
+        total = self.bytes_sent
+        for bucket in self.buckets:
+            bucket.bytes_sent = 0
+        return total
+
+    def pending(self) -> list[torch.Tensor]:
+        """Nothing: the averaged gradients are in ``.grad`` once :meth:`finish` returns."""
+        return []
+
+    def commit(self, applied: bool = True) -> None:
         """After :meth:`finish`: the step's gradients were applied, or dropped (an fp16 step
         skipped for inf/NaN gradients; the compressions' error memory is rolled back)."""
         for bucket in self.buckets:
             bucket.end_step(applied)
+
+    def ensure_gathered(self, timeout_s: float) -> None:
+        """Nothing: every replica keeps its whole parameters."""
 
     def reset(self) -> None:
         """Start a new step."""

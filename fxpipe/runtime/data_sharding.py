@@ -255,7 +255,10 @@ class ShardedBucket:
 
 
 class DataSharding:
-    """This rank's sharded buckets and what the executor and the optimizer ask of them.
+    """This rank's sharded buckets and what the executor (through the
+    :class:`~fxpipe.runtime.grad_reducer.GradReducer` interface: ``stage_done``, ``finish``,
+    ``pending``, ``commit``, ``take_bytes``, ``reset``, ``ensure_gathered``) and the optimizer
+    ask of them.
 
     Args:
         level: ``optimizer``, ``gradients`` or ``full``.

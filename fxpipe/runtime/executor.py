@@ -3,59 +3,46 @@
 Every rank holds the stage modules its pipeline rank owns (``schedule.stages_of_rank``) and runs
 its action list from the :class:`~fxpipe.schedule.actions.Schedule` once per training step:
 
-* ``F`` - forward of one micro-batch; the stage that produces ``plan.model_output`` also computes
-  ``loss_fn(output, target_mb) / m`` (so gradients accumulated over the ``m`` micro-batches equal
-  those of the mean loss over the whole batch).
+* ``F`` - forward of one micro-batch (:class:`~fxpipe.runtime.stage.StageWork`); the stage that
+  produces ``plan.model_output`` also computes ``loss_fn(output, target_mb) / m`` (so gradients
+  accumulated over the ``m`` micro-batches equal those of the mean loss over the whole batch).
 * ``SEND_F``/``RECV_F``/``SEND_B``/``RECV_B`` - point-to-point transfer of the values on the edge
-  between two stages (activations forward, their gradients backward), one tensor per value, each
-  bounded by the timeout (:mod:`fxpipe.runtime.p2p`). Values that flow between two stages held by
-  the same rank (interleaved / V placements) are handed over in memory; comm actions between them
-  are no-ops.
+  between two stages (activations forward, their gradients backward; :mod:`fxpipe.runtime.
+  transfers`, each wait bounded by the timeout). Values that flow between two stages held by the
+  same rank (interleaved / V placements) are handed over in memory; comm actions between them
+  are no-ops. Up to :data:`RECV_LOOKAHEAD` receives are posted ahead of their action.
 * ``B`` - backward. Full (input and weight gradients) unless ``schedule.split_backward``; then
-  ``B`` computes input gradients only and ``W`` the weight gradients from the gradients B
-  recorded at the edge of the weight-only part of the graph, so no work is done twice
-  (:mod:`fxpipe.runtime.backward_split`), as in Zero Bubble Pipeline Parallelism (Qi et al.,
-  2023). A value read by several stages receives the SUM of
-  their gradients before its producer's backward.
-* ``ALLREDUCE`` - start the asynchronous data-parallel all-reduce of the stage's gradients
-  (:mod:`fxpipe.runtime.data_parallel`; tied parameters summed across the stages holding them;
-  exact, or compressed by :mod:`fxpipe.runtime.compression`).
-* ``STEP`` - wait for the all-reduces and outstanding sends, ``optimizer.step()``, clear gradients
+  ``B`` computes input gradients only and ``W`` the weight gradients, no work done twice
+  (:mod:`fxpipe.runtime.backward_split`; Zero Bubble Pipeline Parallelism, Qi et al., 2023). A
+  value read by several stages receives the SUM of their gradients before its producer's
+  backward.
+* ``ALLREDUCE`` - the stage ran its last backward: its gradients' reduction starts (the rank's
+  one :mod:`gradient reducer <fxpipe.runtime.grad_reducer>`: data-parallel all-reduce with tied
+  parameters summed over their holders, exact or compressed; sharded reduce-scatter; or none).
+* ``STEP`` - wait for the reductions and outstanding sends, ``optimizer.step()``, clear gradients
   (with ``optimizer=None`` the gradients stay in ``.grad`` and accumulate over steps).
 
 :meth:`PipelineExecutor.evaluate` runs the forward actions only (``F``, ``SEND_F``, ``RECV_F``,
 in the schedule's order) without gradients: the batch's loss for evaluation.
 
-Mixed precision (``precision="bf16"``/``"fp16"``, :mod:`fxpipe.runtime.precision`): each stage's
-forward and the loss run under ``torch.autocast(device.type, dtype)``; parameters, gradients and
-the optimizer stay fp32. Every fp32 value (in the plan, ``ValueInfo.dtype``) that goes from one
-stage to another travels in the 16-bit dtype, and so does its gradient on the way back
-(:func:`~fxpipe.runtime.precision.message_dtype`; integer and bool values as they are): half
-the bytes. The receiver casts it back to the plan dtype, so its stage computes as planned; a
-value handed over in memory (two stages on one rank) is rounded the same way, so the numbers do
-not depend on the placement. fp16 adds
-dynamic loss scaling (``torch.amp.GradScaler`` semantics): the loss is multiplied by the scale
-before the backward, each gradient is divided by it before its data-parallel all-reduce, and a
-step with an inf/NaN gradient on any rank is skipped on every rank (one extra world all-reduce
-of a flag per step) while the scale backs off.
+Mixed precision (``bf16`` / ``fp16``, :mod:`fxpipe.runtime.precision`): the forward and the loss
+run under ``torch.autocast``, parameters, gradients and the optimizer stay fp32, fp32 values
+travel between stages in 16 bits. fp16 adds dynamic loss scaling (:mod:`fxpipe.runtime.
+step_grads`): a step with an inf/NaN gradient on any rank is skipped on every rank.
 
 Activations of a micro-batch are released after its last backward (``B``, or ``W`` when split).
 The executor counts the micro-batches whose activations are held per stage (peak in flight) and
-the bytes it sends per step (:class:`BytesSent`: stage messages, gradient all-reduces), and
-records one wall-clock event per action for Chrome traces.
-
-Weight gradients of ``linear`` / ``addmm`` / ``embedding`` nodes accumulate straight into
-``.grad`` over the micro-batches (:mod:`fxpipe.runtime.grad_fusion`; fp32 stages with a full
-backward, ``fuse_grad_accumulation=False`` turns it off): no per-micro-batch ``vocab x width``
-buffer for a large head or embedding. The schedule format and per-rank action
-lists follow torch.distributed.pipelining's ``_Action`` IR; no DDP is used (see data_parallel).
+the bytes it sends per step (:class:`BytesSent`), and records one wall-clock event per action
+(and, at tensor degree > 1, per tensor-group collective, reported to the mesh's recorder) for
+Chrome traces. Weight gradients of ``linear`` / ``addmm`` / ``embedding`` nodes accumulate
+straight into ``.grad`` (:mod:`fxpipe.runtime.grad_fusion`). The action lists follow
+torch.distributed.pipelining's ``_Action`` IR; no DDP is used (see data_parallel).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
-from types import SimpleNamespace
+from contextlib import nullcontext
 from typing import Callable
 
 import torch
@@ -66,61 +53,25 @@ from fxpipe.errors import FxpipeError, PlanError, RuntimeFailure, ScheduleError
 from fxpipe.plans.plan import Plan
 from fxpipe.plans.values import MODEL_INPUT, needs_grad
 from fxpipe.runtime import p2p
-from fxpipe.runtime.checks import check_actions, check_fits
+from fxpipe.runtime.checks import check_actions, check_fits, loss_stage, split_batch
 from fxpipe.runtime.compression import Compression, as_compression
-from fxpipe.runtime.data_parallel import GradSynchronizer
-from fxpipe.runtime.data_sharding import WIRE_DTYPES, DataSharding
+from fxpipe.runtime.data_sharding import DataSharding
 from fxpipe.runtime.grad_fusion import fuse_weight_grads
+from fxpipe.runtime.grad_reducer import make_grad_reducer, shared_param_map, sharding_of
 from fxpipe.runtime.mesh import Mesh
-from fxpipe.runtime.precision import LossScaler, autocast_dtype, found_nonfinite, message_dtype
+from fxpipe.runtime.precision import LossScaler, autocast_dtype
 from fxpipe.runtime.stage import StageWork
+from fxpipe.runtime.step_grads import StepGrads
+from fxpipe.runtime.step_state import ActionList, BytesSent, Event, StepState
+from fxpipe.runtime.transfers import Transfers
 from fxpipe.schedule.actions import Action, Op, Schedule
-from fxpipe.schedule.timeline import TimelineEvent, action_label
+from fxpipe.schedule.timeline import TimelineEvent
+from fxpipe.units import human_bytes
 
 #: receives posted ahead of their RECV action (in list order, so NCCL's per-pair ordering holds):
 #: the peer's data then flows while this rank computes, as the simulator assumes, instead of
 #: starting only when the RECV is reached. Costs at most this many extra receive buffers.
 RECV_LOOKAHEAD = 4
-
-#: one wall-clock event per executed action: ``TimelineEvent(global rank, action_label(action),
-#: start_s, end_s, "compute")`` (a tuple, the format of :mod:`fxpipe.schedule.timeline` and the
-#: simulator); seconds since the epoch (monotonic within a process), comparable across the ranks
-#: of one host. Receives are blocking, so a RECV event spans the wait for the peer.
-Event = TimelineEvent
-
-
-@dataclass
-class BytesSent:
-    """Bytes one rank sent: ``messages`` (activations and their gradients to the stages of other
-    pipeline ranks, point to point) and ``gradients`` (its data-parallel all-reduces, counted as
-    the ring algorithms send them: ``2 (n-1)/n x`` the payload of an all-reduce over ``n``
-    ranks, ``(n-1) x`` that of an all-gather). The loss and inf/NaN-flag all-reduces (a few
-    bytes) are not counted."""
-
-    messages: int = 0
-    gradients: int = 0
-
-    @property
-    def total(self) -> int:
-        """``messages + gradients``."""
-        return self.messages + self.gradients
-
-
-@dataclass
-class _StepState:
-    """What one step's actions hand each other across stages and ranks."""
-
-    chunks: dict[str, tuple[torch.Tensor, ...]]
-    target: tuple[torch.Tensor, ...] | None
-    inputs: dict[tuple[int, int], dict[str, torch.Tensor]] = field(default_factory=dict)
-    send_grads: dict[tuple[int, int], dict[str, torch.Tensor]] = field(default_factory=dict)
-    sends: list[tuple[p2p.Pending, str]] = field(default_factory=list)
-    loss_sum: torch.Tensor | None = None
-    weights: list[float] | None = None  # per micro-batch; None: 1/m each
-    stepped: bool = False
-    posted: dict[int, list[tuple[str, p2p.Pending]]] = field(default_factory=dict)  # by index
-    index: int = -1  # index of the action being run
-    message_bytes: int = 0  # sent to other ranks this step
 
 
 class PipelineExecutor:
@@ -156,16 +107,18 @@ class PipelineExecutor:
             for ``"fp16"`` and none otherwise (a scaler given with bf16/fp32 is used too).
         needs_target: False when the model computes its own loss (its labels are a model
             input): :meth:`step` then takes ``target=None``.
-        sync_gradients: True (default): all-reduce the gradients over the replicas (and sum
+        sync_gradients: True (default): reduce the gradients over the replicas (and sum
             tied ones over the ranks holding them); False (``train.updates: async``): each
-            replica keeps its own gradients, which parameter servers sum and apply
-            (:mod:`fxpipe.runtime.parameter_server`), and :meth:`step` returns the replica's
-            loss, reduced over its pipeline only (no rank waits for another replica).
-        fuse_grad_accumulation: True (default): the stage GraphModules' ``linear`` /
-            ``addmm`` / ``embedding`` nodes of trained parameters accumulate their weight
-            gradients into ``.grad`` in place: the steps run copies of the stage modules
-            (:mod:`fxpipe.runtime.grad_fusion`; fp32 and a full backward only) that share their
-            parameters; the given modules are not changed.
+            replica keeps its own gradients (:class:`~fxpipe.runtime.grad_reducer.NoGradSync`),
+            which parameter servers sum and apply (:mod:`fxpipe.runtime.parameter_server`), and
+            :meth:`step` returns the replica's loss, reduced over its pipeline only.
+        fuse_grad_accumulation: True (default): the steps run copies of the stage modules,
+            sharing their parameters, whose ``linear`` / ``addmm`` / ``embedding`` nodes
+            accumulate their weight gradients into ``.grad`` in place
+            (:mod:`fxpipe.runtime.grad_fusion`; fp32 and a full backward only).
+        data_sharding: ``"none"`` or a level of :mod:`fxpipe.runtime.data_sharding`
+            (``parallel.data_sharding``): with more than one replica the non-tied parameters'
+            gradients are reduce-scattered into this replica's slice.
 
     Attributes:
         events: one :data:`Event` ``(rank, label, start_s, end_s, lane)`` per executed action,
@@ -179,6 +132,8 @@ class PipelineExecutor:
             optimizer step was skipped because a gradient was inf/NaN (loss scaling only).
         step_bytes_sent: one :class:`BytesSent` per :meth:`step`; :attr:`bytes_sent` is their
             sum.
+        grad_reducer: the rank's one :class:`~fxpipe.runtime.grad_reducer.GradReducer`;
+            sharding: its :class:`~fxpipe.runtime.data_sharding.DataSharding` part, or None.
 
     Raises:
         ScheduleError: the schedule does not match the plan (ranks, stages, micro-batches) or lacks
@@ -218,10 +173,9 @@ class PipelineExecutor:
         except PlanError as e:
             raise RuntimeFailure(str(e)) from None
         self._stage_rank = list(schedule.stage_to_rank)
-        self._value_index = {name: i for i, name in enumerate(sorted(plan.values))}
-        self._dtypes = {name: getattr(torch, v.dtype) for name, v in plan.values.items()}
-        #: the dtype each value (and its gradient) travels in between stages
-        self._wire = {name: message_dtype(d, precision) for name, d in self._dtypes.items()}
+        #: values and gradients to and from the other pipeline ranks (wire dtypes, tags, peers)
+        self.links = Transfers(plan, self.edges, self._stage_rank, mesh, precision,
+                               self.timeout_s)
         self._model_inputs = set(plan.model_inputs) | {
             n for n, v in plan.values.items() if v.producer == MODEL_INPUT}
         # consumers of each value = stages whose inputs name it (gradient contributions to sum)
@@ -229,7 +183,7 @@ class PipelineExecutor:
         for (_, t), names in self.edges.items():
             for n in names:
                 self._consumers.setdefault(n, []).append(t)
-        self.loss_stage = self._find_loss_stage(plan)
+        self.loss_stage = loss_stage(plan)
         self._split = bool(schedule.split_backward)
         # the modules the training steps run: copies whose weight gradients accumulate in place
         # (runtime.grad_fusion), fp32 and a full backward only; self.modules stay as given
@@ -238,53 +192,30 @@ class PipelineExecutor:
                for s in self.local_stages}
         #: stage -> nodes whose weight gradients accumulate in place
         self.fused_nodes = {s: n for s, (_, n) in run.items()}
-        check_actions(schedule, mesh.pipe_rank, self.local_stages, self.edges, self._dtypes)
-        self.work = {s: StageWork(self.stage_plans[s], run[s][0], plan.values,
-                                  self._consumers, self._split, self._autocast,
-                                  lambda i: self._ctx(self._action),
-                                  plan.model_output if s == self.loss_stage else None)
-                     for s in self.local_stages}
+        check_actions(schedule, mesh.pipe_rank, self.local_stages, self.edges,
+                      self.links.dtypes)
+        self.work = self._stage_work({s: run[s][0] for s in self.local_stages}, self._split)
         self._stage_params = {s: w.params for s, w in self.work.items()}
-        shared = self._shared_map() if sync_gradients else {}
+        shared = (shared_param_map(plan, self.modules, self._stage_rank, mesh)
+                  if sync_gradients else {})
         #: parameter object id -> (pipeline ranks holding it, canonical FQN), for the tied /
         #: shared parameters of this rank's stages (their gradient is summed over those ranks)
         self.shared_param_ranks = dict(shared)
         self.compression = as_compression(grad_compression)
-        #: sharded data parallelism (:mod:`fxpipe.runtime.data_sharding`), or None: the
-        #: replicas reduce-scatter the non-shared parameters' gradients instead
-        self.sharding: DataSharding | None = None
-        whole = self._stage_params
-        if data_sharding != "none" and sync_gradients and mesh.dp > 1:
-            if self.compression.method not in WIRE_DTYPES:
-                raise RuntimeFailure(f"sharded data parallelism reduce-scatters its gradients: "
-                                     f"gradient compression {self.compression.method!r} does not "
-                                     f"fit it (use one of {sorted(WIRE_DTYPES)})")
-            self.sharding = DataSharding(data_sharding, self._stage_params, set(shared),
-                                         mesh.dp_group, mesh.dp, mesh.dp_rank,
-                                         WIRE_DTYPES[self.compression.method])
-            whole = {s: [p for p in ps if not self.sharding.owns(p)]
-                     for s, ps in self._stage_params.items()}
-        # without all-reduce: a mesh view with no data-parallel group (buckets only collect)
-        self._sync = GradSynchronizer(whole, shared, mesh if sync_gradients else
-                                      SimpleNamespace(dp=1, dp_group=None), self.compression)
-        # stages whose ALLREDUCE the schedule leaves out: launched after their last backward
-        self._auto_reduce_after: dict[int, int] = {}
-        self._labels = [action_label(a) for a in schedule.actions[mesh.pipe_rank]]  # for events
+        # all-reduce, sharded (tied parameters all-reduced), or none (sync_gradients=False)
+        self.grad_reducer = make_grad_reducer(self._stage_params, shared, mesh,
+                                              self.compression, data_sharding, sync_gradients)
+        self.sharding: DataSharding | None = sharding_of(self.grad_reducer)
+        # loss-scale unscaling, the inf/NaN verdict, earlier steps' gradients set aside
+        self.grads = StepGrads(self._stage_params, self.loss_scaler, shared,
+                               self.compression.exact)
+        self._train_actions = ActionList.of(schedule.actions[mesh.pipe_rank],
+                                            self.links.same_rank, self._split, reduce=True)
         self._handlers = {Op.F: self._forward, Op.B: self._backward, Op.W: self._weight,
                           Op.SEND_F: self._send_f, Op.RECV_F: self._recv_f,
                           Op.SEND_B: self._send_b, Op.RECV_B: self._recv_b,
                           Op.ALLREDUCE: self._allreduce,
                           Op.STEP: lambda a, st: self._finish_step(st, a)}
-        # list positions of this rank's cross-rank receives (pre-posted, see RECV_LOOKAHEAD)
-        self._recv_positions = [
-            k for k, a in enumerate(schedule.actions[mesh.pipe_rank])
-            if a.op in (Op.RECV_F, Op.RECV_B) and not self._same_rank(a.stage, a.peer)]
-        acts = schedule.actions[mesh.pipe_rank]
-        has_ar = {a.stage for a in acts if a.op is Op.ALLREDUCE}
-        last_bwd = Op.W if self._split else Op.B
-        for idx, a in enumerate(acts):
-            if a.op is last_bwd and a.stage not in has_ar:
-                self._auto_reduce_after[a.stage] = idx
         self.events: list[Event] = []
         self.peak_inflight: dict[int, int] = {s: 0 for s in self.local_stages}
         self.last_peak_inflight: dict[int, int] = {s: 0 for s in self.local_stages}
@@ -294,20 +225,7 @@ class PipelineExecutor:
         self.step_bytes_sent: list[BytesSent] = []
         self._step_gradient_bytes = 0
         self._steps_run = 0
-        # loss scaling: a parameter is unscaled once every local stage using it is done
-        self._param_users: dict[int, tuple[nn.Parameter, set[int]]] = {}
-        for s, ps in self._stage_params.items():
-            for p in ps:
-                self._param_users.setdefault(id(p), (p, set()))[1].add(s)
-        self._done_stages: set[int] = set()
-        self._unscaled: set[int] = set()
-        # gradients from earlier steps (accumulation, optimizer=None) set aside during a step:
-        # of shared parameters always, of every parameter under loss scaling or compression
-        exact_sum = self.loss_scaler is None and self.compression.exact
-        self._aside_ids = [pid for pid in self._param_users
-                           if not exact_sum or pid in shared]
-        self._aside: dict[int, torch.Tensor] = {}
-        self._fwd_only: tuple[list[Action], list[int], list[str]] | None = None
+        self._fwd_only: ActionList | None = None
         self._eval_work: dict[tuple[int, ...], dict[int, StageWork]] = {}
         self._clock0 = time.time() - time.perf_counter()
         # the other ranks of the step's loss all-reduce (named when it fails): every rank, or
@@ -315,55 +233,15 @@ class PipelineExecutor:
         ranks = (range(mesh.world_size) if sync_gradients
                  else [mesh.global_rank(j) for j in range(mesh.pipeline)])
         self._loss_peers = [r for r in ranks if r != self.rank]
-        self._recording = False
-        if getattr(mesh, "tensor", 1) > 1:  # the tensor group's collectives on the timeline
-            from fxpipe.tensor import collectives
-            from fxpipe.units import human_bytes
+        # the tensor group's collectives report to the mesh's recorder (timeline: _run_actions)
+        self._tp_recorder = (getattr(mesh, "tp_recorder", None)
+                             if getattr(mesh, "tensor", 1) > 1 else None)
 
-            def tp_event(kind: str, nbytes: int, t0: float, t1: float) -> None:
-                if self._recording:
-                    self.events.append(TimelineEvent(
-                        self.rank, f"TP {kind} {human_bytes(nbytes)} s{self._action.stage}",
-                        self._clock0 + t0, self._clock0 + t1, "tensor"))
-            collectives.record_with(tp_event)
-
-    def _find_loss_stage(self, plan: Plan) -> int:
-        holders = [sp.index for sp in plan.stages if plan.model_output in sp.outputs]
-        if len(holders) != 1:
-            raise RuntimeFailure(
-                f"the model output {plan.model_output!r} is in the outputs of stages {holders}; "
-                "exactly one stage must return it - re-create the plan")
-        return holders[0]
-
-    def _shared_map(self) -> dict[int, tuple[tuple[int, ...], str]]:
-        """Parameter object id -> (pipeline ranks holding it, canonical FQN), for shared params.
-
-        Calls ``mesh.replica_group`` for every shared parameter's rank set on every rank (in
-        sorted order) so that the collective group creation matches across ranks.
-        """
-        plan, aliases = self.plan, self.plan.param_aliases
-        out: dict[int, tuple[tuple[int, ...], str]] = {}
-        for fqn in sorted(plan.shared_params):
-            stages = plan.shared_params[fqn]
-            key = tuple(sorted({self._stage_rank[s] for s in stages}))
-            self.mesh.replica_group(key)  # collective: all ranks, same order
-            for s in stages:
-                if s not in self.modules:
-                    continue
-                found = None
-                for name, p in self.modules[s].named_parameters(remove_duplicate=False):
-                    if aliases.get(name, name) == fqn or name == fqn:
-                        found = p
-                        break
-                if found is None:
-                    raise RuntimeFailure(
-                        f"plan.shared_params lists {fqn!r} for stage {s}, but stage {s}'s module "
-                        "has no parameter of that name (or an alias of it); build the stage "
-                        "modules with the original parameter names")
-                if id(found) in out and out[id(found)][0] != key:
-                    raise RuntimeFailure(f"parameter {fqn!r} is shared inconsistently in the plan")
-                out[id(found)] = (key, fqn)
-        return out
+    def _stage_work(self, modules: dict[int, nn.Module], split: bool) -> dict[int, StageWork]:
+        return {s: StageWork(self.stage_plans[s], modules[s], self.plan.values, self._consumers,
+                             split, self._autocast, lambda i: self._ctx(self._action),
+                             self.plan.model_output if s == self.loss_stage else None)
+                for s in self.local_stages}
 
     # ------------------------------------------------------------------ the step
     def step(self, inputs: dict[str, torch.Tensor], target: torch.Tensor | None,
@@ -391,18 +269,10 @@ class PipelineExecutor:
         """
         t0 = time.perf_counter()
         self.step_starts_s.append(self._clock0 + t0)
-        if self.sharding is not None:  # ``full``: the parameters come back for the step
-            self.sharding.ensure_gathered(self.timeout_s)
-        st = self._prepare(inputs, target)
-        if loss_weights is not None and len(loss_weights) != self.m:
-            raise RuntimeFailure(f"rank {self.rank}: step() got {len(loss_weights)} loss weights "
-                                 f"for {self.m} micro-batches; give one per micro-batch")
-        st.weights = list(loss_weights) if loss_weights is not None else None
-        self._done_stages.clear()
-        self._unscaled.clear()
-        self._set_aside_grads()
-        self._run_actions(self.schedule.actions[self.mesh.pipe_rank], self._recv_positions,
-                          self._labels, st, self._auto_reduce_after)
+        self.grad_reducer.ensure_gathered(self.timeout_s)  # sharded ``full``: they come back
+        st = self._prepare(inputs, target, loss_weights, "step")
+        self.grads.begin()
+        self._run_actions(self._train_actions, st)
         if not st.stepped:
             first = self.local_stages[0] if self.local_stages else -1
             self._finish_step(st, Action(Op.STEP, first))
@@ -438,35 +308,22 @@ class PipelineExecutor:
             The batch's loss (as :meth:`step` computes it); the same float on every rank.
         """
         if self._fwd_only is None:
-            acts = [a for a in self.schedule.actions[self.mesh.pipe_rank]
-                    if a.op in (Op.F, Op.SEND_F, Op.RECV_F)]
-            recvs = [k for k, a in enumerate(acts)
-                     if a.op is Op.RECV_F and not self._same_rank(a.stage, a.peer)]
-            self._fwd_only = (acts, recvs, [action_label(a) for a in acts])
+            self._fwd_only = ActionList.of(
+                [a for a in self.schedule.actions[self.mesh.pipe_rank]
+                 if a.op in (Op.F, Op.SEND_F, Op.RECV_F)], self.links.same_rank, self._split)
         mods = self.modules if modules is None else dict(modules)
         if sorted(mods) != self.local_stages:
             raise RuntimeFailure(f"evaluate() got modules for stages {sorted(mods)}; this rank "
                                  f"holds stages {self.local_stages}")
         key = tuple(id(mods[s]) for s in self.local_stages)
         if key not in self._eval_work:
-            self._eval_work[key] = {
-                s: StageWork(self.stage_plans[s], mods[s], self.plan.values, self._consumers,
-                             False, self._autocast, lambda i: self._ctx(self._action),
-                             self.plan.model_output if s == self.loss_stage else None)
-                for s in self.local_stages}
+            self._eval_work[key] = self._stage_work(mods, False)
         saved, self.work = self.work, self._eval_work[key]
-        if self.sharding is not None:
-            self.sharding.ensure_gathered(self.timeout_s)
+        self.grad_reducer.ensure_gathered(self.timeout_s)
         try:
-            st = self._prepare(inputs, target)
-            if loss_weights is not None and len(loss_weights) != self.m:
-                raise RuntimeFailure(f"rank {self.rank}: evaluate() got {len(loss_weights)} loss "
-                                     f"weights for {self.m} micro-batches; give one per "
-                                     "micro-batch")
-            st.weights = list(loss_weights) if loss_weights is not None else None
-            acts, recvs, labels = self._fwd_only
+            st = self._prepare(inputs, target, loss_weights, "evaluate")
             with torch.no_grad():
-                self._run_actions(acts, recvs, labels, st, {}, record=False)
+                self._run_actions(self._fwd_only, st, record=False)
             for pend, ctx in st.sends:
                 p2p.wait(pend, ctx, self.timeout_s)
             return self._reduce_loss(st)
@@ -475,34 +332,43 @@ class PipelineExecutor:
                 w.reset()
             self.work = saved
 
-    def _run_actions(self, acts: list[Action], recvs: list[int], labels: list[str],
-                     st: _StepState, reduce_after: dict[int, int], record: bool = True) -> None:
-        """Run ``acts`` in order (``recvs``: positions of the cross-rank receives, posted
-        ahead; ``reduce_after``: stage -> position after which its all-reduce starts)."""
+    def _run_actions(self, actions: ActionList, st: StepState, record: bool = True) -> None:
+        """Run the actions in order (``record``: their events and the tensor group's on the
+        timeline), keeping the next :data:`RECV_LOOKAHEAD` cross-rank receives posted."""
+        acts, recvs, labels, reduce_after = actions
         posted_upto = 0
-        for idx, a in enumerate(acts):
-            start = time.perf_counter()
-            st.index, self._action = idx, a
-            self._recording = record
-            try:
-                # keep the next RECV_LOOKAHEAD receives posted (the current one included)
-                while posted_upto < len(recvs) and recvs[posted_upto] < idx:
-                    posted_upto += 1
-                for k in range(posted_upto, min(posted_upto + RECV_LOOKAHEAD, len(recvs))):
-                    if recvs[k] not in st.posted:
-                        st.posted[recvs[k]] = self._post_recv(acts[recvs[k]])
-                self._run(a, st)
-            except FxpipeError:
-                raise
-            except Exception as e:
-                raise RuntimeFailure(f"{self._ctx(a)}: {type(e).__name__}: {e}") from e
-            if record:
-                self.events.append(TimelineEvent(self.rank, labels[idx], self._clock0 + start,
-                                                 self._clock0 + time.perf_counter()))
-            if reduce_after.get(a.stage) == idx:
-                self._stage_done(a.stage)
+        tp = self._tp_recorder if record else None
+        with tp.to(self._tp_event) if tp is not None else nullcontext():
+            for idx, a in enumerate(acts):
+                start = time.perf_counter()
+                st.index, self._action = idx, a
+                try:
+                    # keep the next RECV_LOOKAHEAD receives posted (the current one included)
+                    while posted_upto < len(recvs) and recvs[posted_upto] < idx:
+                        posted_upto += 1
+                    for k in range(posted_upto, min(posted_upto + RECV_LOOKAHEAD, len(recvs))):
+                        if recvs[k] not in st.posted:
+                            st.posted[recvs[k]] = self._post_recv(acts[recvs[k]])
+                    self._run(a, st)
+                except FxpipeError:
+                    raise
+                except Exception as e:
+                    raise RuntimeFailure(f"{self._ctx(a)}: {type(e).__name__}: {e}") from e
+                if record:
+                    self.events.append(TimelineEvent(self.rank, labels[idx],
+                                                     self._clock0 + start,
+                                                     self._clock0 + time.perf_counter()))
+                if reduce_after.get(a.stage) == idx:
+                    self._stage_done(a.stage)
 
-    def _prepare(self, inputs: dict[str, torch.Tensor], target) -> _StepState:
+    def _tp_event(self, kind: str, nbytes: int, t0: float, t1: float) -> None:
+        """A tensor-group collective of the running action, on the timeline's tensor lane."""
+        self.events.append(TimelineEvent(
+            self.rank, f"TP {kind} {human_bytes(nbytes)} s{self._action.stage}",
+            self._clock0 + t0, self._clock0 + t1, "tensor"))
+
+    def _prepare(self, inputs: dict[str, torch.Tensor], target,
+                 loss_weights: list[float] | None, call: str) -> StepState:
         needed = sorted({n for s in self.local_stages for n in self.stage_plans[s].inputs
                          if n in self._model_inputs})
         missing = [n for n in needed if n not in inputs]
@@ -518,31 +384,17 @@ class PipelineExecutor:
                 raise RuntimeFailure(f"rank {self.rank} holds the loss stage {self.loss_stage} but "
                                      "step() got target=None; pass the batch's targets")
             tgt = None if target is None else self._chunk("target", target)
+        if loss_weights is not None and len(loss_weights) != self.m:
+            raise RuntimeFailure(f"rank {self.rank}: {call}() got {len(loss_weights)} loss "
+                                 f"weights for {self.m} micro-batches; give one per micro-batch")
         for w in self.work.values():
             w.reset()
-        return _StepState(chunks=chunks, target=tgt)
+        return StepState(chunks=chunks, target=tgt,
+                          weights=list(loss_weights) if loss_weights is not None else None)
 
     def _chunk(self, name: str, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        b, m, mbs = x.shape[0], self.m, self.plan.microbatch_size
-        if b % m:
-            raise RuntimeFailure(
-                f"{name!r} has batch {b}, which does not split into {m} equal micro-batches; use a "
-                f"per-replica batch divisible by {m} (global batch = dp x micro-batches x "
-                "micro-batch size)")
-        if mbs and b // m != mbs:
-            raise RuntimeFailure(
-                f"{name!r} has batch {b} = {m} micro-batches of {b // m}, but the plan was made "
-                f"for micro-batches of {mbs} samples (it fixes the shapes sent between stages); pass a "
-                f"per-replica batch of {m * mbs} or re-plan with this batch size")
         info = self.plan.values.get(name) if name in self._model_inputs else None
-        if info is not None and (list(x.shape[1:]) != list(info.shape[1:])
-                                 or str(x.dtype).removeprefix("torch.") != info.dtype):
-            raise RuntimeFailure(
-                f"model input {name!r} is {tuple(x.shape[1:])} {str(x.dtype).removeprefix('torch.')}"
-                f" per sample but the plan was made for {tuple(info.shape[1:])} {info.dtype} (it "
-                "fixes the shapes sent between stages); feed inputs of the planned shape (e.g. the "
-                "same data.seq_len) or re-plan with this one")
-        return x.to(self.device).split(b // m, dim=0)
+        return split_batch(name, x, self.m, self.plan.microbatch_size, info, self.device)
 
     def _ctx(self, a: Action) -> str:
         where = (f"micro-batch {a.microbatch} action {a}" if a.microbatch >= 0
@@ -550,14 +402,14 @@ class PipelineExecutor:
         return (f"rank {self.rank} (pipeline rank {self.mesh.pipe_rank}, replica "
                 f"{self.mesh.dp_rank}) stage {a.stage} {where}")
 
-    def _run(self, a: Action, st: _StepState) -> None:
+    def _run(self, a: Action, st: StepState) -> None:
         self._handlers[a.op](a, st)
 
-    def _allreduce(self, a: Action, st: _StepState) -> None:
+    def _allreduce(self, a: Action, st: StepState) -> None:
         self._stage_done(a.stage)
 
     # ------------------------------------------------------------------ compute
-    def _forward(self, a: Action, st: _StepState) -> None:
+    def _forward(self, a: Action, st: StepState) -> None:
         s, i = a.stage, a.microbatch
         received = st.inputs.pop((s, i), {})
         args = []
@@ -582,7 +434,7 @@ class PipelineExecutor:
             if p == s and t in self.modules:
                 slot = st.inputs.setdefault((t, i), {})
                 for n in names:
-                    v = self._from_wire(n, self._to_wire(n, outs[n].detach()))
+                    v = self.links.handover(n, outs[n].detach())
                     slot[n] = v.requires_grad_() if needs_grad(v.dtype) else v
 
     def _microbatch_loss(self, output: torch.Tensor, target: torch.Tensor | None,
@@ -601,156 +453,96 @@ class PipelineExecutor:
         return torch.autocast(self.device.type, dtype=self._amp_dtype or torch.float32,
                               enabled=self._amp_dtype is not None)
 
-    def _backward(self, a: Action, st: _StepState) -> None:
+    def _backward(self, a: Action, st: StepState) -> None:
         s, i = a.stage, a.microbatch
         for name, g in self.work[s].backward(i):
             producer = self.plan.values[name].producer
             if producer in self.modules:  # rounded as if it had travelled
-                self.work[producer].add_output_grad(i, name,
-                                                    self._from_wire(name, self._to_wire(name, g)))
+                self.work[producer].add_output_grad(i, name, self.links.handover(name, g))
             else:
                 st.send_grads.setdefault((s, i), {})[name] = g
 
-    def _weight(self, a: Action, st: _StepState) -> None:
+    def _weight(self, a: Action, st: StepState) -> None:
         self.work[a.stage].weight(a.microbatch)
 
     # ------------------------------------------------------------------ communication
-    def _peer_rank(self, stage: int) -> int:
-        return self.mesh.global_rank(self._stage_rank[stage])
-
-    def _tag(self, name: str, consumer: int, i: int, backward: bool) -> int:
-        return p2p.tag_for(self._value_index[name], consumer, i, backward, self.plan.num_stages,
-                           self.m)
-
-    def _same_rank(self, s: int, t: int) -> bool:
-        return self._stage_rank[s] == self._stage_rank[t]
-
-    def _send_f(self, a: Action, st: _StepState) -> None:
+    def _send_f(self, a: Action, st: StepState) -> None:
         s, t, i = a.stage, a.peer, a.microbatch
-        if self._same_rank(s, t):
-            return
-        ctx, dst = self._ctx(a), self._peer_rank(t)
-        for name in self.edges[(s, t)]:
-            msg = self._to_wire(name, self.work[s].output(i, name))
-            pend = p2p.isend(msg, dst, self._tag(name, t, i, False),
-                             f"send of {name!r} to stage {t}", ctx, self.timeout_s)
-            st.sends.append((pend, ctx))
-            st.message_bytes += msg.numel() * msg.element_size()
+        if not self.links.same_rank(s, t):
+            self._send(st, a, [(n, self.work[s].output(i, n)) for n in self.edges[(s, t)]],
+                       s, t, False)
 
-    def _to_wire(self, name: str, t: torch.Tensor) -> torch.Tensor:
-        """``t`` (value ``name`` or its gradient) in the dtype it travels in."""
-        want = self._wire[name]
-        return t if t.dtype == want else t.to(want)
+    def _send(self, st: StepState, a: Action, items: list[tuple[str, torch.Tensor]], s: int,
+              t: int, backward: bool) -> None:
+        sends, nbytes = self.links.send(items, s, t, a.microbatch, backward, self._ctx(a))
+        st.sends.extend(sends)
+        st.message_bytes += nbytes
 
     def _from_wire(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """A received ``t`` back in value ``name``'s plan dtype."""
-        want = self._dtypes[name]
-        return t if t.dtype == want else t.to(want)
+        return self.links.from_wire(name, t)
 
     def _post_recv(self, a: Action) -> list[tuple[str, p2p.Pending]]:
         """Post the receives of a cross-rank RECV_F / RECV_B action (values or gradients)."""
-        ctx = self._ctx(a)
-        if a.op is Op.RECV_F:
-            t, s, i = a.stage, a.peer, a.microbatch
-            src = self._peer_rank(s)
-            return [(n, p2p.irecv(self.plan.values[n].shape, self._wire[n], self.device, src,
-                                  self._tag(n, t, i, False), f"receive of {n!r} from stage {s}",
-                                  ctx, self.timeout_s)) for n in self.edges[(s, t)]]
-        s, t, i = a.stage, a.peer, a.microbatch
-        src = self._peer_rank(t)
-        return [(n, p2p.irecv(self.plan.values[n].shape, self._wire[n], self.device, src,
-                              self._tag(n, t, i, True),
-                              f"receive of the gradient of {n!r} from stage {t}", ctx,
-                              self.timeout_s)) for n in self._float_names(s, t)]
+        return self.links.post_recv(a, self._ctx(a))
 
-    def _recv_f(self, a: Action, st: _StepState) -> None:
+    def _received(self, a: Action, st: StepState) -> list[tuple[str, torch.Tensor]]:
+        """What a cross-rank RECV action brings (posted ahead, or now), in the plan dtypes."""
+        return self.links.wait(st.posted.pop(st.index, None) or self._post_recv(a), self._ctx(a))
+
+    def _recv_f(self, a: Action, st: StepState) -> None:
         t, s, i = a.stage, a.peer, a.microbatch
-        if self._same_rank(s, t):
+        if self.links.same_rank(s, t):
             return
-        ctx = self._ctx(a)
-        pend = st.posted.pop(st.index, None) or self._post_recv(a)
         slot = st.inputs.setdefault((t, i), {})
-        for name, pd in pend:
-            buf = self._from_wire(name, p2p.wait(pd, ctx, self.timeout_s))
+        for name, buf in self._received(a, st):
             slot[name] = buf.requires_grad_() if needs_grad(buf.dtype) else buf
 
-    def _float_names(self, s: int, t: int) -> list[str]:
-        return [n for n in self.edges[(s, t)] if self.plan.values[n].requires_grad]
-
-    def _send_b(self, a: Action, st: _StepState) -> None:
+    def _send_b(self, a: Action, st: StepState) -> None:
         t, s, i = a.stage, a.peer, a.microbatch
-        if self._same_rank(s, t):
-            return
-        names = self._float_names(s, t)
+        names = [] if self.links.same_rank(s, t) else self.links.grad_names(s, t)
         if not names:
             return
         grads = st.send_grads.get((t, i))
         if grads is None or any(n not in grads for n in names):
             raise ScheduleError(f"{self._ctx(a)}: gradient send before the stage's backward")
-        ctx, dst = self._ctx(a), self._peer_rank(s)
-        for n in names:
-            msg = self._to_wire(n, grads.pop(n))
-            pend = p2p.isend(msg, dst, self._tag(n, t, i, True),
-                             f"send of the gradient of {n!r} to stage {s}", ctx, self.timeout_s)
-            st.sends.append((pend, ctx))
-            st.message_bytes += msg.numel() * msg.element_size()
+        self._send(st, a, [(n, grads.pop(n)) for n in names], s, t, True)
         if not grads:
             del st.send_grads[(t, i)]
 
-    def _recv_b(self, a: Action, st: _StepState) -> None:
+    def _recv_b(self, a: Action, st: StepState) -> None:
         s, t, i = a.stage, a.peer, a.microbatch
-        if self._same_rank(s, t):
-            return
-        ctx = self._ctx(a)
-        pend = st.posted.pop(st.index, None) or self._post_recv(a)
-        for n, pd in pend:
-            self.work[s].add_output_grad(i, n, self._from_wire(n, p2p.wait(pd, ctx,
-                                                                           self.timeout_s)))
+        if not self.links.same_rank(s, t):
+            for n, g in self._received(a, st):
+                self.work[s].add_output_grad(i, n, g)
 
     # ------------------------------------------------------------------ step end
     def _stage_done(self, stage: int) -> None:
         """``stage`` finished its last backward this step: unscale (loss scaling) the gradients of
-        the parameters whose every local user is now done, then launch their all-reduce."""
-        self._done_stages.add(stage)
-        if self.loss_scaler is not None:
-            ready = [p for pid, (p, users) in self._param_users.items()
-                     if pid not in self._unscaled and users <= self._done_stages]
-            self._unscaled.update(id(p) for p in ready)
-            self.loss_scaler.unscale_(p.grad for p in ready)
-        self._sync.stage_done(stage)
-        if self.sharding is not None:
-            self.sharding.stage_done(stage)
+        the parameters whose every local user is now done, then start their reduction."""
+        self.grads.stage_done(stage)
+        self.grad_reducer.stage_done(stage)
 
-    def _finish_step(self, st: _StepState, a: Action) -> None:
+    def _finish_step(self, st: StepState, a: Action) -> None:
         for pend, ctx in st.sends:
             p2p.wait(pend, ctx, self.timeout_s)
         st.sends.clear()
         for s in self.local_stages:  # stages the schedule did not all-reduce explicitly
-            if s not in self._done_stages:
+            if not self.grads.is_done(s):
                 self._stage_done(s)
+        red = self.grad_reducer
         try:
-            self._sync.finish(self.timeout_s)
-            if self.sharding is not None:
-                self.sharding.finish(self.timeout_s)
+            red.finish(self.timeout_s)
+            # loss scaling: inf/NaN on any rank (sharded: this replica's slices, not committed)
+            skip = self.grads.skip_step(red.pending(), self.device, self.mesh.world_size,
+                                        self.timeout_s)
         except RuntimeFailure as e:
             raise RuntimeFailure(f"{self._ctx(a)}: {e}") from None
-        skip = False
-        if self.loss_scaler is not None:  # sharded: this replica's slices (inf/NaN carry over)
-            grads = [p.grad for p, _ in self._param_users.values()] + (
-                self.sharding.pending() if self.sharding is not None else [])
-            try:
-                skip = found_nonfinite(grads, self.device, self.mesh.world_size, self.timeout_s)
-            except RuntimeFailure as e:
-                raise RuntimeFailure(f"{self._ctx(a)}: {e}") from None
-            self.loss_scaler.update(skip)
-            if skip:
-                self.skipped_steps.append(self._steps_run)
-        self._sync.end_step(applied=not skip)  # a skipped step rolls back error feedback
-        if self.sharding is not None:
-            self.sharding.commit(applied=not skip)
-        self._step_gradient_bytes = self._sync.bytes_sent + (
-            self.sharding.take_bytes() if self.sharding is not None else 0)
-        self._restore_aside(skip)
+        if skip:
+            self.skipped_steps.append(self._steps_run)
+        red.commit(applied=not skip)  # a skipped step rolls back error feedback
+        self._step_gradient_bytes = red.take_bytes()
+        self.grads.restore(skip)
         if self.optimizer is not None:
             if not skip:
                 self.optimizer.step()
@@ -758,42 +550,11 @@ class PipelineExecutor:
             for s in self.local_stages:
                 for p in self._stage_params[s]:
                     p.grad = None
-        self._sync.reset()
-        if self.sharding is not None:
-            self.sharding.reset()
-        self._done_stages.clear()
-        self._unscaled.clear()
+        red.reset()
+        self.grads.end()
         st.stepped = True
 
-    def _set_aside_grads(self) -> None:
-        """Take the gradients earlier steps left in ``.grad`` (gradient accumulation with
-        ``optimizer=None``) out of this step's all-reduce: those of shared parameters (their
-        all-reduce sums every holder's copy, so an already reduced gradient would count once per
-        holder), and every gradient under loss scaling (unscaled once) or compression (16-bit
-        payloads carry this step's gradients only). :meth:`_restore_aside` adds them back."""
-        self._aside = {}
-        for pid in self._aside_ids:
-            p = self._param_users[pid][0]
-            if p.grad is not None:
-                self._aside[pid] = p.grad
-                p.grad = None
-
-    def _restore_aside(self, drop_this_step: bool) -> None:
-        """Add the gradients set aside at the start of the step to this step's; with
-        ``drop_this_step`` (an fp16 step with inf/NaN gradients) keep only the set-aside ones,
-        so the skipped step contributes nothing to an accumulation."""
-        if drop_this_step:
-            for pid, (p, _) in self._param_users.items():
-                p.grad = self._aside.get(pid)
-        else:
-            for pid, g in self._aside.items():
-                p = self._param_users[pid][0]
-                if p.grad is not None:
-                    g.add_(p.grad)
-                p.grad = g
-        self._aside = {}
-
-    def _reduce_loss(self, st: _StepState) -> float:
+    def _reduce_loss(self, st: StepState) -> float:
         local = st.loss_sum if st.loss_sum is not None else torch.zeros((), device=self.device)
         buf = local.detach().to(torch.float64).reshape(1).clone()
         group = None if self.sync_gradients else self.mesh.pipe_group  # async: this replica

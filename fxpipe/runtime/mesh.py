@@ -23,9 +23,14 @@ rank builds a :class:`Mesh` with the same arguments in the same order):
 * on request (:meth:`Mesh.replica_group`), a group of the ranks holding a **shared parameter**
   (e.g. tied input embedding on pipeline rank 0 and output head on the last pipeline rank) in all
   replicas, per tensor rank, over which its gradient is summed (Megatron-LM's "embedding
-  group").
+  group");
+* with parameter servers (``train.updates: async``), the **server group** their traffic uses
+  (:func:`server_wire_group`: the world group on CPU, a gloo group of every rank on CUDA).
 
-Point-to-point traffic uses the default (world) group with global ranks.
+Nothing else in the runtime creates a process group. Point-to-point traffic uses the default
+(world) group with global ranks. The tensor group's collectives (:mod:`fxpipe.tensor.
+collectives`) report their timing to the mesh's :attr:`Mesh.tp_recorder` (``tp_collectives``
+pairs it with the group; the executor listens while it runs a step).
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ import torch.distributed as dist
 from fxpipe.errors import RuntimeFailure
 from fxpipe.runtime.host_memory import keep_freed_memory
 from fxpipe.plans.placement import global_rank, rank_coords
+from fxpipe.tensor.collectives import CollectiveRecorder, TimedGroup
 
 _ENV_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -111,6 +117,15 @@ def _attempt_store(timeout: datetime.timedelta):
     return dist.PrefixStore(f"fxpipe/attempt_{attempt}", base)
 
 
+def server_wire_group(device: str, timeout_s: float):
+    """The process group parameter-server traffic uses: None (the world group) on CPU, where
+    it is gloo; on CUDA a gloo group of every rank (NCCL cannot receive from any source), its
+    tensors on the host. Collective: every rank calls it (:class:`Mesh` does, with servers)."""
+    if device != "cuda":
+        return None
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+
+
 class Mesh:
     """This rank's place on the ``dp x pipeline x tensor`` grid and its process groups.
 
@@ -137,6 +152,12 @@ class Mesh:
         mp_group: every pipeline and tensor rank of this replica (``None`` when
             ``pipeline * tensor == 1``).
         dp_ranks / pipe_ranks / tp_ranks / mp_ranks: global ranks of those groups, ascending.
+        server_group: with ``servers``, the group of the parameter-server traffic
+            (:func:`server_wire_group`; None: the world group), on every rank; else None.
+        tp_recorder: the :class:`~fxpipe.tensor.collectives.CollectiveRecorder` the tensor
+            group's collectives report their timing to; tp_collectives: ``tp_group`` with it
+            (a :class:`~fxpipe.tensor.collectives.TimedGroup`, what tensor-parallel stages run
+            their collectives over).
 
     A ``Mesh(1, 1)`` also works without torch.distributed (one process, no groups): all stages on
     one rank, e.g. to run several virtual stages in-process.
@@ -201,6 +222,9 @@ class Mesh:
                                   self._new(sorted(at(r, d, k) for r in range(pipeline)
                                                    for k in range(tensor))))
         self._replica_groups: dict[tuple[int, ...], dict[int, object]] = {}
+        self.server_group = (server_wire_group(self.device.type, timeout_s) if servers
+                             else None)
+        self.tp_recorder = CollectiveRecorder()
         if self.is_server:
             self.dp_ranks, self.pipe_ranks, self.tp_ranks, self.mp_ranks = [], [], [], []
             self.dp_group = self.pipe_group = self.tp_group = self.mp_group = None
@@ -214,6 +238,12 @@ class Mesh:
         self.pipe_group = self._pipe_groups[(d, k)]
         self.tp_group = self._tp_groups[(d, r)]
         self.mp_group = self._mp_groups[d]
+
+    @property
+    def tp_collectives(self) -> TimedGroup:
+        """This rank's tensor group with :attr:`tp_recorder`, for the tensor-parallel stages'
+        collectives (:mod:`fxpipe.tensor.collectives`)."""
+        return TimedGroup(self.tp_group, self.tp_recorder)
 
     def _at(self, pipe_rank: int, dp_rank: int, tp_rank: int) -> int:
         return global_rank(pipe_rank, dp_rank, self.pipeline, self.dp, self.layout, self.tensor,

@@ -33,10 +33,11 @@ Every server appends the staleness of every applied gradient to its log (:data:`
 ticket) is bounded by ``timeout_s`` and fails with one line naming the rank, the peer and what
 it waited for.
 
-Wire format (gloo or NCCL point-to-point, one header of 4 int64 ``[kind, step, version,
-flag]`` then a flat float tensor): trainer -> server on ``TAG_REQUEST`` (+ ``TAG_GRADIENTS``),
-server -> trainer on ``TAG_REPLY`` (+ ``TAG_WEIGHTS``), tickets back on ``TAG_TICKET``. A server
-receives headers from any source in arrival order; messages of one source keep their order.
+Wire format (point-to-point over the mesh's server group, ``Mesh.server_group``: gloo on CPU
+and CUDA alike; one header of 4 int64 ``[kind, step, version, flag]`` then a flat float
+tensor): trainer -> server on ``TAG_REQUEST`` (+ ``TAG_GRADIENTS``), server -> trainer on
+``TAG_REPLY`` (+ ``TAG_WEIGHTS``), tickets back on ``TAG_TICKET``. A server receives headers
+from any source in arrival order; messages of one source keep their order.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ import torch.distributed as dist
 
 from fxpipe.errors import RuntimeFailure, comm_error_text, failed_how
 from fxpipe.plans.placement import global_rank, rank_coords
+from fxpipe.runtime.mesh import server_wire_group
 
 PUSH, PULL, LEAVE, TICKET = 1, 2, 3, 4
 TAG_REQUEST, TAG_GRADIENTS, TAG_REPLY, TAG_WEIGHTS, TAG_TICKET = 1, 2, 3, 4, 5
@@ -76,13 +78,8 @@ def shard_layout(plan) -> dict[int, dict[int, list[str]]]:
     return out
 
 
-def wire_group(device: str, timeout_s: float):
-    """The process group parameter-server traffic uses: None (the world group) on CPU, where
-    it is gloo; on CUDA a gloo group of every rank (NCCL cannot receive from any source), its
-    tensors on the host. Collective: every rank calls it."""
-    if device != "cuda":
-        return None
-    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+#: the group of the parameter-server traffic; the mesh creates it (``Mesh.server_group``)
+wire_group = server_wire_group
 
 
 def _header(kind: int, step: int = 0, version: int = 0, flag: int = 0) -> torch.Tensor:
@@ -234,8 +231,9 @@ class ParameterServer:
             (``train.lr_schedule``), or None to keep the optimizer's.
         log_path: where to write the log as CSV (optional), a row per applied gradient as
             it is applied, flushed (a failed run keeps the rows before the failure).
-        group: the process group carrying the traffic (default: the world group, gloo on
-            CPU; on CUDA a gloo group of every rank, :func:`wire_group`).
+        group: the process group carrying the traffic (default: the mesh's
+            ``server_group``: the world group, gloo, on CPU; on CUDA a gloo group of every
+            rank, :func:`~fxpipe.runtime.mesh.server_wire_group`).
 
     Attributes:
         is_server: True. index: this server's index. log: one dict per applied gradient
@@ -249,7 +247,7 @@ class ParameterServer:
                  max_staleness: int, timeout_s: float, lr_at: Callable[[float], float] | None = None,
                  log_path: str | Path | None = None, group=None):
         self.plan, self.mesh, self.params, self.optimizer = plan, mesh, params, optimizer
-        self.group = group
+        self.group = group if group is not None else getattr(mesh, "server_group", None)
         self.rank, self.device = mesh.rank, mesh.device
         self.index = plan.parameter_servers.index(mesh.rank)
         self.steps, self.s, self.timeout_s, self.lr_at = steps, max_staleness, timeout_s, lr_at
@@ -439,7 +437,8 @@ class ParameterClient:
     Args:
         plan: the Plan. mesh: this trainer rank's Mesh.
         params: canonical name -> this rank's parameter, for every parameter it holds.
-        timeout_s: seconds any wait may take. group: as for :class:`ParameterServer`.
+        timeout_s: seconds any wait may take. group: as for :class:`ParameterServer` (default
+            the mesh's ``server_group``).
 
     Attributes:
         versions: server index -> the version of the weights pulled last from it.
@@ -448,7 +447,8 @@ class ParameterClient:
 
     def __init__(self, plan, mesh, params: dict[str, torch.nn.Parameter], timeout_s: float,
                  group=None):
-        self.mesh, self.timeout_s, self.device, self.group = mesh, timeout_s, mesh.device, group
+        self.mesh, self.timeout_s, self.device = mesh, timeout_s, mesh.device
+        self.group = group if group is not None else getattr(mesh, "server_group", None)
         self.head = plan.parameter_servers[0]
         self.shards = []  # (server index, server rank, names, tensors)
         for j, by_rank in shard_layout(plan).items():

@@ -108,7 +108,8 @@ def shard_stages(plan: Plan, stages: dict[int, nn.Module], mesh, loss_name: str 
     Args:
         plan: the Plan (``tensor``, ``tensor_params``, ``sequence_parallel``).
         stages: stage index -> GraphModule of this rank (as ``build_stages`` makes them).
-        mesh: the rank's mesh (``tp_group``, ``tp_rank``, ``tensor``).
+        mesh: the rank's mesh (``tp_group``, ``tp_rank``, ``tensor``; the stages' collectives
+            run over ``tp_collectives``, reporting their timing to the mesh's recorder).
         loss_name: ``train.loss`` when the executor computes the spec's built-in loss, else
             None (the model output is then gathered for the given loss function).
         ignore_index: targets that do not count (the vocabulary-parallel cross entropy's).
@@ -120,8 +121,8 @@ def shard_stages(plan: Plan, stages: dict[int, nn.Module], mesh, loss_name: str 
     Raises:
         RuntimeFailure: a stage is not a graph module.
     """
-    t, rank, group = plan.tensor, mesh.tp_rank, mesh.tp_group
-    shards = TensorShards(group, rank, t)
+    t, rank, group = plan.tensor, mesh.tp_rank, mesh.tp_collectives
+    shards = TensorShards(mesh.tp_group, rank, t)
     done: dict[int, nn.Parameter] = {}
     originals = {id(p): p for gm in stages.values() for p in gm.parameters()}
     out: dict[int, nn.Module] = {}

@@ -19,8 +19,14 @@ gradient on every rank.
   row); the logits are never gathered.
 
 gloo on CPU and NCCL on CUDA alike (``all_gather`` into a list, ``reduce_scatter_single``,
-``all_reduce``). :func:`record_with` reports every collective run (its kind, whole-tensor bytes,
-start and end) to a callback: the executor's timeline and the tests that count them.
+``all_reduce``).
+
+Timing is passed explicitly: each function's ``group`` is a process group or a
+:class:`TimedGroup` (a process group with a :class:`CollectiveRecorder`; the mesh gives one per
+tensor group, ``Mesh.tp_collectives``), whose recorder reports every collective run (its kind,
+whole-tensor bytes, start and end) to the sink listening at the time (the executor's timeline
+while it runs a step, :meth:`CollectiveRecorder.to`). :func:`record_with` (a process-wide
+callback) is kept for scripts that count collectives from outside; the runtime does not use it.
 """
 
 from __future__ import annotations
@@ -35,39 +41,82 @@ import torch.distributed as dist
 #: torch 2.13 renamed ``reduce_scatter_tensor`` (deprecated there)
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
-#: ``callback(kind, nbytes, start_s, end_s)`` of the collectives run now, or None
-_recorder: Callable[[str, int, float, float], None] | None = None
+#: ``sink(kind, nbytes of the whole tensor, start_s, end_s)`` (``time.perf_counter`` seconds)
+Sink = Callable[[str, int, float, float], None]
 
 
-def record_with(callback: Callable[[str, int, float, float], None] | None) -> None:
-    """Report every tensor-group collective from now on to ``callback(kind, nbytes of the whole
-    tensor, start, end)`` (``time.perf_counter`` seconds); None stops reporting."""
+class CollectiveRecorder:
+    """Where the collectives of one tensor group report what they ran: to :attr:`sink` while
+    one listens (:meth:`to`), nowhere (and untimed) otherwise."""
+
+    def __init__(self) -> None:
+        self.sink: Sink | None = None
+
+    @contextmanager
+    def to(self, sink: Sink | None) -> Iterator[None]:
+        """Report to ``sink`` inside the ``with`` block (then to the previous sink again)."""
+        previous, self.sink = self.sink, sink
+        try:
+            yield
+        finally:
+            self.sink = previous
+
+
+class TimedGroup:
+    """A process group (``group``; None: the world) and the :class:`CollectiveRecorder` its
+    collectives report to; accepted wherever a function here takes ``group``."""
+
+    def __init__(self, group, recorder: CollectiveRecorder):
+        self.group, self.recorder = group, recorder
+
+    def __repr__(self) -> str:
+        return f"TimedGroup({self.group!r})"
+
+
+#: the process-wide callback of :func:`record_with` (scripts counting collectives), or None
+_recorder: Sink | None = None
+
+
+def record_with(callback: Sink | None) -> None:
+    """Also report every tensor-group collective from now on to ``callback(kind, nbytes of the
+    whole tensor, start, end)`` (``time.perf_counter`` seconds); None stops it. For scripts
+    that count collectives from outside; the executor's timeline listens to its mesh's
+    :class:`CollectiveRecorder` instead."""
     global _recorder
     _recorder = callback
 
 
+def _pg(group):
+    """The process group of ``group`` (a :class:`TimedGroup` or a process group)."""
+    return group.group if isinstance(group, TimedGroup) else group
+
+
 @contextmanager
-def _timed(kind: str, nbytes: int) -> Iterator[None]:
-    if _recorder is None:
+def _timed(kind: str, nbytes: int, group) -> Iterator[None]:
+    sink = group.recorder.sink if isinstance(group, TimedGroup) else None
+    if sink is None and _recorder is None:
         yield
         return
     t0 = time.perf_counter()
     yield
-    _recorder(kind, int(nbytes), t0, time.perf_counter())
+    t1 = time.perf_counter()
+    for report in (sink, _recorder):
+        if report is not None:
+            report(kind, int(nbytes), t0, t1)
 
 
 def _world(group) -> int:
-    return dist.get_world_size(group)
+    return dist.get_world_size(_pg(group))
 
 
 def _rank(group) -> int:
-    return dist.get_rank(group)
+    return dist.get_rank(_pg(group))
 
 
 def _all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
     x = x.contiguous().clone()
-    with _timed("all-reduce", x.numel() * x.element_size()):
-        dist.all_reduce(x, op=op, group=group)
+    with _timed("all-reduce", x.numel() * x.element_size(), group):
+        dist.all_reduce(x, op=op, group=_pg(group))
     return x
 
 
@@ -80,8 +129,8 @@ def _blocked(x: torch.Tensor, dim: int, blocks: int) -> torch.Tensor:
 def _all_gather(x: torch.Tensor, dim: int, blocks: int, group) -> torch.Tensor:
     n = _world(group)
     parts = [torch.empty_like(x) for _ in range(n)]
-    with _timed("all-gather", n * x.numel() * x.element_size()):
-        dist.all_gather(parts, x.contiguous(), group=group)
+    with _timed("all-gather", n * x.numel() * x.element_size(), group):
+        dist.all_gather(parts, x.contiguous(), group=_pg(group))
     if blocks == 1:
         return torch.cat(parts, dim=dim)
     # each part holds its slice of every block: interleave them block by block
@@ -104,8 +153,8 @@ def _reduce_scatter(x: torch.Tensor, dim: int, blocks: int, group) -> torch.Tens
                                  dim=dim) for r in range(n)], dim=dim)
     moved = x.movedim(dim, 0).contiguous()
     out = torch.empty((moved.shape[0] // n, *moved.shape[1:]), dtype=x.dtype, device=x.device)
-    with _timed("reduce-scatter", x.numel() * x.element_size()):
-        _REDUCE_SCATTER(out, moved, group=group)
+    with _timed("reduce-scatter", x.numel() * x.element_size(), group):
+        _REDUCE_SCATTER(out, moved, group=_pg(group))
     return out.movedim(0, dim).contiguous()
 
 
@@ -211,8 +260,8 @@ class _VocabCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits, target, start, ignore_index, reduction, group):
         x = logits.float()
         m = x.amax(dim=1, keepdim=True)
-        with _timed("all-reduce", m.numel() * m.element_size()):
-            dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+        with _timed("all-reduce", m.numel() * m.element_size(), group):
+            dist.all_reduce(m, op=dist.ReduceOp.MAX, group=_pg(group))
         shifted = x - m
         exp = shifted.exp()
         total = exp.sum(dim=1, keepdim=True)
@@ -221,8 +270,8 @@ class _VocabCrossEntropy(torch.autograd.Function):
         local = (target - start).masked_fill(~inside, 0)
         picked = shifted.gather(1, local.unsqueeze(1)) * inside.unsqueeze(1).to(x.dtype)
         both = torch.cat([total, picked], dim=1)
-        with _timed("all-reduce", both.numel() * both.element_size()):
-            dist.all_reduce(both, group=group)
+        with _timed("all-reduce", both.numel() * both.element_size(), group):
+            dist.all_reduce(both, group=_pg(group))
         total, picked = both[:, :1], both[:, 1:]
         counted = target != ignore_index
         loss = (total.log() - picked).squeeze(1) * counted.to(x.dtype)

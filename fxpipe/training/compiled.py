@@ -804,13 +804,8 @@ def _compile(model: nn.Module, spec_or_plan: Any, example_inputs: Any = None,
     servers = len(plan.parameter_servers)  # train.updates: async
     mesh = Mesh(plan.pipeline, plan.dp, device=device, timeout_s=timeout, servers=servers,
                 tensor=plan.tensor, **({"layout": layout} if layout is not None else {}))
-    wire = None
-    if servers:
-        from fxpipe.runtime.parameter_server import wire_group
-
-        wire = wire_group(device.type, timeout)  # collective
-        if mesh.is_server:  # this rank keeps parameters and optimizer state, no stage
-            return ServerShare(model, plan, spec, mesh, wire)
+    if mesh.is_server:  # this rank keeps parameters and optimizer state, no stage
+        return ServerShare(model, plan, spec, mesh, mesh.server_group)
     traced = trace_for_plan(plan, model, device)  # resolves a plan made of repeated blocks,
     schedule = schedule_for_plan(plan)  # so the schedule gets the sends of its stage edges
     stages = build_stages(plan, traced, schedule.stages_of_rank(mesh.pipe_rank))
@@ -844,7 +839,7 @@ def _compile(model: nn.Module, spec_or_plan: Any, example_inputs: Any = None,
 
         canonical = {plan.param_aliases.get(n, n): p for m in stages.values()
                      for n, p in m.named_parameters(remove_duplicate=False)}
-        pipe.client = ParameterClient(plan, mesh, canonical, timeout, wire)
+        pipe.client = ParameterClient(plan, mesh, canonical, timeout, mesh.server_group)
     elif broadcast_weights:
         _broadcast_weights(pipe)
     if executor.sharding is not None:  # the slices of the weights every replica now has
