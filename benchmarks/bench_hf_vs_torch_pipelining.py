@@ -359,7 +359,8 @@ def _fx_run(plan_dict: dict, model: nn.Module, mesh, lr: float):
     from fxpipe.runtime.executor import PipelineExecutor
     from fxpipe.schedule.lowering import schedule_for_plan
     from fxpipe.specs.loader import load_spec
-    from fxpipe.training.losses import MODEL_LOSS, batch_counter, resolve_loss
+    from fxpipe.execution.losses import MODEL_LOSS, resolve_loss
+    from fxpipe.training.losses import batch_counter
 
     plan = Plan.from_dict(plan_dict)
     spec = load_spec(plan.spec)
@@ -915,7 +916,7 @@ def _findings(res: Result) -> str:
             f"split over the equal one gains {min(sg):.2f}-{max(sg):.2f}x (geometric mean "
             f"{_gmean(sg):.2f}x) on fxpipe's runtime. The speedup is the product of the two. On the "
             "same split the runtimes differ in how weight gradients accumulate: fxpipe's adds "
-            "them into `.grad` in place (`fxpipe.runtime.grad_fusion`), torch's stages, run by "
+            "them into `.grad` in place (`fxpipe.execution.grad_fusion`), torch's stages, run by "
             "autograd, allocate a fresh gradient of the head and of the embedding per "
             "micro-batch and add it.")
     # the cost model vs the measured stages
@@ -986,7 +987,7 @@ def report(res: Result, note: str, wall_s: float) -> str:
         "repeated blocks may be planned as whole blocks), `PipelineExecutor` with "
         "`train.loss: model` (its default fp32 runtime: the weight gradients of `linear`, "
         "`addmm` and `embedding` accumulate into `.grad` in place over the micro-batches, "
-        "`fxpipe.runtime.grad_fusion`, where autograd makes a new `vocab x width` buffer per "
+        "`fxpipe.execution.grad_fusion`, where autograd makes a new `vocab x width` buffer per "
         "micro-batch for the head and the embedding). torch: the split torchtitan makes "
         "(stage 0 = embeddings + the first L/p blocks, the last stage = the last L/p blocks + "
         "`ln_f` + head; the same HF modules), `PipelineStage` + `ScheduleGPipe` / "

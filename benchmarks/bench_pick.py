@@ -327,7 +327,7 @@ def pick_worker(rank: int, name: str, tiny: bool, plans: list[dict], warmup: int
     from fxpipe.runtime.executor import PipelineExecutor
     from fxpipe.runtime.mesh import Mesh
     from fxpipe.schedule.lowering import schedule_for_plan
-    from fxpipe.training.losses import resolve_loss
+    from fxpipe.execution.losses import resolve_loss
 
     pm = (TINY if tiny else MODELS)[name]
     model = build_model(pm)
@@ -704,7 +704,7 @@ def bench_model(pm: PickModel, tiny: bool, args, cache: Path, log=print) -> Mode
 def loss_time_s(pm: PickModel, model: nn.Module, x: torch.Tensor, repeats: int = 15) -> float:
     """Median seconds of the loss's forward + backward on one micro-batch's output (what the
     last stage runs after the model's last node), one thread, in this process."""
-    from fxpipe.training.losses import resolve_loss
+    from fxpipe.execution.losses import resolve_loss
 
     loss_fn = resolve_loss(pm.loss)
     _, y = global_batch(pm)
@@ -831,7 +831,7 @@ def report(results: list[ModelResult], args, note: str, wall: float, cache_note:
         "two ranks share this CPU), moves the cut where they disagree with the per-node "
         "sums, and times up to 3 near ties (cuts moving one boundary that come within 3% of "
         "its simulated step) beside it, keeping the fastest). Ranks, profile and stage timing run with glibc's malloc keeping freed memory "
-        "(`fxpipe.runtime.host_memory`). Each cut is planned by `plan_with_graph(..., "
+        "(`fxpipe.execution.host_memory`). Each cut is planned by `plan_with_graph(..., "
         "cuts=[...])`, so it runs the same code path as a planned one (the per-node sums: a "
         "given cut is not refined).",
         "",

@@ -5,7 +5,7 @@ Writes the ``tensor-parallel`` section of BENCHMARKS.md:
 1. **Collective bytes, measured vs predicted.** Small models trained through ``fxpipe.compile``
    at tensor 2 (with and without sequence parallelism, alone and beside a pipeline): the bytes
    of every collective the tensor group ran in one training step (every rank reports each
-   collective's whole-tensor bytes to :func:`fxpipe.tensor.collectives.record_with`), against
+   collective's whole-tensor bytes to the mesh's recorder, ``Mesh.tp_recorder``), against
    the plan's prediction (each stage's ``tensor_bytes`` per micro-batch x micro-batches).
 2. **Auto picks at scale.** GPT shapes from 1.7B to 1T parameters (the shapes, batches and
    device counts of Narayanan et al., "Efficient Large-Scale Language Model Training on GPU
@@ -74,29 +74,23 @@ def _spec(p: int, d: int, t: int, sp: bool, m: int = 2, layers: int = 2) -> dict
 
 
 def _bytes_worker(rank: int, plan_dict: dict, steps: int) -> dict:
-    from fxpipe.tensor import collectives
-
     plan = Plan.from_dict(plan_dict)
     pipe = fxpipe.compile(_model(), plan)
     seen: list[tuple[str, int]] = []
-    inner = collectives._recorder  # the executor's timeline recorder
 
     def count(kind, nbytes, t0, t1):
         seen.append((kind, nbytes))
-        if inner is not None:
-            inner(kind, nbytes, t0, t1)
 
     g = torch.Generator().manual_seed(1)
     x = torch.randint(0, 64, (plan.dp * plan.microbatches * plan.microbatch_size, 16),
                       generator=g)
     pipe.step(x, x)  # warm-up (the same collectives)
-    collectives.record_with(count)
     times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        pipe.step(x, x)
-        times.append(time.perf_counter() - t0)
-    collectives.record_with(inner)
+    with pipe.mesh.tp_recorder.to(count):  # besides the executor's timeline
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            pipe.step(x, x)
+            times.append(time.perf_counter() - t0)
     return {"stages": list(pipe.stages), "count": len(seen) / steps,
             "bytes": sum(b for _, b in seen) / steps, "step_s": statistics.median(times)}
 

@@ -144,7 +144,7 @@ def median_s(fn: Callable[[], Any], dev: torch.device, warmup: int, repeats: int
 
 def autocast(dev: torch.device, precision: str):
     """The executor's autocast for ``precision`` on ``dev`` (off for fp32)."""
-    from fxpipe.runtime.precision import autocast_dtype
+    from fxpipe.execution.dtypes import autocast_dtype
 
     amp = autocast_dtype(precision)
     return torch.autocast(dev.type, dtype=amp or torch.float32, enabled=amp is not None)

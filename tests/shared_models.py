@@ -49,8 +49,10 @@ class SplitGPT(CharGPT):
 class BufferedGPT(CharGPT):
     """CharGPT with buffers of its own, as user models hold them: non-persistent ones (an
     embedding scale on the model, a gate per block: ``register_buffer(..., persistent=False)``,
-    rebuilt by ``__init__`` and absent from ``state_dict()``) and a persistent one (a shift
-    after the last norm, saved like a parameter)."""
+    rebuilt by ``__init__`` and absent from ``state_dict()``), a persistent one (a shift after
+    the last norm, saved like a parameter), one that ``forward`` never reads (a version
+    counter: saved all the same) and one tensor that block 0's attention saves (``mix``)
+    while the block reads it as its non-persistent gate."""
 
     def __init__(self, **kw):
         super().__init__(**kw)
@@ -60,6 +62,8 @@ class BufferedGPT(CharGPT):
             block.register_buffer("gate", torch.linspace(0.5, 1.5, width) + 0.1 * i,
                                   persistent=False)
         self.register_buffer("shift", torch.linspace(-0.1, 0.1, width))
+        self.register_buffer("version", torch.arange(3.0))  # never read by forward
+        self.h[0].attn.register_buffer("mix", self.h[0].gate)  # persistent here
 
     def forward(self, idx):
         t = idx.shape[1]

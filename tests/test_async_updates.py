@@ -239,7 +239,7 @@ def _reference(spec):
     parameters and the ``(loss, parameter)`` bounds (:func:`shared_models.exact_bounds`)."""
     from fxpipe.data.batches import get_batch, make_batches
     from fxpipe.specs.loader import build_model
-    from fxpipe.training.losses import cross_entropy
+    from fxpipe.execution.losses import cross_entropy
 
     model = build_model(spec)
     init = {k: v.detach().clone() for k, v in model.state_dict().items()}

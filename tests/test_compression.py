@@ -29,6 +29,8 @@ import torch
 
 import fxpipe
 from fxpipe.errors import RuntimeFailure, SpecError
+from fxpipe.execution.dtypes import message_dtype
+from fxpipe.execution.losses import cross_entropy
 from fxpipe.partitioner.driver import plan_with_graph
 from fxpipe.partitioner.split import materialize_stages
 from fxpipe.runtime.compression import (Compression, bucket_bytes_sent, ring_allgather_bytes,
@@ -37,10 +39,9 @@ from fxpipe.runtime.data_parallel import GradBucket
 from fxpipe.runtime.executor import PipelineExecutor
 from fxpipe.runtime.local_ranks import run_ranks
 from fxpipe.runtime.mesh import Mesh
-from fxpipe.runtime.precision import LossScaler, message_dtype
+from fxpipe.runtime.precision import LossScaler
 from fxpipe.schedule.lowering import schedule_for_plan
 from fxpipe.specs.loader import load_spec
-from fxpipe.training.losses import cross_entropy
 
 try:
     from shared_models import MBS, SEQ, VOCAB, M, exact_bounds, tiny_gpt

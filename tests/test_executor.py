@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from fxpipe.errors import RuntimeFailure, ScheduleError
+from fxpipe.execution.losses import cross_entropy
 from fxpipe.partitioner.boundaries import compute_nodes
 from fxpipe.partitioner.split import split_graph
 from fxpipe.plans.placement import rank_coords
@@ -28,7 +29,6 @@ from fxpipe.runtime.mesh import Mesh
 from fxpipe.schedule.actions import Action, Op, Schedule
 from fxpipe.schedule.generators import compute_schedule
 from fxpipe.schedule.lowering import add_communication, schedule_for_plan
-from fxpipe.training.losses import cross_entropy
 
 try:
     from shared_models import MBS, SEQ, STEPS, VOCAB, M, exact_bounds, tiny_cnn, tiny_gpt

@@ -1,5 +1,5 @@
-"""Weight gradients accumulated in place (fxpipe.runtime.grad_fusion): the fused copy of a stage
-GraphModule gives autograd's gradients, over several accumulated backwards, and leaves the
+"""Weight gradients accumulated in place (fxpipe.execution.grad_fusion): the fused copy of a
+stage GraphModule gives autograd's gradients, over several accumulated backwards, and leaves the
 original module alone."""
 
 import copy
@@ -10,9 +10,9 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
+from fxpipe.execution.grad_fusion import (fuse_weight_grads, fused_addmm, fused_embedding,
+                                          fused_linear)
 from fxpipe.partitioner.trace import trace
-from fxpipe.runtime.grad_fusion import (fuse_weight_grads, fused_addmm, fused_embedding,
-                                        fused_linear)
 
 try:
     from tolerances import bound

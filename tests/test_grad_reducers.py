@@ -12,7 +12,7 @@
   a tied embedding (replica groups), data sharding and a tensor group; the parameter servers'
   group (gloo on CUDA) is the mesh's.
 * Tensor-parallel timing: the collectives report to the recorder the mesh passes with the
-  tensor group, only while a sink listens, never to the process-wide hook.
+  tensor group, only while a sink listens (nested listeners all hear them).
 """
 
 from __future__ import annotations
@@ -244,8 +244,7 @@ def _groups_worker(rank: int) -> dict:
         with mesh.tp_recorder.to(lambda kind, nbytes, t0, t1: seen.append((kind, nbytes))):
             loud = collectives.reduce_from(y, mesh.tp_collectives)
         collectives.reduce_from(y, mesh.tp_collectives)
-        out["tensor"] = dict(seen=seen, quiet=quiet.tolist(), loud=loud.tolist(),
-                             hook=collectives._recorder)
+        out["tensor"] = dict(seen=seen, quiet=quiet.tolist(), loud=loud.tolist())
         # no gradient sync: the no-op reducer, no stand-in mesh
         plan = pipe.executor.plan
         ex = PipelineExecutor(plan, pipe.executor.schedule, dict(pipe.executor.modules),
@@ -279,7 +278,6 @@ def test_tensor_collectives_report_to_the_meshs_recorder_only_while_listened_to(
         t = r["tensor"]
         assert t["seen"] == [("all-reduce", 3 * 4)]  # one of the three, whole-tensor bytes
         assert t["quiet"] == t["loud"] == [3.0, 3.0, 3.0]
-        assert t["hook"] is None  # the process-wide hook is not the runtime's
 
 
 def _fake_world(world: int, rank: int):
@@ -372,3 +370,19 @@ def test_sharding_with_a_compression_a_reduce_scatter_cannot_send_is_refused():
     red = make_grad_reducer({0: [a]}, {}, mesh, "none", data_sharding="none")
     assert isinstance(red, GradSynchronizer)
 
+
+
+def test_nested_listeners_of_a_recorder_all_hear_it():
+    """A script counting collectives around a step and the executor's timeline inside it both
+    get every report; leaving the inner block leaves the outer listener alone."""
+    from fxpipe.tensor.collectives import CollectiveRecorder
+
+    rec, outer, inner = CollectiveRecorder(), [], []
+    assert rec.sink is None
+    with rec.to(lambda *a: outer.append(a)):
+        with rec.to(lambda *a: inner.append(a)):
+            rec.sink("all-reduce", 8, 0.0, 1.0)
+        rec.sink("all-gather", 4, 1.0, 2.0)
+    assert rec.sink is None
+    assert inner == [("all-reduce", 8, 0.0, 1.0)]
+    assert outer == [("all-reduce", 8, 0.0, 1.0), ("all-gather", 4, 1.0, 2.0)]

@@ -1,4 +1,4 @@
-"""A CPU rank's malloc keeps freed memory (:mod:`fxpipe.runtime.host_memory`): a block freed
+"""A CPU rank's malloc keeps freed memory (:mod:`fxpipe.execution.host_memory`): a block freed
 and allocated again every micro-batch is not page-faulted in again each time.
 
 Each case runs in a fresh interpreter (the setting is process-wide and cannot be undone); the
@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # activation 40 times, counting the faults of the last 20 (above glibc's largest automatic mmap threshold, 32 MiB)
 SCRIPT = """
 import json, os, resource, socket, torch
-from fxpipe.runtime import host_memory
+from fxpipe.execution import host_memory
 from fxpipe.runtime.mesh import init_distributed
 s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
 os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -56,7 +56,7 @@ def test_a_cpu_rank_reuses_freed_memory_instead_of_faulting_it_in_again():
 
 @pytest.mark.parametrize("value", ["0", "off", " OFF ", "false", "No"])
 def test_the_environment_turns_it_off(monkeypatch, value):
-    from fxpipe.runtime import host_memory
+    from fxpipe.execution import host_memory
 
     monkeypatch.setattr(host_memory, "_done", None)
     monkeypatch.setattr(host_memory, "_libc", lambda: pytest.fail("mallopt called"))

@@ -174,7 +174,7 @@ def test_batchnorm_statistics_are_said_to_be_per_microbatch():
 def test_changed_sequence_length_is_a_clean_shape_error():
     from fxpipe.runtime.executor import PipelineExecutor
     from fxpipe.schedule.lowering import schedule_for_plan
-    from fxpipe.training.losses import cross_entropy
+    from fxpipe.execution.losses import cross_entropy
 
     class Net(torch.nn.Module):
         def __init__(self):

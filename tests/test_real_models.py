@@ -21,6 +21,7 @@ import functools
 import pytest
 import torch
 
+from fxpipe.execution.losses import MODEL_LOSS, resolve_loss
 from fxpipe.partitioner.loss_targets import target_counter
 from fxpipe.partitioner.split import build_stages, trace_for_plan
 from fxpipe.plans.plan import Plan
@@ -29,7 +30,7 @@ from fxpipe.runtime.local_ranks import run_ranks
 from fxpipe.runtime.mesh import Mesh
 from fxpipe.schedule.lowering import schedule_for_plan
 from fxpipe.specs.loader import load_spec
-from fxpipe.training.losses import MODEL_LOSS, batch_counter, microbatch_weights, resolve_loss
+from fxpipe.training.losses import batch_counter, microbatch_weights
 
 try:
     import real_models as zoo

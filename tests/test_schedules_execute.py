@@ -31,16 +31,17 @@ import torch.nn.functional as F
 
 import fxpipe
 from fxpipe.errors import RuntimeFailure
+from fxpipe.execution.dtypes import autocast_dtype, message_dtype
+from fxpipe.execution.losses import cross_entropy
 from fxpipe.partitioner.driver import plan_with_graph
 from fxpipe.partitioner.split import materialize_stages
 from fxpipe.plans.plan import Plan
 from fxpipe.runtime.executor import PipelineExecutor
 from fxpipe.runtime.local_ranks import run_ranks
 from fxpipe.runtime.mesh import Mesh
-from fxpipe.runtime.precision import LossScaler, autocast_dtype, message_dtype
+from fxpipe.runtime.precision import LossScaler
 from fxpipe.schedule.actions import Action, Op, Schedule
 from fxpipe.schedule.lowering import schedule_for_plan
-from fxpipe.training.losses import cross_entropy
 
 try:
     from shared_models import MBS, SEQ, STEPS, VOCAB, M, exact_bounds, tiny_cnn, tiny_gpt

@@ -184,7 +184,7 @@ def test_time_stages_times_each_stage_as_the_ranks_run_it():
     seen = []
 
     def rewrite(mod):  # what the planner passes: the runtime's in-place accumulation
-        from fxpipe.runtime.grad_fusion import fuse_weight_grads
+        from fxpipe.execution.grad_fusion import fuse_weight_grads
 
         out, n = fuse_weight_grads(mod)
         seen.append(n)

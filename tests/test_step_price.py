@@ -108,7 +108,7 @@ def test_a_cut_prices_the_tensor_collectives_each_stage_runs(name, sp, schedule)
     own collectives)."""
     import fxpipe
     from fxpipe.partitioner.split import materialize_stages
-    from fxpipe.tensor.stages import plan_stage_sharding
+    from fxpipe.runtime.tensor_parallel import plan_stage_sharding
 
     if name == "gpt":
         model, args, kwargs, model_spec, seq = _gpt()

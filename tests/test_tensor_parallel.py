@@ -292,7 +292,7 @@ def _train(name: str, plan: dict, ckpt: str | None = None) -> dict:
         opt.step()
         pipe.zero_grad()
         if step == 0 and ckpt is not None:  # saved at tensor 2 (the next loss: losses[1])
-            save_checkpoint(pipe.module, ckpt, 1, optimizer=opt, tensor=pipe.tensor_shards)
+            save_checkpoint(pipe.module, ckpt, 1, optimizer=opt)  # whole tensors, untold
     whole = pipe.state_dict()  # sharded tensors gathered: the plain model's
     out = {"losses": losses, "params": {k: v.numpy().copy() for k, v in whole.items()},
            "tensor_events": tensor_events, "pipe_rank": pipe.pipe_rank,

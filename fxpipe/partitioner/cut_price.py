@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from fxpipe.execution.losses import MODEL_LOSS
 from fxpipe.partitioner.cut_tables import (rebuilt_seconds, stage_params, stage_tensor_comms,
                                            unit_params)
 from fxpipe.partitioner.cutting import Recompute, recompute_stages
@@ -22,7 +23,6 @@ from fxpipe.schedule.lowering import compute_schedule
 from fxpipe.schedule.simulate import LoweredSchedule, SimResult
 from fxpipe.schedule.step_price import Reduction, StageStep, links_of, price_step
 from fxpipe.specs.schema import ParallelSpec
-from fxpipe.training.losses import MODEL_LOSS
 
 
 def edge_send_times(messages: dict[tuple[int, int], list[float]], num_stages: int,

@@ -22,8 +22,7 @@ from fxpipe.partitioner.boundaries import stage_boundaries
 from fxpipe.partitioner.pricing import Priced
 from fxpipe.partitioner.recompute import recompute_cones
 from fxpipe.partitioner.split import build_stage_module
-from fxpipe.tensor.analysis import stage_sharding
-from fxpipe.tensor.stages import VOCAB_PARALLEL_LOSSES
+from fxpipe.tensor.analysis import VOCAB_PARALLEL_LOSSES, stage_sharding
 
 __all__ = ["UnitParams", "unit_params", "stage_params", "rebuilt_seconds", "stage_tensor_comms"]
 

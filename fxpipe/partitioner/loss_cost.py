@@ -32,11 +32,11 @@ from typing import Callable
 import torch
 
 from fxpipe.errors import PlanError
+from fxpipe.execution.losses import MODEL_LOSS, resolve_loss
 from fxpipe.partitioner.profile import (load_loss_profile, loss_key, profile_key, profile_loss,
                                         save_loss_profile)
 from fxpipe.partitioner.timing import NodeTimes, roofline
 from fxpipe.partitioner.trace import TracedModel
-from fxpipe.training.losses import MODEL_LOSS, resolve_loss
 
 __all__ = ["LOSS_TRAFFIC", "loss_node", "output_bytes", "analytic_loss_times", "measured_loss_times",
            "with_loss"]

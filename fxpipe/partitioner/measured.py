@@ -10,6 +10,7 @@ import math
 import numpy as np
 import torch.nn as nn
 
+from fxpipe.execution.grad_fusion import fuse_weight_grads
 from fxpipe.partitioner.assemble import folded_record
 from fxpipe.partitioner.blocks import resolve_folded
 from fxpipe.partitioner.cut_price import simulate_cut
@@ -25,7 +26,6 @@ from fxpipe.partitioner.stage_timing import (StageTimes, side_by_side_groups, st
 from fxpipe.partitioner.timing import NodeTimes, sum_times
 from fxpipe.partitioner.trace import TracedModel, trace
 from fxpipe.plans.placement import global_rank, grid_slots_per_node, node_of, stage_to_rank
-from fxpipe.runtime.grad_fusion import fuse_weight_grads
 from fxpipe.schedule.lowering import compute_schedule
 from fxpipe.specs.schema import ParallelSpec
 from fxpipe.units import plural

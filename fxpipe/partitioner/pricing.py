@@ -15,6 +15,7 @@ import torch.nn as nn
 
 from fxpipe.data.batches import example_microbatch
 from fxpipe.errors import PlanError
+from fxpipe.execution.losses import MODEL_LOSS
 from fxpipe.partitioner.blocks import UnitTable, fold
 from fxpipe.partitioner.cost import NodeCost
 from fxpipe.partitioner.gpu_model import GpuRates, gpu_rates, gpu_times
@@ -32,7 +33,6 @@ from fxpipe.partitioner.timing import NodeTimes, analytic_times, sum_times
 from fxpipe.partitioner.trace import TracedModel, trace
 from fxpipe.plans.values import needs_grad
 from fxpipe.specs.schema import ParallelSpec
-from fxpipe.training.losses import MODEL_LOSS
 
 _progress = logging.getLogger("fxpipe.progress")
 

@@ -37,11 +37,11 @@ import torch
 from torch.utils import _pytree as pytree
 
 from fxpipe.errors import PlanError
+from fxpipe.execution.dtypes import autocast_dtype
+from fxpipe.execution.host_memory import keep_freed_memory
 from fxpipe.partitioner.boundaries import resolve_attr
 from fxpipe.partitioner.timing import NodeTimes
 from fxpipe.partitioner.trace import COMPUTE_OPS, TracedModel
-from fxpipe.runtime.host_memory import keep_freed_memory
-from fxpipe.runtime.precision import autocast_dtype
 
 __all__ = ["cache_dir", "profile_key", "profile_graph", "load_profile", "save_profile",
            "PROFILE_FORMAT", "profile_loss", "loss_key", "load_loss_profile", "save_loss_profile",
@@ -138,7 +138,7 @@ def like_a_rank(device: torch.device, precision: str = "fp32"):
     :func:`fxpipe.runtime.mesh.init_distributed`): under ``torch.autocast`` in the precision's
     dtype (``train.precision`` bf16 / fp16; fp32: none), and on a CPU with one intra-op thread
     (then as before) and glibc's malloc keeping freed memory
-    (:func:`fxpipe.runtime.host_memory.keep_freed_memory`; process-wide, it stays). A time
+    (:func:`fxpipe.execution.host_memory.keep_freed_memory`; process-wide, it stays). A time
     taken otherwise is not the time a rank will see. (The ranks run only the forward and the
     loss under autocast; a backward run inside it computes the same: autograd replays the
     forward's dtypes.)"""

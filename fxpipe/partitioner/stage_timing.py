@@ -12,7 +12,7 @@ included; :mod:`fxpipe.partitioner.loss_cost` prices it). The weight gradients a
 ``.grad`` as over a step's micro-batches (adding a late convolution's gradient into ``.grad``
 costs a stage with many parameters a millisecond the per-node profile, which accumulates
 nothing, never saw), through the runtime's in-place accumulation where it will run
-(``rewrite``: :func:`fxpipe.runtime.grad_fusion.fuse_weight_grads`); the parameters' ``.grad``
+(``rewrite``: :func:`fxpipe.execution.grad_fusion.fuse_weight_grads`); the parameters' ``.grad``
 are put back as they were afterwards. Rounds visit every stage of every cut
 in turn, so load that comes and goes touches the cuts alike, and go on until at least
 ``min_rounds`` are timed and ``min_time_s`` has passed (a burst shorter than half of that moves

@@ -24,9 +24,9 @@ import torch.fx as fx
 
 from fxpipe.partitioner.cost import NodeCost
 from fxpipe.partitioner.timing import NodeTimes
-from fxpipe.tensor.analysis import Comm, Sharding, analyse, grad_values, vocab_loss_comms
+from fxpipe.tensor.analysis import (VOCAB_PARALLEL_LOSSES, Comm, Sharding, analyse, grad_values,
+                                   vocab_loss_comms)
 from fxpipe.tensor.choose import TensorChoice, choose
-from fxpipe.tensor.stages import VOCAB_PARALLEL_LOSSES
 
 @dataclass
 class TensorPricing:

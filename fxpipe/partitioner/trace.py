@@ -35,7 +35,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 
 from fxpipe.errors import TraceError
-from fxpipe.graphs.rebuild import rebuilt
+from fxpipe.execution.rebuild import rebuilt
 from fxpipe.partitioner import annotations as ann
 from fxpipe.partitioner.trace_errors import trace_error
 

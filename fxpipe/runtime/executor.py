@@ -35,7 +35,7 @@ The executor counts the micro-batches whose activations are held per stage (peak
 the bytes it sends per step (:class:`BytesSent`), and records one wall-clock event per action
 (and, at tensor degree > 1, per tensor-group collective, reported to the mesh's recorder) for
 Chrome traces. Weight gradients of ``linear`` / ``addmm`` / ``embedding`` nodes accumulate
-straight into ``.grad`` (:mod:`fxpipe.runtime.grad_fusion`). The action lists follow
+straight into ``.grad`` (:mod:`fxpipe.execution.grad_fusion`). The action lists follow
 torch.distributed.pipelining's ``_Action`` IR; no DDP is used (see data_parallel).
 """
 
@@ -50,16 +50,17 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from fxpipe.errors import FxpipeError, PlanError, RuntimeFailure, ScheduleError
+from fxpipe.execution.dtypes import autocast_dtype
+from fxpipe.execution.grad_fusion import fuse_weight_grads
 from fxpipe.plans.plan import Plan
 from fxpipe.plans.values import MODEL_INPUT, needs_grad
 from fxpipe.runtime import p2p
 from fxpipe.runtime.checks import check_actions, check_fits, loss_stage, split_batch
 from fxpipe.runtime.compression import Compression, as_compression
 from fxpipe.runtime.data_sharding import DataSharding
-from fxpipe.runtime.grad_fusion import fuse_weight_grads
 from fxpipe.runtime.grad_reducer import make_grad_reducer, shared_param_map, sharding_of
 from fxpipe.runtime.mesh import Mesh
-from fxpipe.runtime.precision import LossScaler, autocast_dtype
+from fxpipe.runtime.precision import LossScaler
 from fxpipe.runtime.stage import StageWork
 from fxpipe.runtime.step_grads import StepGrads
 from fxpipe.runtime.step_state import ActionList, BytesSent, Event, StepState
@@ -115,7 +116,7 @@ class PipelineExecutor:
         fuse_grad_accumulation: True (default): the steps run copies of the stage modules,
             sharing their parameters, whose ``linear`` / ``addmm`` / ``embedding`` nodes
             accumulate their weight gradients into ``.grad`` in place
-            (:mod:`fxpipe.runtime.grad_fusion`; fp32 and a full backward only).
+            (:mod:`fxpipe.execution.grad_fusion`; fp32 and a full backward only).
         data_sharding: ``"none"`` or a level of :mod:`fxpipe.runtime.data_sharding`
             (``parallel.data_sharding``): with more than one replica the non-tied parameters'
             gradients are reduce-scattered into this replica's slice.

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from fxpipe.errors import RuntimeFailure
-from fxpipe.runtime.host_memory import keep_freed_memory
+from fxpipe.execution.host_memory import keep_freed_memory
 from fxpipe.plans.placement import global_rank, rank_coords
 from fxpipe.tensor.collectives import CollectiveRecorder, TimedGroup
 
@@ -57,7 +57,7 @@ def init_distributed(device: str = "cpu", timeout_s: float = 300.0) -> torch.dev
     as set by ``torchrun`` / ``torch.distributed.run`` / ``fxpipe run``. Backend: gloo for
     ``device="cpu"``, NCCL for ``device="cuda"`` with device ``cuda:LOCAL_RANK``. If the default
     group already exists it is reused. On a CPU the process's malloc keeps freed memory from
-    then on (:func:`fxpipe.runtime.host_memory.keep_freed_memory`).
+    then on (:func:`fxpipe.execution.host_memory.keep_freed_memory`).
 
     Args:
         device: ``"cpu"`` or ``"cuda"``.

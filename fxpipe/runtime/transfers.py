@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import torch
 
+from fxpipe.execution.dtypes import message_dtype
 from fxpipe.plans.plan import Plan
 from fxpipe.runtime import p2p
-from fxpipe.runtime.precision import message_dtype
 from fxpipe.schedule.actions import Action, Op
 
 

@@ -447,7 +447,7 @@ class TrainSpec(_Section):
     optimizer step (``steps`` counts optimizer steps; each step's loss weighs ``1/k``).
     ``fuse_grad_accumulation``: the weight gradients of fp32 stages' ``linear`` / ``addmm`` /
     ``embedding`` nodes go into ``.grad`` in place over the micro-batches (default true;
-    :mod:`fxpipe.runtime.grad_fusion`); false keeps autograd's fresh buffer per micro-batch.
+    :mod:`fxpipe.execution.grad_fusion`); false keeps autograd's fresh buffer per micro-batch.
     ``activation_recompute``: keep only each stage's inputs per micro-batch in flight and
     recompute the stage's forward in its backward (``on``: every stage), never (``off``), or on
     the stages whose activations would not fit otherwise (``auto``, default); exact either way.

@@ -73,6 +73,10 @@ _SDPA = {aten.scaled_dot_product_attention.default,
          aten._scaled_dot_product_flash_attention_for_cpu.default}
 
 
+#: the built-in losses that take logits split by vocabulary (``train.loss``)
+VOCAB_PARALLEL_LOSSES = ("cross_entropy",)
+
+
 class Unsupported(Exception):
     """A node has no sharded form for its inputs' placements (it then runs replicated)."""
 

@@ -24,9 +24,8 @@ gloo on CPU and NCCL on CUDA alike (``all_gather`` into a list, ``reduce_scatter
 Timing is passed explicitly: each function's ``group`` is a process group or a
 :class:`TimedGroup` (a process group with a :class:`CollectiveRecorder`; the mesh gives one per
 tensor group, ``Mesh.tp_collectives``), whose recorder reports every collective run (its kind,
-whole-tensor bytes, start and end) to the sink listening at the time (the executor's timeline
-while it runs a step, :meth:`CollectiveRecorder.to`). :func:`record_with` (a process-wide
-callback) is kept for scripts that count collectives from outside; the runtime does not use it.
+whole-tensor bytes, start and end) to the sinks listening at the time (the executor's timeline
+while it runs a step, a script counting collectives around it: :meth:`CollectiveRecorder.to`).
 """
 
 from __future__ import annotations
@@ -46,16 +45,24 @@ Sink = Callable[[str, int, float, float], None]
 
 
 class CollectiveRecorder:
-    """Where the collectives of one tensor group report what they ran: to :attr:`sink` while
-    one listens (:meth:`to`), nowhere (and untimed) otherwise."""
+    """Where the collectives of one tensor group report what they ran: to every sink listening
+    (:meth:`to`, nested), nowhere (and untimed) while none does."""
 
     def __init__(self) -> None:
         self.sink: Sink | None = None
 
     @contextmanager
     def to(self, sink: Sink | None) -> Iterator[None]:
-        """Report to ``sink`` inside the ``with`` block (then to the previous sink again)."""
-        previous, self.sink = self.sink, sink
+        """Report to ``sink`` inside the ``with`` block, besides the sinks already listening
+        (then to those alone again)."""
+        previous = self.sink
+        if sink is not None and previous is not None:
+            def both(kind: str, nbytes: int, t0: float, t1: float) -> None:
+                previous(kind, nbytes, t0, t1)
+                sink(kind, nbytes, t0, t1)
+            self.sink = both
+        elif sink is not None:
+            self.sink = sink
         try:
             yield
         finally:
@@ -73,19 +80,6 @@ class TimedGroup:
         return f"TimedGroup({self.group!r})"
 
 
-#: the process-wide callback of :func:`record_with` (scripts counting collectives), or None
-_recorder: Sink | None = None
-
-
-def record_with(callback: Sink | None) -> None:
-    """Also report every tensor-group collective from now on to ``callback(kind, nbytes of the
-    whole tensor, start, end)`` (``time.perf_counter`` seconds); None stops it. For scripts
-    that count collectives from outside; the executor's timeline listens to its mesh's
-    :class:`CollectiveRecorder` instead."""
-    global _recorder
-    _recorder = callback
-
-
 def _pg(group):
     """The process group of ``group`` (a :class:`TimedGroup` or a process group)."""
     return group.group if isinstance(group, TimedGroup) else group
@@ -94,15 +88,12 @@ def _pg(group):
 @contextmanager
 def _timed(kind: str, nbytes: int, group) -> Iterator[None]:
     sink = group.recorder.sink if isinstance(group, TimedGroup) else None
-    if sink is None and _recorder is None:
+    if sink is None:
         yield
         return
     t0 = time.perf_counter()
     yield
-    t1 = time.perf_counter()
-    for report in (sink, _recorder):
-        if report is not None:
-            report(kind, int(nbytes), t0, t1)
+    sink(kind, int(nbytes), t0, time.perf_counter())
 
 
 def _world(group) -> int:

@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from fxpipe.graphs.rebuild import rebuilt
+from fxpipe.execution.rebuild import rebuilt
 from fxpipe.tensor import collectives as C
 from fxpipe.tensor.analysis import Edge, NodeShard, Sharding
 from fxpipe.tensor.placement import Placement

@@ -106,10 +106,10 @@ def _reference(spec, plan, steps: int, eps: float, terms: int):
     import torch
 
     from fxpipe.data.batches import get_batch, make_batches
-    from fxpipe.runtime.precision import autocast_dtype
+    from fxpipe.execution.dtypes import autocast_dtype
     from fxpipe.specs.loader import build_model
     from fxpipe.training.equivalence import AdamBound
-    from fxpipe.training.losses import MODEL_LOSS, resolve_loss
+    from fxpipe.execution.losses import MODEL_LOSS, resolve_loss
 
     t = spec.train
     model = build_model(spec)
@@ -157,8 +157,8 @@ def _first_batch_loss_check(model, spec, plan, eps):
 
     from fxpipe.data.batches import get_batch, make_batches
     from fxpipe.training.equivalence import loss_not_a_mean
-    from fxpipe.training.losses import MODEL_LOSS, count_targets, microbatch_weights, \
-        resolve_loss
+    from fxpipe.execution.losses import MODEL_LOSS, count_targets, resolve_loss
+    from fxpipe.training.losses import microbatch_weights
 
     t = spec.train
     if t.loss == MODEL_LOSS:
@@ -196,7 +196,7 @@ def check(spec_ref: Any, steps: int | None = None, out=None) -> int:
     from fxpipe.training.equivalence import EPS, bound, compare_params, likely_causes, \
         loss_tolerance
     from fxpipe.training.launch import _check_loss_fits
-    from fxpipe.training.losses import resolve_loss
+    from fxpipe.execution.losses import resolve_loss
 
     out = out or sys.stdout
 

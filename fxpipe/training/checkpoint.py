@@ -178,7 +178,8 @@ def save_checkpoint(stages: nn.Module | dict[int, nn.Module], root: Path, step: 
         train_state: JSON-able state to resume with (rank 0's is written): the learning-rate
             schedule's, the loss scaler's...
         tensor: this rank's :class:`~fxpipe.runtime.tensor_parallel.TensorShards` under tensor
-            parallelism: sharded tensors are saved whole (see the module doc).
+            parallelism: sharded tensors are saved whole (see the module doc); by default the
+            shards ``fxpipe.compile``'s ``pipe.module`` carries.
 
     Returns the checkpoint folder.
 
@@ -201,6 +202,7 @@ def save_checkpoint(stages: nn.Module | dict[int, nn.Module], root: Path, step: 
             raise FxpipeError(f"cannot write the checkpoint folder {root}: {e.strerror or e}; "
                               "make it writable or choose train.checkpoint.dir") from None
     _barrier()
+    tensor = _shards_of(stages, tensor)
     sharding = getattr(optimizer, "sharding", None)  # sharded data parallelism
     if sharding is not None:  # ``full`` holds slices between steps: whole ones to save
         sharding.ensure_gathered(optimizer.timeout_s)
@@ -432,6 +434,7 @@ def load_checkpoint(stages: nn.Module | dict[int, nn.Module], path: str | Path, 
         FxpipeError: see :func:`open_checkpoint`; the model or optimizer does not match.
     """
     folder, manifest = open_checkpoint(path)
+    tensor = _shards_of(stages, tensor)
     sharding = getattr(optimizer, "sharding", None)  # sharded data parallelism
     if sharding is not None:
         sharding.ensure_gathered(optimizer.timeout_s)
@@ -475,6 +478,15 @@ def load_checkpoint(stages: nn.Module | dict[int, nn.Module], path: str | Path, 
         return json.loads((folder / TRAIN_STATE).read_text())
     except (OSError, ValueError):
         return {"step": manifest["step"]}
+
+
+def _shards_of(stages: Any, tensor: Any) -> Any:
+    """The tensor-parallel shards' bookkeeping: ``tensor`` when given, else what
+    ``fxpipe.compile``'s module carries (``pipe.module.fxpipe_tensor_shards``), so that
+    ``save_checkpoint(pipe.module, ...)`` saves whole tensors without being told."""
+    if tensor is not None:
+        return tensor
+    return getattr(stages, "fxpipe_tensor_shards", None) if isinstance(stages, nn.Module) else None
 
 
 def _whole_like(tensor: Any, key: str, local: Any) -> Any:

@@ -153,6 +153,11 @@ class CompiledPipeline:
             for name, p in m.named_parameters():
                 local.setdefault(id(p), p)
                 stage_name.setdefault(id(p), plan.param_aliases.get(name, name))
+            # a buffer the stage reads under a non-persistent name may be one the model saves
+            # under another (installed below only where the model's state_dict names it)
+            for name, b in m.named_buffers():
+                local.setdefault(id(b), b)
+                stage_name.setdefault(id(b), plan.param_aliases.get(name, name))
         model_names = list(model.named_parameters(remove_duplicate=False))
         # weak references: the model's other parameters may be freed once compile returns
         self._model_params = weakref.WeakValueDictionary((id(p), p) for _, p in model_names)
@@ -176,6 +181,21 @@ class CompiledPipeline:
             if id(t) in local and id(t) not in placed:
                 placed.add(id(t))
                 _install(self.module, first[id(t)], t)
+        # the model's tensors no stage reads (a buffer kept only for its checkpoint, a parameter
+        # forward() never uses): held by pipeline rank 0, so that state_dict() and checkpoints
+        # hold every key of the plain model's state_dict()
+        if mesh.pipe_rank == 0:
+            read = {plan.param_aliases.get(n, n) for st in plan.stages
+                    for n in [*st.params, *st.buffers]}
+            names: dict[int, set[str]] = {}
+            for name, t in model_state.items():
+                names.setdefault(id(t), set()).add(name)
+            for name, t in model_state.items():
+                if id(t) in placed or any(plan.param_aliases.get(n, n) in read
+                                          for n in names[id(t)]):
+                    continue
+                placed.add(id(t))
+                _install(self.module, first[id(t)], t)
         # parameters the model does not name (should not happen) stay trainable; a buffer the
         # model's state_dict() leaves out (non-persistent) stays out of this module too, so its
         # state_dict() and checkpoints hold exactly the plain model's keys
@@ -190,6 +210,9 @@ class CompiledPipeline:
         self._model_keys = set(model_state)
         if tensor is not None:
             tensor.name_in(self.module)
+        #: the shards' bookkeeping, read by the checkpoint functions when they are given
+        #: ``pipe.module`` (sharded tensors are saved and loaded whole)
+        self.module.fxpipe_tensor_shards = tensor
         # parameters whose gradient norm this rank counts: a shared (tied) parameter only on
         # the lowest pipeline rank holding it, and a parameter whole on every rank of a tensor
         # group only on its first, so clipping counts each once (shards on every rank)
@@ -778,7 +801,8 @@ def _compile(model: nn.Module, spec_or_plan: Any, example_inputs: Any = None,
     from fxpipe.runtime.executor import PipelineExecutor
     from fxpipe.runtime.mesh import Mesh
     from fxpipe.schedule.lowering import schedule_for_plan
-    from fxpipe.training.losses import MODEL_LOSS, batch_counter, resolve_loss
+    from fxpipe.execution.losses import MODEL_LOSS, resolve_loss
+    from fxpipe.training.losses import batch_counter
 
     if not isinstance(model, nn.Module):
         raise UsageError(f"fxpipe.compile: model must be a torch.nn.Module, got "

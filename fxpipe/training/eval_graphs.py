@@ -15,7 +15,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from fxpipe.graphs.rebuild import rebuilt
+from fxpipe.execution.rebuild import rebuilt
 
 _aten = torch.ops.aten
 #: ops whose third argument (``train``) switches the random mask on

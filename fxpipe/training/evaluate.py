@@ -22,7 +22,7 @@ def validation_loss(model: torch.nn.Module, spec, batches: int) -> float:
     (each the global ``data.batch_size``)."""
     from fxpipe.data.batches import get_batch, make_batches
     from fxpipe.partitioner.trace import pick_output, trace_kwargs
-    from fxpipe.training.losses import resolve_loss
+    from fxpipe.execution.losses import resolve_loss
 
     data = make_batches(spec)
     loss_fn = resolve_loss(spec.train.loss, spec.train.ignore_index)

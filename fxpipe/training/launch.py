@@ -75,7 +75,7 @@ def _check_launchable(spec, nnodes: int, endpoint: str | None,
     """Everything that would otherwise fail only after the workers start."""
     import torch
 
-    from fxpipe.training.losses import resolve_loss
+    from fxpipe.execution.losses import resolve_loss
 
     if nnodes < 1:
         raise FxpipeError(f"--nnodes must be at least 1 (got {nnodes})")
@@ -129,7 +129,7 @@ def _check_loss_fits(spec, plan) -> None:
     from fxpipe.data.batches import example_microbatch
     from fxpipe.errors import SpecError
     from fxpipe.specs.loader import spec_location
-    from fxpipe.training.losses import MODEL_LOSS, resolve_loss
+    from fxpipe.execution.losses import MODEL_LOSS, resolve_loss
 
     out = plan.values[plan.model_output]
     if spec.train.loss == MODEL_LOSS:

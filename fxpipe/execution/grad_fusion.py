@@ -30,7 +30,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from fxpipe.graphs.rebuild import rebuilt
+from fxpipe.execution.rebuild import rebuilt
 
 __all__ = ["fuse_weight_grads", "fused_linear", "fused_addmm", "fused_embedding"]
 
