@@ -435,8 +435,9 @@ def _foreign_share(busy0: float | None, cpu0: float, wall: float) -> float:
                       1.0 if have else 0.0], dtype=torch.float64)
     n = dist.get_world_size()
     dist.all_reduce(t)
-    share = (max(0.0, float(t[1]) / n - float(t[0])) / (float(t[2]) / n * (os.cpu_count() or 1))
-             if t[3] == n else 0.0)
+    # clamped to [0, 1]: /proc/stat counts in clock ticks, so a short block can read above 1
+    share = (min(1.0, max(0.0, float(t[1]) / n - float(t[0]))
+                 / (float(t[2]) / n * (os.cpu_count() or 1))) if t[3] == n else 0.0)
     out = torch.tensor([share], dtype=torch.float64)
     dist.broadcast(out, 0)
     return float(out)

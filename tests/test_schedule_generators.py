@@ -477,3 +477,19 @@ def test_action_text_form_parses_back():
     for bad in ("F3", "0X1", "0F", "0SEND_F1", "0STEP3", "0ALLREDUCE@1"):
         with pytest.raises(ScheduleError, match="0F3"):
             parse_action(bad)
+
+
+@pytest.mark.parametrize("name", ["v-half", "v-min"])
+def test_the_block_order_is_the_shorter_from_three_micro_batches_per_stage(name):
+    """V-Half / V-Min build only the block order at ``m >= 3p`` (``p > 2``): there it holds the
+    cap and its step at unit costs is no longer than the greedy order's (checked here)."""
+    from fxpipe.schedule import generators as G
+
+    for p in (3, 4, 5, 6, 8, 12, 16):
+        for m in (3 * p, 3 * p + 1, 4 * p):
+            s2r = G.stage_to_rank(name, p, 2 * p)
+            limit = G.v_memory_limit(name, p)
+            block, step = G._block_schedule(name, p, m, s2r)
+            greedy = G._list_schedule(name, p, m, s2r, limit, reserve=True)
+            assert G._held_peak(block) <= limit and step <= G._unit_makespan(greedy), (p, m)
+            assert G._capped_v(name, p, m).actions == block.actions

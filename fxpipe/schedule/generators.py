@@ -686,11 +686,16 @@ def _capped_v(name: str, p: int, m: int) -> Schedule:
       unused) and for ``m`` below about ``p`` (too few micro-batches to fill a block).
 
     The block schedule's peak equals the cap for every ``p`` from 1 to 64 (tests); it is checked
-    here all the same, and the greedy order taken should it ever exceed it."""
+    here all the same, and the greedy order taken should it ever exceed it. From ``m >= 3p``
+    (``p > 2``) the block's step is the shorter everywhere checked (``p`` up to 64, tests), so
+    the greedy order is not built there (the planner builds these schedules for every layout
+    it weighs)."""
     limit = v_memory_limit(name, p)
     s2r = stage_to_rank(name, p, 2 * p)
-    greedy = _list_schedule(name, p, m, s2r, limit, reserve=True)
     block, step = _block_schedule(name, p, m, s2r)
+    if p > 2 and m >= 3 * p and _held_peak(block) <= limit:
+        return block
+    greedy = _list_schedule(name, p, m, s2r, limit, reserve=True)
     if _held_peak(block) > limit or _unit_makespan(greedy) < step:
         return greedy
     return block
