@@ -142,3 +142,17 @@ def test_tolerance_follows_the_precision():
 def test_spec_errors_exit_2(args, message):
     r = fxpipe_in_process("check", *args)
     assert r.returncode == 2 and message in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("method, warm", [("fp16", 0), ("powersgd", 2), ("topk", 0)])
+def test_lossy_gradient_compression_is_named(method, warm):
+    """Compressed gradients differ from one process's by design: named, with the step it
+    starts (after the exact warm-up steps of PowerSGD / top-k; fp16 rounds from the first)."""
+    kw = dict(microbatches=2, mbs=4, loss_check=None, loss_name="cross_entropy",
+              compression=method, warmup_steps=warm)
+    assert likely_causes(nn.Linear(4, 4), dp=1, **kw) == []  # one replica: nothing reduced
+    causes = likely_causes(nn.Linear(4, 4), dp=2, **kw)
+    assert [c.title for c in causes] == ["gradient compression"]
+    assert f"'{method}'" in causes[0].detail and f"from step {warm + 1} on" in causes[0].detail
+    assert "grad_compression: none" in causes[0].suggestion
+    assert likely_causes(nn.Linear(4, 4), dp=2, **{**kw, "compression": "none"}) == []

@@ -129,7 +129,6 @@ def test_predicted_step_prices_the_compressed_allreduce(tmp_path):
     sends (fxpipe.runtime.compression.bucket_bytes_sent): half for fp16 / bf16, rank x (rows +
     cols) per matrix and vectors exact for PowerSGD, the values + indices all-gather for top-k;
     on a slow link (0.05 GB/s) the predicted step is shorter accordingly."""
-    from fxpipe.data.batches import example_microbatch
     from fxpipe.schedule.plan_price import reduction_of, stage_steps
 
     def allreduce_priced_bytes(plan):

@@ -92,8 +92,13 @@ def test_every_scored_candidate_is_priced_as_its_plan_predicts(make, train, monk
         plan = (assemble_folded if folded else assemble)(mine, result, cand, spec, 2, [])
         finish_plan(plan, mine, spec, model, kwargs, "cpu")
         assert plan.predicted.step_time_s == pytest.approx(score, rel=1e-12, abs=0), cand.label()
-        if not folded:  # the plan path prices it again the same way
-            assert predict(plan).step_time_s == plan.predicted.step_time_s
+        # the plan path prices it again the same way (`fxpipe simulate`, the report's
+        # timeline), a plan of blocks too: its stage edges are the cut's
+        assert predict(plan).step_time_s == plan.predicted.step_time_s
+        if folded:
+            fwd, _ = plan.edge_bytes()
+            assert set(fwd) == {(j, j + 1) for j in range(plan.num_stages - 1)}
+            assert all(n > 0 for n in fwd.values())
     assert seen["tensor"] == {1, 2} and "none" in seen["sharding"], seen
     if spec.parallel.data_sharding == "auto":
         assert len(seen["sharding"]) > 1, seen

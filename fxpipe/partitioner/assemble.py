@@ -13,7 +13,7 @@ import torch.nn as nn
 from fxpipe.errors import TraceError
 from fxpipe.partitioner.blocks import KEEP
 from fxpipe.partitioner.boundaries import GUARDS_FN, stage_boundaries
-from fxpipe.partitioner.cut_price import cut_steps, simulate_cut
+from fxpipe.partitioner.cut_price import cut_steps
 from fxpipe.partitioner.cutting import cut_problem, slowdowns
 from fxpipe.partitioner.pricing import Priced, unit_prefix
 from fxpipe.partitioner.problem import PartitionResult
@@ -284,10 +284,11 @@ def assemble_folded(pr: Priced, result: PartitionResult, cand: Candidate, spec: 
         folded=record, placement=cand.layout, data_sharding=cand.sharding,
     )
     _set_tensor(plan, pr, None)
-    # a plan of blocks lists no stage edges: it keeps the prediction of its cut, which is the
-    # search's (the same rule over the same steps)
-    plan.predicted = simulate_cut(pr, prefix, problem, result, cand, spec, 1.0,
-                                  steps=steps).predicted()
+    # a plan of blocks names no values between its stages until a worker resolves it: the
+    # bytes on each stage edge are recorded (what Plan.edge_bytes gives for it)
+    fwd, grad = steps.edge_bytes()
+    plan.folded["edges"] = [[a, b, int(n), int(grad.get((a, b), 0))]
+                            for (a, b), n in sorted(fwd.items())]
     return plan
 
 def placement_note(plan: Plan, spec: ParallelSpec) -> str:
@@ -348,8 +349,8 @@ def model_notes(pr: Priced, model: nn.Module, mbs: int) -> list[str]:
 def finish_plan(plan: Plan, pr: Priced, spec: ParallelSpec, model: nn.Module, kwargs: dict,
                 traced_on: str) -> None:
     """Complete an assembled plan: the parameter servers of async updates, every trained
-    parameter's shape, the prediction (once, by the one pricing rule; a plan of blocks keeps
-    its cut's, which is the same rule over the same steps), the explanation's notes, and what
+    parameter's shape, the prediction (once, by the one pricing rule), the explanation's
+    notes, and what
     the workers need to call the model.
 
     Raises:
@@ -364,8 +365,7 @@ def finish_plan(plan: Plan, pr: Priced, spec: ParallelSpec, model: nn.Module, kw
         remove_duplicate=False) if p.requires_grad}  # tied aliases too (stages name them)
     plan.param_itemsize = next((p.element_size() for p in model.parameters()
                                 if p.requires_grad), 4)
-    if not plan.folded:
-        plan.predicted = predict(plan)
+    plan.predicted = predict(plan)
     if spec.cluster.nodes > 1:
         plan.explain.append(placement_note(plan, spec))
     if (spec.cluster.costs == "measured" and plan.num_stages > 1

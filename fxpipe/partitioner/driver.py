@@ -35,6 +35,7 @@ from fxpipe.partitioner.problem import PartitionResult, evaluate
 from fxpipe.partitioner.search import Candidate, candidates, tensor_degrees
 from fxpipe.partitioner.units import PricedUnits, is_fake, resize
 from fxpipe.plans.plan import Plan
+from fxpipe.schedule.generators import collector_paused
 from fxpipe.specs.loader import build_model, load_spec, spec_location
 from fxpipe.specs.schema import ParallelSpec, compression_rank_problems
 
@@ -61,6 +62,7 @@ def _check_compression_rank(model: nn.Module, spec: ParallelSpec) -> None:
             lines.append(f"{where}: {dotted}: {text}" if where else f"{dotted}: {text}")
         raise SpecError("\n".join(lines))
 
+
 def plan_with_graph(model: nn.Module, spec: Any, example_inputs: Any = None,
                     example_kwargs: dict | None = None, *, cuts: list[int] | None = None,
                     units_only: bool = False) -> tuple[Plan, "nx.DiGraph"]:
@@ -74,8 +76,10 @@ def plan_with_graph(model: nn.Module, spec: Any, example_inputs: Any = None,
     (profiling draws random targets and runs dropout)."""
     spec = as_spec(spec)
     cuda = spec.cluster.device == "cuda" and torch.cuda.is_available()
-    with torch.random.fork_rng(devices=[torch.cuda.current_device()] if cuda else []):
+    with torch.random.fork_rng(devices=[torch.cuda.current_device()] if cuda else []), \
+            collector_paused():  # millions of short-lived objects, few of them in cycles
         return _plan_with_graph(model, spec, example_inputs, example_kwargs, cuts, units_only)
+
 
 def _example_inputs(spec: ParallelSpec, example_inputs: Any, example_kwargs: dict | None
                     ) -> tuple[tuple, dict, int]:

@@ -170,9 +170,12 @@ def search_layouts(pr_at: Callable[[int], Priced], spec: ParallelSpec, prune: bo
     if best is None:
         raise _nothing_fits(spec, failed)
     ranked.sort()
+    scaled = any(r.mbs != priced[r.cand.tensor].batch for r in ranked)
     explain = [f"auto search: {len(bounds)} candidates, {len(ranked)} simulated, {pruned} "
                f"pruned by a lower bound, {len(failed)} infeasible; ranked by simulated step "
-               "time:"]
+               "time" + (" (each layout's micro-batch priced by scaling the traced one's "
+                         "costs; the chosen layout is then traced at its own size, which "
+                         "gives the plan's prediction)" if scaled else "") + ":"]
     explain += [f"  {i + 1}. {r.label:40s} {r.step_s * 1e3:10.2f} ms/step"
                 for i, r in enumerate(ranked[:5])]
     explain += _degree_notes(left_out, ranked, degrees)
@@ -224,6 +227,10 @@ def _sharding_notes(pr: Priced, spec: ParallelSpec, cand: Candidate,
     simulated (those it pruned have step-time bounds above the chosen step)."""
     if cand.sharding == "none":
         return []
+    if cand.dp == 1:
+        return [f"data sharding {cand.sharding} with one replica per stage (parallel.data: 1): "
+                "nothing to split, each rank holds its stages' whole training state (as with "
+                "data_sharding: none)"]
     opt = spec.train.optimizer
     total = sum(pr.table.params) / cand.pipeline
     with_, without = total * state_factor(opt, cand.sharding, cand.dp), total * state_factor(opt)

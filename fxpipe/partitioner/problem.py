@@ -41,7 +41,9 @@ formulas on the same prefix sums, so their optimum and ``evaluate`` agree up to 
 (memory feasibility agrees exactly).
 
 Pure Python + numpy; no torch.
-"""
+
+Size: over 600 lines because the one cost function and the vectorised tables the solvers read are
+kept with the problem they price."""
 
 from __future__ import annotations
 

@@ -25,7 +25,9 @@ PipeDream's planner, Narayanan et al., SOSP 2019):
 live in :mod:`fxpipe.partitioner.baselines`.
 
 Pure Python + numpy; no torch.
-"""
+
+Size: over 600 lines because the exact solvers share their bounds and sweeps; the infeasibility
+explanation reads their tables."""
 
 from __future__ import annotations
 

@@ -159,8 +159,10 @@ class Plan:
         folded: for a model planned as repeated blocks (:mod:`fxpipe.partitioner.blocks`),
             where its nodes go: ``run`` (the block container and range), ``prologue`` (node ->
             stage), ``blocks`` (stage per block), ``epilogue`` (stage per node after the
-            blocks, in order), ``cheap`` (values rebuilt per stage). Stages then list no nodes
-            until a worker resolves the plan against the full graph; empty otherwise.
+            blocks, in order), ``cheap`` (values rebuilt per stage), ``edges`` (``[producer,
+            consumer, bytes, gradient bytes]`` per stage edge, per micro-batch, as priced).
+            Stages then list no nodes until a worker resolves the plan against the full
+            graph; empty otherwise.
         placement: how the pipeline x data grid lies on the ranks and nodes
             (:data:`fxpipe.plans.placement.LAYOUTS`): ``pipeline-inner`` keeps each pipeline's
             stages on adjacent ranks, ``data-inner`` each stage's replicas.
@@ -282,6 +284,12 @@ class Plan:
         the second restricted to edges that carry at least one such value."""
         fwd: dict[Edge, int] = {}
         grad: dict[Edge, int] = {}
+        if self.folded.get("edges"):  # blocks not resolved yet: the bytes the planner priced
+            for a, b, n, g in self.folded["edges"]:
+                fwd[(a, b)] = int(n)
+                if g:
+                    grad[(a, b)] = int(g)
+            return fwd, grad
         for edge, names in self.stage_edges().items():
             fwd[edge] = sum(int(self.values[n].nbytes) for n in names)
             g = [n for n in names if self.values[n].requires_grad]

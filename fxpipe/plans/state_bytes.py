@@ -58,12 +58,6 @@ def _stage_params(plan: "Plan", s: int) -> tuple[dict[str, int], int]:
     return numel, plan.param_itemsize
 
 
-def stage_shared_bytes(plan: "Plan", s: int) -> int:
-    """Bytes of stage ``s``'s parameters that other stages use too (kept whole)."""
-    numel, e = _stage_params(plan, s)
-    return sum(k * e for f, k in numel.items() if f in plan.shared_params)
-
-
 def _sharded(plan: "Plan", stages: list[int]) -> list[tuple[int, int]]:
     """Per stage of ``stages`` that shards anything: ``(elements sharded, bytes per element)``."""
     out = []

@@ -33,13 +33,16 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fxpipe.plans.summary import bottleneck_position
 from fxpipe.plans.values import MODEL_INPUT
 from fxpipe.reports.figures import (new_figure, save_figure, stage_border, stage_fill, styled,
                                     text_color_on)
 from fxpipe.units import human_bytes, human_flops, ms, plural
+
+if TYPE_CHECKING:  # annotations only
+    from fxpipe.plans.plan import Plan
 
 __all__ = ["Block", "CutEdge", "BlockView", "block_name", "block_view", "partition_figure",
            "write_partition_picture", "TOP_LEVEL"]

@@ -20,6 +20,8 @@ first excluded: it pays for start-up), with its rows the global ranks. SVG ids:
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -29,7 +31,10 @@ from fxpipe.plans.placement import rank_coords
 from fxpipe.reports.figures import KIND_COLORS, new_figure, save_figure, styled
 from fxpipe.schedule.timeline import (EVENT_KINDS, TimelineEvent, event_kind, idle_fractions,
                                       split_steps, step_window)
-from fxpipe.units import ms, plural
+from fxpipe.units import ms
+
+if TYPE_CHECKING:  # annotations only
+    from fxpipe.plans.plan import Plan
 
 #: kinds whose bars mostly span a wait (a blocking receive, STEP waiting for the all-reduces):
 #: drawn as a thin line through the row, so that idle time reads as blank

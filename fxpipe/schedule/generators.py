@@ -16,7 +16,9 @@ interleaved 1F1B (Megatron-LM, Narayanan et al., SC'21); ZB-H1 and ZB-V (Qi et a
 Pipeline Parallelism", ICLR 2024 / "Pipeline Parallelism with Controllable Memory", 2024);
 V-Half and V-Min (Qi et al., "Pipeline Parallelism with Controllable Memory", NeurIPS 2024);
 DualPipeV (DeepSeek-V3 technical report, 2024, DualPipe; torch.distributed.pipelining).
-"""
+
+Size: over 600 lines because it holds eight schedule generators and the helpers they share; each
+generator is short."""
 
 from __future__ import annotations
 
@@ -205,18 +207,20 @@ def _cached(key: str, p: int, m: int, v: int, make: Callable[[], Schedule]) -> S
     if k not in _CACHE:
         if len(_CACHE) >= 256:
             _CACHE.pop(next(iter(_CACHE)))
-        with _collector_paused():
+        with collector_paused():
             _CACHE[k] = make()
     return _CACHE[k]
 
 
 @contextlib.contextmanager
-def _collector_paused():
-    """The cyclic garbage collector off while a schedule is built (back on after, also on an
-    error; left alone when already off). A schedule of hundreds of micro-batches allocates
-    hundreds of thousands of actions, none of them in a reference cycle, and each burst of
-    allocations would set off collections that walk the whole heap: in a 64-rank plan search
-    (``bench_plan_scale``) that was about a fifth of its CPU time."""
+def collector_paused():
+    """The cyclic garbage collector off inside (back on after, also on an error; left alone
+    when already off). Building a schedule, or planning (:func:`fxpipe.plan`), allocates
+    hundreds of thousands of objects, few of them in reference cycles (freed as their last
+    reference goes), and each burst of allocations would set off collections that walk the
+    whole heap: in a 64-rank plan search (``bench_plan_scale``) that was about a fifth of its
+    CPU time, and a tenth of a 1,536-device tensor-parallel plan's. What cycles there are
+    (traced graphs) are collected once it is back on."""
     if not gc.isenabled():
         yield
         return
@@ -225,7 +229,6 @@ def _collector_paused():
         yield
     finally:
         gc.enable()
-
 
 
 # ----------------------------------------------------------------------------- zero bubble
@@ -538,72 +541,57 @@ def _drain_b_first(s: Schedule) -> tuple[Schedule, int]:
         head.append(lst[:last + 1])
         tail_b.append(deque(a for a in lst[last + 1:] if a.op is B))
         tail_w.append(deque(a for a in lst[last + 1:] if a.op is Op.W))
-    done_f = [[-1] * m for _ in range(n)]
+    done_f = [[-1] * m for _ in range(n)]  # the slot an action ends; -1: not placed yet
     done_b = [[-1] * m for _ in range(n)]
-    t = [0] * p
-    pos = [0] * p
     out: list[list[Action]] = [[] for _ in range(p)]
-
-    def ready(a: Action) -> int:
-        """When what ``a`` waits for is done; -1: not yet."""
-        st, i = a.stage, a.microbatch
-        if a.op is F:
-            return 0 if st == 0 else done_f[st - 1][i]
-        if a.op is B:
-            d = done_f[st][i]
-            return d if d < 0 or st == n - 1 else done_b[st + 1][i]
-        return done_b[st][i]
-
-    def pick(r: int) -> tuple[int, Action] | None:
-        """Rank ``r``'s next action and its start, or None while it waits for a neighbour."""
-        now = t[r]
-        if pos[r] < len(head[r]):
-            a = head[r][pos[r]]
-            d = ready(a)
-            return None if d < 0 else (d if d > now else now, a)
-        d = ready(tail_b[r][0]) if tail_b[r] else -1
-        if 0 <= d <= now:
-            return now, tail_b[r][0]
-        if tail_w[r] and ready(tail_w[r][0]) >= 0:
-            return now, tail_w[r][0]
-        return (d, tail_b[r][0]) if d > now else None
-
-    # the least (start, rank) first; a rank's pick is redone whenever a neighbour stage's
-    # action is placed (it may have become ready): then every pick placed was the rank's
-    # choice at its start time, whatever finished by then known
-    best = [pick(r) for r in range(p)]
-    version = [0] * p
-    heap = [(c[0], r, 0) for r, c in enumerate(best) if c is not None]
-    heapq.heapify(heap)
-    total = sum(len(x) for x in s.actions)
-    placed = 0
-    while heap:
-        start, r, ver = heapq.heappop(heap)
-        if ver != version[r] or best[r] is None:
-            continue
-        a = best[r][1]
-        st, i = a.stage, a.microbatch
-        if pos[r] < len(head[r]):
-            pos[r] += 1
-        elif a.op is B:
-            tail_b[r].popleft()
-        else:
-            tail_w[r].popleft()
-        t[r] = start + 1
-        if a.op is F:
-            done_f[st][i] = start + 1
-        elif a.op is B:
-            done_b[st][i] = start + 1
-        out[r].append(a)
-        placed += 1
-        for q in {r, s2r[st - 1] if st > 0 else r, s2r[st + 1] if st < n - 1 else r}:
-            best[q] = c = pick(q)
-            version[q] += 1
-            if c is not None:
-                heapq.heappush(heap, (c[0], q, version[q]))
-    if placed != total:
-        raise ScheduleError(f"{s.name}: the action lists deadlock (p={p}, m={m})")
-    return Schedule(s.name, p, n, m, list(s2r), out, split_backward=True), max(t)
+    pos = [0] * p
+    left = sum(len(x) for x in s.actions)
+    slot = 0
+    # unit costs: walked slot by slot, each rank placing at most one action per slot, from
+    # what ended by the slot's start (an action placed in this slot ends after it)
+    while left:
+        placed = False
+        for r in range(p):
+            if pos[r] < len(head[r]):
+                a = head[r][pos[r]]
+                st, i = a.stage, a.microbatch
+                if a.op is F:
+                    d = 0 if st == 0 else done_f[st - 1][i]
+                elif a.op is B:
+                    d = done_f[st][i]
+                    if d >= 0 and st < n - 1:
+                        d = done_b[st + 1][i]
+                else:
+                    d = done_b[st][i]
+                if d < 0 or d > slot:
+                    continue
+                pos[r] += 1
+            else:
+                a = None
+                if tail_b[r]:
+                    b = tail_b[r][0]
+                    st, i = b.stage, b.microbatch
+                    d = done_f[st][i]
+                    if d >= 0 and st < n - 1:
+                        d = done_b[st + 1][i]
+                    if 0 <= d <= slot:
+                        a = tail_b[r].popleft()
+                if a is None and tail_w[r] and done_b[tail_w[r][0].stage][
+                        tail_w[r][0].microbatch] >= 0:
+                    a = tail_w[r].popleft()
+                if a is None:
+                    continue
+            if a.op is F:
+                done_f[a.stage][a.microbatch] = slot + 1
+            elif a.op is B:
+                done_b[a.stage][a.microbatch] = slot + 1
+            out[r].append(a)
+            left -= 1
+            placed = True
+        slot += 1
+        if not placed and left:  # all placed so far had ended: nothing will change
+            raise ScheduleError(f"{s.name}: the action lists deadlock (p={p}, m={m})")
+    return Schedule(s.name, p, n, m, list(s2r), out, split_backward=True), slot
 
 
 def _held_peak(s: Schedule) -> int:

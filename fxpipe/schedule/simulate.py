@@ -26,7 +26,9 @@ F/B/W (a send's sender-side seconds count as idle, as in the executor's measurem
 uniform costs and no communication, GPipe and 1F1B give exactly ``(p-1)/(m+p-1)``.
 
 Units: seconds, bytes, GB/s = 1e9 bytes/s.
-"""
+
+Size: over 600 lines because the event loop, its lowered program and the link model are kept with
+the semantics above, which they implement together."""
 
 from __future__ import annotations
 

@@ -5,7 +5,9 @@ rejected (``extra="forbid"``); sizes must be positive. Cross-section rules (pipe
 world size, batch splits into micro-batches) live in :func:`cross_section_problems`, which
 :class:`ParallelSpec`'s validator runs; it raises :class:`CrossSectionError` carrying the key path
 of every problem so :func:`fxpipe.specs.loader.load_spec` can point at the YAML line.
-"""
+
+Size: over 600 lines because it is the spec's reference: one model per section and the rules across
+sections, read together."""
 
 from __future__ import annotations
 

@@ -111,12 +111,6 @@ def _all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
     return x
 
 
-def _blocked(x: torch.Tensor, dim: int, blocks: int) -> torch.Tensor:
-    """``x`` with ``dim`` split into ``(blocks, rest)``."""
-    shape = list(x.shape)
-    return x.reshape(*shape[:dim], blocks, shape[dim] // blocks, *shape[dim + 1:])
-
-
 def _all_gather(x: torch.Tensor, dim: int, blocks: int, group) -> torch.Tensor:
     n = _world(group)
     parts = [torch.empty_like(x) for _ in range(n)]

@@ -317,7 +317,8 @@ def check(spec_ref: Any, steps: int | None = None, out=None) -> int:
             "parameters beyond")
     causes = likely_causes(
         model, microbatches=plan.microbatches, dp=plan.dp, mbs=plan.microbatch_size,
-        loss_check=_first_batch_loss_check(model, spec, plan, eps), loss_name=t.loss)
+        loss_check=_first_batch_loss_check(model, spec, plan, eps), loss_name=t.loss,
+        compression=t.grad_compression, warmup_steps=t.compression.warmup_steps)
     if causes:
         say("likely causes:")
         for c in causes:

@@ -23,7 +23,10 @@ Misuse fails with a message saying what to do: an optimizer over parameters anot
 trains (``model.parameters()`` instead of ``pipe.parameters()``), an optimizer step after
 another number of ``step()`` calls than ``grad_accumulation``, a batch that does not split
 into the plan's micro-batches, ``compile`` outside a torch.distributed job.
-"""
+
+Size: over 600 lines because it is the whole surface a user's own loop calls (one class whose
+methods share the rank's stages, mesh and gradient reducer: step, evaluation, state dicts under
+every degree)."""
 
 from __future__ import annotations
 

@@ -65,7 +65,7 @@ class AdamBound:
         the largest gradient entry of the step (before clipping)."""
         d = bound(grad_magnitude, terms, step + 1, eps)
         for group in optimizer.param_groups:
-            lr, (b1, b2), adam_eps = group["lr"], group["betas"], group["eps"]
+            lr, (_, b2), adam_eps = group["lr"], group["betas"], group["eps"]
             for p in group["params"]:
                 state = optimizer.state.get(p)
                 name = next((n for n, q in named.items() if q is p), None)
@@ -182,10 +182,28 @@ class Cause:
 
 
 def likely_causes(model: nn.Module, *, microbatches: int, dp: int, mbs: int,
-                  loss_check: tuple[float, float] | None, loss_name: str) -> list[Cause]:
+                  loss_check: tuple[float, float] | None, loss_name: str,
+                  compression: str = "none", warmup_steps: int = 0) -> list[Cause]:
     """What in ``model`` and the recipe makes a pipeline differ from single-process training
-    beyond rounding. ``loss_check``: :func:`loss_not_a_mean`'s answer on the first batch."""
+    beyond rounding. ``loss_check``: :func:`loss_not_a_mean`'s answer on the first batch;
+    ``compression`` / ``warmup_steps``: the spec's gradient compression and its exact steps."""
     causes = []
+    if compression != "none" and dp > 1:
+        warm = warmup_steps if compression in ("powersgd", "topk") else 0
+        causes.append(Cause(
+            "gradient compression",
+            f"train.grad_compression {compression!r} sends the {dp} replicas' gradients "
+            "compressed (lossy by design: " + {"fp16": "rounded to 16 bits",
+                                                "bf16": "rounded to 16 bits",
+                                                "powersgd": "a low-rank approximation",
+                                                "topk": "only the largest entries"
+                                                }.get(compression, "approximated")
+            + f") from step {warm + 1} on, so the averaged gradients are not one process's",
+            "Check with grad_compression: none" + (" (or compression.warmup_steps at least "
+                                                   "the steps checked)" if warm or compression
+                                                   in ("powersgd", "topk") else "")
+            + "; the compression's effect on training is what "
+            "benchmarks/bench_compression.py measures"))
     parts = microbatches * dp
     bn = batchnorm_modules(model)
     if bn and parts > 1:

@@ -23,7 +23,9 @@ launcher prints it, and restarts end at once instead of training again.
 Under ``train.updates: async`` the servers serve and the replicas train at their own pace
 (:func:`train_async`, on :mod:`fxpipe.training.async_updates`: its logs, its final
 checkpoint).
-"""
+
+Size: over 600 lines because it is a rank's whole run in order (data, checkpoints, steps,
+evaluation, logging), read top to bottom."""
 
 from __future__ import annotations
 
@@ -193,7 +195,6 @@ def train(plan_path: Path, out: Path, resume: bool = False) -> None:
     """
     import math
 
-    import torch
     import torch.distributed as dist
 
     from fxpipe.data.batches import get_batch, make_batches
