@@ -105,7 +105,9 @@ def test_every_scored_candidate_is_priced_as_its_plan_predicts(make, train, monk
 
 
 @pytest.mark.parametrize("name, sp, schedule", [("gpt", False, "1f1b"), ("gpt", True, "zb-v"),
-                                                ("gpt2", True, "1f1b"), ("llama", True, "1f1b")])
+                                                ("gpt2", True, "1f1b"), ("llama", True, "1f1b"),
+                                                ("deep", False, "1f1b"), ("deep", True, "1f1b"),
+                                                ("deep", True, "zb-v")])
 def test_a_cut_prices_the_tensor_collectives_each_stage_runs(name, sp, schedule):
     """Item 4: the plan's per-stage tensor collectives (what its cut was priced with) are those
     the runtime's per-stage analysis gives the stages a worker builds (with sequence
@@ -115,8 +117,8 @@ def test_a_cut_prices_the_tensor_collectives_each_stage_runs(name, sp, schedule)
     from fxpipe.partitioner.split import materialize_stages
     from fxpipe.runtime.tensor_parallel import plan_stage_sharding
 
-    if name == "gpt":
-        model, args, kwargs, model_spec, seq = _gpt()
+    if name in ("gpt", "deep"):  # deep: planned as blocks, each stage priced from two
+        model, args, kwargs, model_spec, seq = (_gpt if name == "gpt" else _deep)()
         spec = _spec(model_spec, 8, seq)
     else:
         model, args, kwargs = zoo.build(name), (), {k: v[:1] for k, v in zoo.batch(name, 0)[1]
@@ -126,11 +128,13 @@ def test_a_cut_prices_the_tensor_collectives_each_stage_runs(name, sp, schedule)
                         "schedule": schedule, "sequence_parallel": sp}
     spec["cluster"] = {"devices_per_node": 4, "memory_gb": 4}
     plan = fxpipe.plan(model, spec, args, kwargs)
-    mods = materialize_stages(copy.deepcopy(plan), model, list(range(plan.num_stages)))
+    assert bool(plan.folded) == (name == "deep")
+    resolved = copy.deepcopy(plan)  # as a worker has it (a plan of blocks: resolved to nodes)
+    mods = materialize_stages(resolved, model, list(range(plan.num_stages)))
     loss = None if spec["train"]["loss"] == "model" else spec["train"]["loss"]
     gathered = 0
     for st in plan.stages:
-        comms = [c for ns in plan_stage_sharding(plan, st.index, mods[st.index], loss)[0]
+        comms = [c for ns in plan_stage_sharding(resolved, st.index, mods[st.index], loss)[0]
                  .nodes.values() for c in ns.comm]
         assert st.tensor_collectives == len(comms), st.index
         assert st.tensor_bytes == [float(sum(c.nbytes for c in comms if c.phase == p))

@@ -132,35 +132,10 @@ def _stage_plan(j: int, step: StageStep, result: PartitionResult, mem: Partition
         grad_send_time_s=step.grad_send_s, recompute=recompute, loss_time_s=float(loss_s),
         shared_bytes=int(step.shared_bytes))
 
-def _stage_nodes(plan: Plan, pr: Priced) -> list[list[str]]:
-    """The traced graph's nodes each stage runs (with repeats: a folded plan's stage runs the
-    representative block's nodes once per block it holds)."""
-    fo = pr.table.folding
-    if fo is None:
-        return [list(st.nodes) for st in plan.stages]
-    pg, rec = pr.pg, plan.folded
-    out: list[list[str]] = [[] for _ in plan.stages]
-    for node, s in rec["prologue"].items():
-        out[s].append(node)
-    block = [m for u in fo.block_units[-1] for m in pg.graph.nodes[pg.order[u]]["members"]]
-    for s in rec["blocks"]:
-        out[s] += block
-    after = [m for u in fo.epilogue for m in pg.graph.nodes[pg.order[u]]["members"]]
-    for node, s in zip(after, rec["epilogue"]):
-        out[s].append(node)
-    return out
-
-def _folded_comms(plan: Plan, pr: Priced) -> list[list]:
-    """Per stage of a plan of repeated blocks, the tensor group's collectives of one
-    micro-batch: the traced graph's, node by node, block by block."""
-    tp = pr.tensor
-    return [[c for n in nodes if n in tp.sharding.nodes for c in tp.sharding.nodes[n].comm]
-            for nodes in _stage_nodes(plan, pr)]
-
 def _set_tensor(plan: Plan, pr: Priced, comms: list[list] | None) -> None:
     """The plan's tensor-parallel fields from the priced units' sharding, and what it says:
     how many parameters are split how, what stays whole, and the collectives per micro-batch
-    (``comms``: per stage, as the cut was priced; None: a plan of repeated blocks)."""
+    (``comms``: per stage, as the cut was priced)."""
     tp = pr.tensor
     if tp is None:
         return
@@ -172,7 +147,7 @@ def _set_tensor(plan: Plan, pr: Priced, comms: list[list] | None) -> None:
         text = expand_blocks(text, fo.run.prefix, fo.run.start, fo.run.count)
     plan.tensor_params = dict(sorted(text.items()))
     plan.tensor_replicated = tp.replicated()
-    for st, mine in zip(plan.stages, comms if comms is not None else _folded_comms(plan, pr)):
+    for st, mine in zip(plan.stages, comms or []):
         st.tensor_collectives = len(mine)
         st.tensor_bytes = [float(sum(c.nbytes for c in mine if c.phase == "fwd")),
                            float(sum(c.nbytes for c in mine if c.phase == "bwd"))]
@@ -283,7 +258,7 @@ def assemble_folded(pr: Priced, result: PartitionResult, cand: Candidate, spec: 
         lower_bound_s=_lower_bound(stages, result), explain=explain, spec=spec,
         folded=record, placement=cand.layout, data_sharding=cand.sharding,
     )
-    _set_tensor(plan, pr, None)
+    _set_tensor(plan, pr, steps.tensor_comms)
     # a plan of blocks names no values between its stages until a worker resolves it: the
     # bytes on each stage edge are recorded (what Plan.edge_bytes gives for it)
     fwd, grad = steps.edge_bytes()

@@ -54,8 +54,8 @@ class CutSteps:
         fwd / grad: ``{(sender, receiver): [bytes of each tensor]}`` per micro-batch, of the
             values and of their gradients (a gradient goes back from the consumer).
         recompute: the cut's activation recomputation, stage by stage.
-        tensor_comms: under tensor parallelism (units not folded), per stage the collectives
-            of one micro-batch as the runtime runs the stage; else None.
+        tensor_comms: under tensor parallelism, per stage the collectives of one micro-batch
+            as the runtime runs the stage; else None.
     """
 
     stages: list[StageStep]

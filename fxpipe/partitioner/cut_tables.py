@@ -207,6 +207,12 @@ def _range_comms(pr: Priced, a: int, b: int, loss_name: str | None) -> list:
     as the runtime runs the stage (:func:`fxpipe.tensor.analysis.stage_sharding` over the
     stage's own graph: its inputs arrive whole, its outputs leave whole, a value split where
     a cut falls is gathered there); computed once per unit range."""
+    return [c for comms in _range_node_comms(pr, a, b, loss_name).values() for c in comms]
+
+
+def _range_node_comms(pr: Priced, a: int, b: int, loss_name: str | None) -> dict[str, list]:
+    """:func:`_range_comms` node by node (the stage graph's node names: the traced graph's,
+    and ``output`` for what leaves the stage)."""
     key = ("comms", a, b)
     got = pr.cache.get(key)
     if got is not None:
@@ -237,7 +243,7 @@ def _range_comms(pr: Priced, a: int, b: int, loss_name: str | None) -> list:
         logits = outs[sb.outputs.index(model_output)]
     sharding = stage_sharding(mod, placements, tp.t, sequence_parallel=tp.sequence_parallel,
                               received=received, logits=logits)
-    comms = [c for ns in sharding.nodes.values() for c in ns.comm]
+    comms = {n: list(ns.comm) for n, ns in sharding.nodes.items() if ns.comm}
     pr.cache[key] = comms
     return comms
 
@@ -248,22 +254,86 @@ def stage_tensor_comms(pr: Priced, cuts: Sequence[int], loss_name: str | None
     the collectives the runtime's per-stage analysis runs, and the forward / input-gradient
     seconds they take beyond what the units' prices hold (the traced graph's collectives of the
     stage's nodes): the gathers and slices where a cut splits a sharded value, and any decision
-    a stage's whole inputs change. None at degree 1 and for units that are repeated blocks
-    (their cuts fall between blocks; the traced graph's collectives stand)."""
+    a stage's whole inputs change. For units that are repeated blocks, see
+    :func:`_folded_stage_comms`. None at degree 1."""
     tp = pr.tensor
-    if tp is None or pr.table.folding is not None:
+    if tp is None:
         return None
     ends = list(cuts[1:]) + [len(pr.table.names)]
     g, order = pr.pg.graph, pr.pg.order
+    fo = pr.table.folding
     lists, extra = [], []
     for a, b in zip(cuts, ends):
-        comms = _range_comms(pr, a, b, loss_name)
+        if fo is None:
+            comms = _range_comms(pr, a, b, loss_name)
+            positions = list(range(a, b))
+        else:
+            comms, positions = _folded_stage_comms(pr, a, b, loss_name)
         fs, bs = tp.seconds(comms)
         had_f = had_b = 0.0
-        for pos in range(a, b):
+        for pos in positions:
             for m in g.nodes[order[pos]]["members"]:
                 f, bw = tp.comm_s.get(m, (0.0, 0.0))
                 had_f, had_b = had_f + f, had_b + bw
         lists.append(comms)
         extra.append(np.array([fs - had_f, bs - had_b, 0.0]))
     return lists, extra
+
+
+def _folded_stage_comms(pr: Priced, a: int, b: int, loss_name: str | None
+                        ) -> tuple[list, list[int]]:
+    """The collectives of a stage holding folded units ``a..b-1`` (prologue nodes, ``k``
+    blocks, epilogue nodes), and the positions of the reduced graph whose priced collectives
+    the units hold (a block counts its representative's, once per block).
+
+    The runtime's per-stage analysis over stretches of the reduced graph (two kept blocks)
+    that have the stage's ends: a stage's first block reads the prologue's output where the
+    stage holds the prologue or starts the model's run of blocks (the first kept block does
+    too), else a previous block's output received whole (the second kept block does); its
+    last block is followed by the stage's epilogue part or a cut (the second kept block, or
+    the first when it is the only one). Every block between the first and the last adds the
+    collectives of the representative block as the whole reduced graph runs it (between two
+    blocks, as in the middle of a stage)."""
+    fo = pr.table.folding
+    n_pro, count = len(fo.prologue), fo.run.count
+    pro = [fo.prologue[u] for u in range(a, min(b, n_pro))]
+    epi = [fo.epilogue[u - n_pro - count] for u in range(max(a, n_pro + count), b)]
+    k = max(0, min(b, n_pro + count) - max(a, n_pro))
+    g, order = pr.pg.graph, pr.pg.order
+    rep = fo.block_units[-1]
+    owned = pro + rep * k + epi
+    start = [min(units) for units in fo.block_units]
+    end = [start[1] - 1, (min(fo.epilogue) if fo.epilogue else len(order)) - 1]
+
+    def members(lo: int, hi: int) -> set[str]:
+        return {m for p in range(lo, hi + 1) for m in g.nodes[order[p]]["members"]}
+
+    def flat(per: dict[str, list], skip: set[str] = frozenset(), only: set[str] | None = None
+             ) -> list:
+        return [c for n, cs in per.items() if n not in skip and (only is None or n in only)
+                for c in cs]
+
+    if k == 0:
+        lo, hi = (pro or epi)[0], (pro or epi)[-1]
+        return _range_comms(pr, lo, hi + 1, loss_name), owned
+    tail = epi[-1] if epi else end[1]
+    if pro or a == n_pro:  # the first block reads the prologue's output, as the first kept one
+        lo = pro[0] if pro else start[0]
+        if k >= 2:
+            comms = _range_comms(pr, lo, tail + 1, loss_name)
+        elif not epi:
+            comms = _range_comms(pr, lo, end[0] + 1, loss_name)
+        else:  # a run of one block (not folded in practice): the second kept one left out
+            comms = flat(_range_node_comms(pr, lo, tail + 1, loss_name),
+                         skip=members(start[1], end[1]))
+    elif k == 1:  # the first block reads a block's output, received whole: the second kept
+        return _range_comms(pr, start[1], tail + 1, loss_name), owned
+    else:  # that block as it starts a stage, then as it ends one after a block
+        comms = (flat(_range_node_comms(pr, start[1], end[1] + 1, loss_name),
+                      only=members(start[1], end[1]))
+                 + flat(_range_node_comms(pr, start[0], tail + 1, loss_name),
+                        skip=members(start[0], end[0])))
+    nodes = pr.tensor.sharding.nodes
+    between = [c for p in rep for m in g.nodes[order[p]]["members"] if m in nodes
+               for c in nodes[m].comm]
+    return comms + between * max(0, k - 2), owned
