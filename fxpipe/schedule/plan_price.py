@@ -60,9 +60,11 @@ def links_from_plan(plan: Plan) -> Links:
 
 
 def simulate_plan(plan: Plan, schedule: str | None = None, microbatches: int | None = None,
-                  links: Links | None = None) -> SimResult:
+                  links: Links | None = None, *, check: bool = True, timeline: bool = True
+                  ) -> SimResult:
     """Simulate one step of ``plan`` (optionally with another schedule name / micro-batch count,
-    or other links) by the one pricing rule.
+    or other links) by the one pricing rule (``check``: validate the action lists first;
+    ``timeline``: keep the events).
 
     Raises:
         ScheduleError: the plan's parameters do not suit the schedule.
@@ -70,11 +72,14 @@ def simulate_plan(plan: Plan, schedule: str | None = None, microbatches: int | N
     fwd, grad = plan.edge_bytes()
     return price_step(schedule_for_plan(plan, schedule, microbatches), stage_steps(plan), fwd,
                       grad, links or links_from_plan(plan), reduction_of(plan),
-                      plan.server_stage_bytes if plan.parameter_servers else None)
+                      plan.server_stage_bytes if plan.parameter_servers else None,
+                      check=check, timeline=timeline)
 
 
 def predict(plan: Plan, schedule: str | None = None, microbatches: int | None = None,
             links: Links | None = None) -> Predicted:
     """:func:`simulate_plan` reduced to a :class:`~fxpipe.plans.plan.Predicted` (what
-    ``plan.predicted`` holds)."""
-    return simulate_plan(plan, schedule, microbatches, links).predicted()
+    ``plan.predicted`` holds): the figures only (the generators' action lists, as the search
+    priced them; ``fxpipe simulate`` and the timeline validate and keep the events)."""
+    return simulate_plan(plan, schedule, microbatches, links, check=False,
+                         timeline=False).predicted()
