@@ -154,16 +154,28 @@ def reference(name: str, global_batch: int, steps: int = STEPS):
     return _REFS[key]
 
 
+def recomputing(plan: Plan, mode: str) -> Plan:
+    """A copy of ``plan`` whose every stage recomputes its activations, ``full`` or
+    ``selective`` (at the CPU default's ridge: linear layers and attention kept)."""
+    plan = copy.deepcopy(plan)
+    for st in plan.stages:
+        st.recompute, st.keep_ridge = True, (CPU_RIDGE if mode == "selective" else None)
+    return plan
+
+
 def run_spec(name, p, dp, schedule, precision="fp32", steps=STEPS, scale=None, poison=None,
-             m=M):
+             m=M, recompute=None):
     """One case for the workers: its plan, the fp32 reference and the precision settings
     (``scale``: a LossScaler's initial scale; ``poison``: the global rank whose first stage
-    parameter gets an inf gradient in the first step; ``m``: micro-batches per step)."""
+    parameter gets an inf gradient in the first step; ``m``: micro-batches per step;
+    ``recompute``: every stage recomputes, ``full`` or ``selective``)."""
     plan = make_plan(name, p, dp, schedule, m)
+    if recompute:
+        plan = recomputing(plan, recompute)
     if precision == "fp16" and scale is None:
         scale = FP16_INIT_SCALE
     return dict(model=name, schedule=schedule, p=p, dp=dp, m=m, plan=plan, precision=precision,
-                steps=steps, scale0=scale,
+                steps=steps, scale0=scale, recompute=recompute,
                 # a poisoned run skips its first step: compare with one step less
                 ref=reference(name, dp * m * MBS, steps - (poison is not None)),
                 poison=poison)
@@ -258,6 +270,11 @@ def _worker(rank: int, runs: list[dict]):
 # ----------------------------------------------------------------------------- fixtures
 #: the controllable-memory V schedules and DualPipeV (issue 28)
 V_NEW = ("v-half", "v-min", "dualpipev")
+#: the schedules recomputing stages are run under (issue 36): one whole backward, the
+#: interleaved one and split backwards (B then W)
+RECOMPUTE_SCHEDULES = ("interleaved", "zb-h1", "zb-v")
+#: the CPU default's ridge point (0.05 TFLOP/s over 20 GB/s): FLOPs per byte
+CPU_RIDGE = 0.05e12 / 20e9
 
 
 def _m_for(schedule: str, p: int) -> int:
@@ -269,6 +286,8 @@ def _world2_runs():
     runs = [run_spec(n, 2, 1, s) for n in ("gpt", "cnn") for s in ("interleaved", "zb-h1", "zb-v")]
     runs += [run_spec("skip4", 2, 1, s) for s in ("interleaved", "zb-v")]
     runs += [run_spec("gpt", 2, 1, s) for s in V_NEW] + [run_spec("skip4", 2, 1, "dualpipev")]
+    runs += [run_spec("gpt", 2, 1, s, recompute=r) for s in RECOMPUTE_SCHEDULES
+             for r in ("selective", "full")]
     return runs
 
 
@@ -281,6 +300,7 @@ def _world4_runs():
     runs += [run_spec("skip8", 4, 1, s) for s in ("interleaved", "zb-v")]
     runs += [run_spec("cnn", 2, 2, s) for s in V_NEW]
     runs += [run_spec("skip8", 4, 1, s, m=_m_for(s, 4)) for s in V_NEW]
+    runs += [run_spec(n, 2, 2, "zb-v", recompute="selective") for n in ("gpt", "cnn")]
     return runs
 
 
@@ -297,6 +317,7 @@ def world4():
 
 
 def _rows(results, **match):
+    match.setdefault("recompute", None)
     rows = [r for per_rank in results[1] for r in per_rank
             if all(r[k] == v for k, v in match.items())]
     assert rows, f"no results for {match}"
@@ -582,6 +603,26 @@ if __name__ == "__main__":  # print the measured figures
                       f"{r['loss_err']:.2e} param_err {r['param_err']:.2e} losses "
                       f"{[round(x, 5) for x in r['losses']]} skipped {r['skipped']} "
                       f"sent {sorted({str(d) for _, d, _ in r['sent']})} raw16 {r['raw16']}")
+
+
+# ----------------------------------------------------------------------------- issue 36
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", ["selective", "full"])
+@pytest.mark.parametrize("schedule", RECOMPUTE_SCHEDULES)
+def test_recomputing_stages_are_exact(world2, world4, schedule, mode):
+    """Every stage recomputing its activations, fully or selectively (the linear layers'
+    and attention's outputs kept), trains like one process: interleaved (one whole backward
+    per stage), ZB-H1 and ZB-V (B then W: the forward runs again once, before B) at p=2;
+    selective under ZB-V with data parallel 2 on CharGPT and SkipCNN (a skip from stage 0 to
+    stage 3)."""
+    rows = _rows(world2, model="gpt", schedule=schedule, recompute=mode)
+    assert len(rows) == 2
+    _assert_exact(rows)
+    if schedule == "zb-v" and mode == "selective":
+        for model in ("gpt", "cnn"):
+            rows = _rows(world4, model=model, schedule=schedule, recompute=mode, p=2, dp=2)
+            assert len(rows) == 4
+            _assert_exact(rows)
 
 
 # ----------------------------------------------------------------------------- issue 28

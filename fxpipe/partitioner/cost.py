@@ -42,8 +42,9 @@ from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
-from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
+from torch.utils.flop_counter import FlopCounterMode
 
+from fxpipe.execution.op_flops import EXTRA_FORMULAS
 from fxpipe.partitioner.trace import COMPUTE_OPS, FakeInterpreter, TracedModel
 
 __all__ = ["NodeCost", "price", "seconds", "transfer_seconds", "value_bytes", "EXTRA_FORMULAS"]
@@ -98,56 +99,6 @@ class NodeCost:
     def bwd_input_flops(self) -> int:
         """Input-gradient FLOPs: ``bwd_flops - bwd_weight_flops``."""
         return self.bwd_flops - self.bwd_weight_flops
-
-
-# ---------------------------------------------------------------------------------------------
-# formulas missing from torch 2.13's FlopCounterMode (arguments arrive as shapes)
-
-
-def _sdpa_cpu_flop(query, key, value, *args, out_shape=None, **kwargs) -> int:
-    return sdpa_flop_count(query, key, value)
-
-
-def _sdpa_cpu_backward_flop(grad_out, query, key, value, *args, out_shape=None, **kwargs) -> int:
-    return sdpa_backward_flop_count(grad_out, query, key, value)
-
-
-def _mha_flops(b: int, t: int, s: int, e: int) -> int:
-    """Multi-head attention with in/out projections: query length t, key length s, width e."""
-    proj = 2 * b * t * e * e + 2 * 2 * b * s * e * e + 2 * b * t * e * e  # q, k+v, out
-    attn = 2 * b * t * s * e * 2  # scores q@k^T and probabilities@v, summed over heads
-    return proj + attn
-
-
-def _btc(shape) -> tuple[int, int]:
-    """(batch, length) of a [B, T, E] or [T, E] shape."""
-    return (shape[0], shape[1]) if len(shape) == 3 else (1, shape[0])
-
-
-def _native_mha_flop(query, key, value, embed_dim, num_head, *args, out_shape=None,
-                     **kwargs) -> int:
-    b, t = _btc(query)
-    _, s = _btc(key)
-    return _mha_flops(b, t, s, int(embed_dim))
-
-
-def _encoder_layer_fwd_flop(src, embed_dim, num_heads, qkv_weight, qkv_bias, proj_weight,
-                            proj_bias, use_gelu, norm_first, eps, norm_weight_1, norm_bias_1,
-                            norm_weight_2, norm_bias_2, ffn_weight_1, *args, out_shape=None,
-                            **kwargs) -> int:
-    b, t = _btc(src)
-    e = int(embed_dim)
-    ffn = int(ffn_weight_1[0])
-    return _mha_flops(b, t, t, e) + 2 * (2 * b * t * e * ffn)
-
-
-#: op packet -> formula (shape arguments), passed to ``FlopCounterMode(custom_mapping=...)``.
-EXTRA_FORMULAS: dict[Any, Any] = {
-    aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_cpu_flop,
-    aten._scaled_dot_product_flash_attention_for_cpu_backward: _sdpa_cpu_backward_flop,
-    aten._native_multi_head_attention: _native_mha_flop,
-    aten._transformer_encoder_layer_fwd: _encoder_layer_fwd_flop,
-}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -66,7 +66,11 @@ class StagePlan:
         grad_send_time_s: the same per gradient send (SEND_B: the input gradients the stage
             sends back, sized by those gradients); None: ``send_time_s``.
         recompute: activation recomputation: the stage keeps only its inputs per micro-batch in
-            flight and runs its forward again in the backward (priced in ``bwd_input_time_s``).
+            flight (and, selective, ``keep_ridge``, the outputs of its costly ops) and runs its
+            forward again before its backward (priced in ``bwd_input_time_s``).
+        keep_ridge: under recomputation, selective: the ops whose FLOPs per output byte reach
+            this many keep their outputs, the others are recomputed
+            (:mod:`fxpipe.execution.selective`); None: full recomputation (nothing kept).
         loss_time_s: of the times above, the seconds per micro-batch of the loss
             (``train.loss``) this stage runs on the model's output, forward + backward (the last
             stage; 0 elsewhere and for a model that computes its own loss).
@@ -98,11 +102,19 @@ class StagePlan:
     bwd_weight_time_s: float = 0.0
     send_time_s: float = 0.0
     recompute: bool = False
+    keep_ridge: float | None = None
     grad_send_time_s: float | None = None
     loss_time_s: float = 0.0
     tensor_collectives: int = 0
     tensor_bytes: list[float] = field(default_factory=list)
     shared_bytes: int = 0
+
+    @property
+    def recompute_mode(self) -> str:
+        """``off``, ``full`` or ``selective`` (:attr:`recompute`, :attr:`keep_ridge`)."""
+        if not self.recompute:
+            return "off"
+        return "full" if self.keep_ridge is None else "selective"
 
 
 @dataclass

@@ -16,12 +16,12 @@ from typing import Callable
 
 import torch
 import torch.nn as nn
-import torch.utils.checkpoint
 
 from fxpipe.errors import RuntimeFailure, ScheduleError
 from fxpipe.plans.plan import StagePlan
 from fxpipe.plans.values import ValueInfo, needs_grad
 from fxpipe.runtime.backward_split import WeightWork, backward_input, backward_weight
+from fxpipe.runtime.recompute import Replay, forward_keeping_inputs, replay
 
 
 @dataclass
@@ -34,6 +34,8 @@ class _Microbatch:
     grads: dict[str, torch.Tensor]  # gradient of each output, summed over its consumers
     grad_counts: dict[str, int]
     pending_w: WeightWork | None = None  # after a split B: what W needs
+    replay: Replay | None = None  # a recomputing stage: what its second forward needs
+    loss_leaf: torch.Tensor | None = None  # ... and the output its loss read (a leaf)
 
 
 def trainable_parameters(module: nn.Module) -> list[nn.Parameter]:
@@ -107,11 +109,32 @@ class StageWork:
         """
         sp = self.plan_stage
         leaves = [(n, t) for n, t in zip(sp.inputs, args) if t.requires_grad and t.is_leaf]
+        rep = None
         with self._autocast():
-            if sp.recompute and torch.is_grad_enabled():  # keep the inputs, recompute in B
-                out = torch.utils.checkpoint.checkpoint(self.module, *args, use_reentrant=False)
+            if sp.recompute and torch.is_grad_enabled():  # keep the inputs, recompute before B
+                out, rep = forward_keeping_inputs(self.module, args, sp.keep_ridge)
             else:
                 out = self.module(*args)
+            outs = self._outputs(i, out)
+        loss = shown = leaf = None
+        if self.loss_input is not None:
+            read = outs[self.loss_input]
+            if rep is not None and read.dtype.is_floating_point:  # the loss's own graph is kept
+                read = leaf = read.detach().requires_grad_()
+            with self._autocast():
+                loss = loss_fn(read, target)
+            if loss is not None:
+                shown = loss.detach().to(torch.promote_types(loss.dtype, torch.float32))
+                if scale is not None:  # the backward starts from the scaled loss
+                    loss = loss.float() * scale
+        self._mb[i] = _Microbatch(leaves, outs, loss, {}, {}, replay=rep, loss_leaf=leaf)
+        self.peak = max(self.peak, len(self._mb))
+        return outs, shown
+
+    def _outputs(self, i: int, out) -> dict[str, torch.Tensor]:
+        """The stage module's return value by output name, cast to the plan dtypes and checked
+        against the plan's shapes."""
+        sp = self.plan_stage
         if isinstance(out, torch.Tensor):
             out = (out,)
         if not isinstance(out, (tuple, list)) or len(out) != len(sp.outputs):
@@ -122,17 +145,7 @@ class StageWork:
                 "from this plan")
         outs = {name: self._to_plan_dtype(name, t) for name, t in zip(sp.outputs, out)}
         self._check_outputs(i, outs)
-        loss = shown = None
-        if self.loss_input is not None:
-            with self._autocast():
-                loss = loss_fn(outs[self.loss_input], target)
-            if loss is not None:
-                shown = loss.detach().to(torch.promote_types(loss.dtype, torch.float32))
-                if scale is not None:  # the backward starts from the scaled loss
-                    loss = loss.float() * scale
-        self._mb[i] = _Microbatch(leaves, outs, loss, {}, {})
-        self.peak = max(self.peak, len(self._mb))
-        return outs, shown
+        return outs
 
     def _to_plan_dtype(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """Cast an output that other stages read to its plan dtype (autocast may have made it
@@ -179,10 +192,19 @@ class StageWork:
         mb.grad_counts[name] = mb.grad_counts.get(name, 0) + 1
 
     def _outputs_and_grads(self, i: int, mb: _Microbatch):
+        """The tensors B starts from and their gradients: the loss (on the loss stage) and
+        every output other stages read. A recomputing micro-batch runs its forward again
+        first (:func:`~fxpipe.runtime.recompute.replay`) and starts from that forward's
+        outputs, the loss's gradient arriving at the output it read."""
+        outs, loss_grad = mb.outs, None
         tensors, grads = [], []
-        if mb.loss is not None:
+        if mb.replay is not None:
+            if mb.loss is not None and mb.loss_leaf is not None:
+                loss_grad = torch.autograd.grad(mb.loss, [mb.loss_leaf], allow_unused=True)[0]
+        elif mb.loss is not None:
             tensors.append(mb.loss)
             grads.append(None)
+        wanted = []
         for name, out in mb.outs.items():
             consumers = self._consumers.get(name, [])
             if not consumers or not needs_grad(out.dtype):
@@ -192,9 +214,21 @@ class StageWork:
                     f"{self._ctx(i)}: backward started with {mb.grad_counts.get(name, 0)} of "
                     f"{len(consumers)} gradients of {name!r} (consumers: stages {consumers}); a "
                     "RECV_B or a consumer's B must come before this B")
-            if out.requires_grad:
-                tensors.append(out)
-                grads.append(mb.grads[name])
+            wanted.append(name)
+        if mb.replay is not None:
+            with self._autocast():
+                outs = self._outputs(i, replay(self.module, mb.replay))
+            mb.replay = None
+        for name in wanted:
+            g = mb.grads[name]
+            if name == self.loss_input and loss_grad is not None:
+                g, loss_grad = g + loss_grad, None
+            if outs[name].requires_grad:
+                tensors.append(outs[name])
+                grads.append(g)
+        if loss_grad is not None and outs[self.loss_input].requires_grad:
+            tensors.append(outs[self.loss_input])
+            grads.append(loss_grad)
         return tensors, grads
 
     # ------------------------------------------------------------------ B and W

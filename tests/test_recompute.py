@@ -1,0 +1,107 @@
+"""Activation recomputation on one stage (issue 36): the second forward runs once, before B,
+from the first one's random-number state, and leaves the buffers as the first forward wrote
+them; full and selective recomputation give the gradients of a stage that keeps everything,
+under one whole backward and split into B then W, on a stage that sends its output and on
+the stage that computes the loss."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from fxpipe.execution.selective import keeps_op, ridge_of
+from fxpipe.plans.plan import StagePlan
+from fxpipe.plans.values import ValueInfo
+from fxpipe.runtime.stage import StageWork
+
+B, D = 8, 16
+#: keeps the linear layers' outputs (FLOPs per byte = input width / 2 in fp32 = 8)
+RIDGE = 4.0
+
+
+class Noisy(nn.Module):
+    """Linear -> BatchNorm -> dropout -> GELU -> LayerNorm -> linear; counts its forwards."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.bn, self.ln, self.b = nn.Linear(D, D), nn.BatchNorm1d(D), nn.LayerNorm(D), \
+            nn.Linear(D, D)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        h = F.gelu(F.dropout(self.bn(self.a(x)), 0.3, training=True))
+        return (self.b(self.ln(h)),)
+
+
+def _stage(mode: str, split: bool, loss: bool) -> tuple[StageWork, Noisy]:
+    torch.manual_seed(0)
+    mod = Noisy()
+    sp = StagePlan(index=0, nodes=[], params=[], buffers=[], inputs=["x"], outputs=["y"],
+                   fwd_flops=0, bwd_flops=0, bwd_weight_flops=0, param_bytes=0,
+                   activation_bytes=0, recv_bytes=0, send_bytes=0, compute_time_s=0,
+                   comm_time_s=0, time_s=0, memory_bytes=0, recompute=mode != "off",
+                   keep_ridge=RIDGE if mode == "selective" else None)
+    values = {"y": ValueInfo("y", 0, [] if loss else [1], [B, D], "float32", B * D * 4)}
+    work = StageWork(sp, mod, values, {} if loss else {"y": [1]}, split,
+                     contextlib.nullcontext, lambda i: f"micro-batch {i}",
+                     loss_input="y" if loss else None)
+    return work, mod
+
+
+def _run(mode: str, split: bool, loss: bool):
+    work, mod = _stage(mode, split, loss)
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(B, D, generator=g).requires_grad_() for _ in range(3)]
+    target = torch.randn(B, D, generator=g)
+    torch.manual_seed(7)
+    for i, x in enumerate(xs):
+        work.forward(i, [x], F.mse_loss if loss else None, target if loss else None)
+    after_forwards = mod.calls
+    in_grads = []
+    for i in range(3):
+        if not loss:
+            work.add_output_grad(i, "y", torch.full((B, D), 0.1 * (i + 1)))
+        in_grads.append(work.backward(i)[0][1])
+        if split:
+            work.weight(i)
+    return dict(calls=(after_forwards, mod.calls), in_grads=in_grads,
+                grads=[p.grad.clone() for p in mod.parameters()],
+                buffers=[b.clone() for b in mod.buffers()], rng=torch.get_rng_state())
+
+
+@pytest.mark.parametrize("loss", [False, True], ids=["sends", "loss"])
+@pytest.mark.parametrize("split", [False, True], ids=["whole", "b-w"])
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_recomputing_stage_equals_keeping_everything(mode, split, loss):
+    ref, got = _run("off", split, loss), _run(mode, split, loss)
+    assert ref["calls"] == (3, 3)
+    assert got["calls"] == (3, 6), "one forward again per micro-batch, B and W included"
+    # the same ops on the same values in the same order: equal to the last bit
+    for a, b in zip(ref["in_grads"] + ref["grads"], got["in_grads"] + got["grads"]):
+        assert torch.equal(a, b)
+    for a, b in zip(ref["buffers"], got["buffers"]):  # running statistics updated once
+        assert torch.equal(a, b)
+    assert torch.equal(ref["rng"], got["rng"]), "the replay leaves the caller's RNG stream"
+
+
+def test_selective_rule_keeps_matmuls_and_recomputes_the_rest():
+    """The rule of :mod:`fxpipe.execution.selective`: FLOPs per output byte against the
+    ridge point. A linear layer of input width w (fp32) has w / 2 FLOPs per output byte, an
+    attention score matrix ``q @ k^T`` head dimension / 2; element-wise ops none."""
+    aten = torch.ops.aten
+    x, w = torch.randn(64, 512), torch.randn(512, 512)
+    out = x @ w
+    assert keeps_op(aten.mm.default, (x, w), {}, out, ridge=200.0)  # 256 FLOP/byte
+    assert not keeps_op(aten.mm.default, (x, w), {}, out, ridge=300.0)
+    q = torch.randn(4, 128, 64)
+    scores = torch.bmm(q, q.transpose(1, 2))
+    a100 = ridge_of(312e12, 2.039e12)  # ~153 FLOP/byte
+    assert not keeps_op(aten.bmm.default, (q, q.transpose(1, 2)), {}, scores, a100)
+    assert not keeps_op(aten.gelu.default, (out,), {}, F.gelu(out), ridge=0.0)
+    with pytest.raises(ValueError, match="must be > 0"):
+        ridge_of(0.0, 1e9)
