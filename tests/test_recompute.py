@@ -105,3 +105,42 @@ def test_selective_rule_keeps_matmuls_and_recomputes_the_rest():
     assert not keeps_op(aten.gelu.default, (out,), {}, F.gelu(out), ridge=0.0)
     with pytest.raises(ValueError, match="must be > 0"):
         ridge_of(0.0, 1e9)
+
+
+def _plan(mode: str, memory_gb: float):
+    import fxpipe
+    from fxpipe.examples.gpt import CharGPT
+
+    torch.manual_seed(0)
+    model = CharGPT(n_layer=4, n_embd=128, n_head=4, block_size=128)
+    spec = {"model": {"factory": "fxpipe.examples.gpt:CharGPT"},
+            "data": {"batch_size": 32, "seq_len": 128},
+            "parallel": {"pipeline": 2, "data": 1, "microbatches": 8, "schedule": "1f1b"},
+            "cluster": {"nodes": 1, "devices_per_node": 2, "memory_gb": memory_gb},
+            "train": {"activation_recompute": mode}}
+    return fxpipe.plan(model, spec, torch.randint(0, 256, (4, 128)))
+
+
+def test_planner_prices_selective_between_none_and_full_and_auto_weighs_it():
+    """Selective recomputation keeps the matmuls' outputs: less memory per micro-batch than
+    keeping everything, a shorter backward than full recomputation (only the element-wise
+    ops, norms and the like run again). On a device where the balanced cut does not fit
+    without recomputation, ``auto`` weighs selective against the cut that fits without it
+    and recomputes selectively where that is faster, and says so."""
+    roomy = {m: _plan(m, 16.0) for m in ("off", "selective", "full")}
+    for j in range(2):
+        off, sel, full = (roomy[m].stages[j] for m in ("off", "selective", "full"))
+        assert (off.recompute_mode, sel.recompute_mode, full.recompute_mode) == \
+            ("off", "selective", "full")
+        assert sel.keep_ridge == pytest.approx(0.05e12 / 20e9) and full.keep_ridge is None
+        assert full.activation_bytes < sel.activation_bytes < off.activation_bytes
+        assert off.bwd_input_time_s < sel.bwd_input_time_s < full.bwd_input_time_s
+        assert sel.fwd_time_s == off.fwd_time_s == full.fwd_time_s
+    steps = {m: p.predicted.step_time_s for m, p in roomy.items()}
+    assert steps["off"] < steps["selective"] < steps["full"]
+    assert _plan("auto", 16.0).predicted.step_time_s == steps["off"]  # it fits: nothing
+    tight = _plan("auto", 0.021)
+    assert "selective" in [st.recompute_mode for st in tight.stages]
+    forced = {m: _plan(m, 0.021).predicted.step_time_s for m in ("off", "selective", "full")}
+    assert tight.predicted.step_time_s <= min(forced.values())
+    assert any(line.startswith("selective recomputation on stage") for line in tight.explain)

@@ -1,6 +1,6 @@
 """One pricing rule (issue 39, item 3): every candidate the layout search scores is scored
-exactly as the Plan assembled from it is predicted, across tensor degrees, data sharding and
-gradient compression, on models with tied weights (shared across stages), values rebuilt per
+exactly as the Plan assembled from it is predicted, across tensor degrees, data sharding,
+gradient compression and activation recomputation (selective, full), on models with tied weights (shared across stages), values rebuilt per
 stage (a transformers Llama's masks and rotary tables) and repeated blocks (planned folded)."""
 
 from __future__ import annotations
@@ -59,11 +59,15 @@ def _deep():  # 8 identical blocks: planned as blocks (folded)
 CASES = [(_gpt, {}), (_gpt, {"grad_compression": "fp16"}),
          (_gpt, {"grad_compression": "powersgd", "compression": {"rank": 2}}),
          (_gpt, {"grad_compression": "topk", "compression": {"ratio": 0.05}}),
-         (_llama, {"loss": "model"}), (_deep, {"grad_compression": "powersgd"})]
+         (_llama, {"loss": "model"}), (_deep, {"grad_compression": "powersgd"}),
+         (_gpt, {"activation_recompute": "selective"}),
+         (_deep, {"activation_recompute": "selective"}), (_deep, {"activation_recompute": "on"})]
 
 
 @pytest.mark.parametrize("make, train", CASES, ids=["gpt", "gpt-fp16", "gpt-powersgd",
-                                                    "gpt-topk", "llama", "blocks-powersgd"])
+                                                    "gpt-topk", "llama", "blocks-powersgd",
+                                                    "gpt-selective", "blocks-selective",
+                                                    "blocks-full"])
 def test_every_scored_candidate_is_priced_as_its_plan_predicts(make, train, monkeypatch):
     model, args, kwargs, model_spec, seq = make()
     spec = load_spec(_spec(model_spec, 2 * 4 * 2, seq, **train))
@@ -92,6 +96,9 @@ def test_every_scored_candidate_is_priced_as_its_plan_predicts(make, train, monk
         plan = (assemble_folded if folded else assemble)(mine, result, cand, spec, 2, [])
         finish_plan(plan, mine, spec, model, kwargs, "cpu")
         assert plan.predicted.step_time_s == pytest.approx(score, rel=1e-12, abs=0), cand.label()
+        if train.get("activation_recompute") in ("selective", "on"):
+            mode = "full" if train["activation_recompute"] == "on" else "selective"
+            assert all(st.recompute_mode == mode for st in plan.stages)
         # the plan path prices it again the same way (`fxpipe simulate`, the report's
         # timeline), a plan of blocks too: its stage edges are the cut's
         assert predict(plan).step_time_s == plan.predicted.step_time_s

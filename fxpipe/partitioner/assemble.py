@@ -14,7 +14,8 @@ from fxpipe.errors import TraceError
 from fxpipe.partitioner.blocks import KEEP
 from fxpipe.partitioner.boundaries import GUARDS_FN, stage_boundaries
 from fxpipe.partitioner.cut_price import cut_steps
-from fxpipe.partitioner.cutting import cut_problem, slowdowns
+from fxpipe.partitioner.cutting import (FULL, OFF, SELECTIVE, Recompute, cut_problem,
+                                        slowdowns)
 from fxpipe.partitioner.pricing import Priced, unit_prefix
 from fxpipe.partitioner.problem import PartitionResult
 from fxpipe.partitioner.profile import send_cost_path
@@ -37,14 +38,17 @@ def _slowest(stages: list[StagePlan], result: PartitionResult) -> int:
     times = [st.time_s for st in stages]
     return result.bottleneck if times[result.bottleneck] >= max(times) else times.index(max(times))
 
-def _lower_bound(stages: list[StagePlan], result: PartitionResult) -> float:
+def _lower_bound(result: PartitionResult, rc: Recompute) -> float:
     """Total compute per micro-batch over the stages (no cut can beat it), with the stages'
-    recomputation as planned (the solver's figure counts every stage recomputing)."""
-    if all(st.recompute for st in stages) or not any(st.recompute for st in stages):
+    recomputation as planned (the solver's figure counts every stage recomputing as the
+    candidate does; :func:`recompute_stages` may have lowered some stages' since)."""
+    mode = next(m for m in (FULL, SELECTIVE, OFF) if m in rc.results)
+    solved = rc.results[mode]
+    if all(f == mode for f in rc.flags):
         return result.lower_bound_s
-    now = sum(st.compute_time_s for st in stages)
-    solved = now + sum(st.fwd_time_s for st in stages if not st.recompute)
-    return result.lower_bound_s * now / solved if solved > 0 else result.lower_bound_s
+    was = float(sum(solved.compute_s))
+    now = float(sum(rc.result(j).compute_s[j] for j in range(len(rc.flags))))
+    return result.lower_bound_s * now / was if was > 0 else result.lower_bound_s
 
 def assemble(pr: Priced, result: PartitionResult, cand: Candidate, spec: ParallelSpec,
              microbatch_size: int, explain: list[str], scale: float = 1.0) -> Plan:
@@ -82,17 +86,16 @@ def assemble(pr: Priced, result: PartitionResult, cand: Candidate, spec: Paralle
                 costs[n] = costs[n.rsplit("__r", 1)[0]]
     bounds = stage_boundaries(traced.gm, node_stage, cand.num_stages)
     slow = slowdowns(spec, cand, stage_to_rank(cand.schedule, cand.pipeline, cand.num_stages))
-    rc, plain, _ = steps.recompute
+    rc = steps.recompute
     stages = []
     for j, sb in enumerate(bounds.stages):
         nodes = [n for n in sb.nodes if n in costs]
         fwd = scale * float(sum(costs[n].fwd_flops for n in nodes))
         bwd = scale * float(sum(costs[n].bwd_flops for n in nodes))
         bwd_w = scale * float(sum(costs[n].bwd_weight_flops for n in nodes))
-        mem = result if rc[j] or plain is None else plain  # a stage that keeps its activations
         loss_s = (pr.loss.total_s * scale * slow[j] if pr.loss.total_s > 0
                   and j == cand.num_stages - 1 else 0.0)
-        stages.append(_stage_plan(j, steps.stages[j], result, mem, rc[j], loss_s,
+        stages.append(_stage_plan(j, steps.stages[j], result, rc, pr.ridge, loss_s,
                                   nodes=list(sb.nodes), params=list(sb.params),
                                   buffers=list(sb.buffers), inputs=list(sb.inputs),
                                   outputs=list(sb.outputs), fwd_flops=fwd, bwd_flops=bwd,
@@ -107,7 +110,8 @@ def assemble(pr: Priced, result: PartitionResult, cand: Candidate, spec: Paralle
         microbatch_size=microbatch_size, stages=stages, values=values,
         model_inputs=list(bounds.model_inputs), model_output=bounds.model_outputs[0],
         shared_params=dict(bounds.shared_params), param_aliases=dict(bounds.param_aliases),
-        bottleneck_stage=_slowest(stages, result), lower_bound_s=_lower_bound(stages, result),
+        bottleneck_stage=_slowest(stages, result),
+        lower_bound_s=_lower_bound(result, rc),
         explain=list(explain), spec=spec, recomputed=recomputed,
         placement=cand.layout, data_sharding=cand.sharding,
     )
@@ -115,22 +119,50 @@ def assemble(pr: Priced, result: PartitionResult, cand: Candidate, spec: Paralle
     return plan
 
 
-def _stage_plan(j: int, step: StageStep, result: PartitionResult, mem: PartitionResult,
-                recompute: bool, loss_s: float, **fields) -> StagePlan:
-    """Stage ``j`` of a cut: its times, shared bytes and sends as ``step`` priced them, its
-    bytes from the solved cut (``mem``: the cut without recomputation for a stage that keeps
-    its activations)."""
+def _stage_plan(j: int, step: StageStep, result: PartitionResult, rc: Recompute, ridge: float,
+                loss_s: float, **fields) -> StagePlan:
+    """Stage ``j`` of a cut: its times, shared bytes, activation bytes and sends as ``step``
+    priced them, its parameter and message bytes from the solved cut, its peak bytes and
+    recomputation (off, selective at ``ridge``, full) from ``rc``."""
+    recompute = rc.flags[j]
+    memory = rc.memory[j] if rc.memory is not None else rc.result(j).memory_bytes[j]
     compute = step.fwd_s + step.bwd_input_s + step.bwd_weight_s
     return StagePlan(
         index=j, **fields,
-        param_bytes=int(result.param_bytes[j]), activation_bytes=int(mem.saved_bytes[j]),
+        param_bytes=int(result.param_bytes[j]), activation_bytes=int(step.activation_bytes),
         recv_bytes=int(result.recv_bytes[j]), send_bytes=int(result.send_bytes[j]),
         compute_time_s=compute, comm_time_s=result.comm_s[j],
-        time_s=compute + result.comm_s[j], memory_bytes=int(mem.memory_bytes[j]),
+        time_s=compute + result.comm_s[j], memory_bytes=int(memory),
         fwd_time_s=step.fwd_s, bwd_input_time_s=step.bwd_input_s,
         bwd_weight_time_s=step.bwd_weight_s, send_time_s=step.send_s,
-        grad_send_time_s=step.grad_send_s, recompute=recompute, loss_time_s=float(loss_s),
+        grad_send_time_s=step.grad_send_s, recompute=bool(recompute),
+        keep_ridge=ridge if recompute == SELECTIVE else None, loss_time_s=float(loss_s),
         shared_bytes=int(step.shared_bytes))
+
+def recompute_notes(plan: Plan, asked: str) -> list[str]:
+    """What the plan's stages recompute and why (``asked``: ``train.activation_recompute``)."""
+    out = []
+    modes = [st.recompute_mode for st in plan.stages]
+    for mode, what in (("full", "each keeps only its inputs per micro-batch in flight and "
+                        "runs its forward again in the backward"),
+                       ("selective", "each keeps its inputs and the outputs of its matmul-like "
+                        "ops whose FLOPs per output byte reach the device's ridge point "
+                        f"({plan.stages[modes.index('selective')].keep_ridge:.3g}) per "
+                        "micro-batch in flight, and runs its other ops (element-wise, norms, "
+                        "softmax, low-intensity matmuls) again in the backward"
+                        if "selective" in modes else "")):
+        idx = [j for j, m in enumerate(modes) if m == mode]
+        if not idx:
+            continue
+        every = len(idx) == plan.num_stages
+        why = (f"train.activation_recompute: {asked}" if asked != "auto" else
+               "the activations of the micro-batches in flight would not fit cluster.memory_gb"
+               + ("" if every else "; the other stages recompute less"))
+        where = ("every stage" if every else
+                 f"stage{'s' if len(idx) > 1 else ''} {', '.join(map(str, idx))}")
+        name = "activation recomputation" if mode == "full" else "selective recomputation"
+        out.append(f"{name} on {where}: {what} ({why})")
+    return out
 
 def _set_tensor(plan: Plan, pr: Priced, comms: list[list] | None) -> None:
     """The plan's tensor-parallel fields from the priced units' sharding, and what it says:
@@ -209,7 +241,7 @@ def assemble_folded(pr: Priced, result: PartitionResult, cand: Candidate, spec: 
     slow = slowdowns(spec, cand, stage_to_rank(cand.schedule, cand.pipeline, cand.num_stages))
     problem = cut_problem(pr, spec, cand, 1.0)
     steps = cut_steps(pr, prefix, problem, result, cand, spec, 1.0)
-    rc, plain, _ = steps.recompute
+    rc = steps.recompute
     stages = []
     for j, (a, b) in enumerate(zip(cuts[:-1], cuts[1:])):
         params: list[str] = []
@@ -223,10 +255,9 @@ def assemble_folded(pr: Priced, result: PartitionResult, cand: Candidate, spec: 
                 pos = fo.prologue[u] if u < n_pro else fo.epilogue[u - n_pro - run.count]
                 params += [run.full_name(f) for f in g.nodes[pg.order[pos]]["params"]]
                 buffers += [run.full_name(f) for f in g.nodes[pg.order[pos]]["buffers"]]
-        mem = result if rc[j] or plain is None else plain  # a stage that keeps its activations
         ff, bf, wf = (fl[:, b] - fl[:, a])
         loss_s = pr.loss.total_s * slow[j] if j == cand.num_stages - 1 else 0.0
-        stages.append(_stage_plan(j, steps.stages[j], result, mem, rc[j], loss_s, nodes=[],
+        stages.append(_stage_plan(j, steps.stages[j], result, rc, pr.ridge, loss_s, nodes=[],
                                   params=list(dict.fromkeys(params)),
                                   buffers=list(dict.fromkeys(buffers)), inputs=[], outputs=[],
                                   fwd_flops=float(ff), bwd_flops=float(bf),
@@ -255,7 +286,7 @@ def assemble_folded(pr: Priced, result: PartitionResult, cand: Candidate, spec: 
         shared_params={k: v for k, v in users.items() if len(v) > 1},
         param_aliases={run.full_name(a): run.full_name(c) for a, c in one.param_aliases.items()},
         bottleneck_stage=_slowest(stages, result),
-        lower_bound_s=_lower_bound(stages, result), explain=explain, spec=spec,
+        lower_bound_s=_lower_bound(result, rc), explain=explain, spec=spec,
         folded=record, placement=cand.layout, data_sharding=cand.sharding,
     )
     _set_tensor(plan, pr, steps.tensor_comms)
@@ -351,17 +382,7 @@ def finish_plan(plan: Plan, pr: Priced, spec: ParallelSpec, model: nn.Module, kw
         plan.explain.append(f"send cost: {why}, so the default (a fixed overhead plus the "
                             "bytes at cluster.memory_GBps), which prices gloo sends low; "
                             "`fxpipe profile SPEC` measures it")
-    rc_stages = [st.index for st in plan.stages if st.recompute]
-    if rc_stages:
-        every = len(rc_stages) == plan.num_stages
-        why = ("train.activation_recompute: on" if spec.train.activation_recompute == "on" else
-               f"the activations of the micro-batches in flight would not fit cluster.memory_gb"
-               f"{'' if every else '; the other stages keep theirs and skip the second forward'}")
-        where = ("every stage" if every else
-                 f"stage{'s' if len(rc_stages) > 1 else ''} {', '.join(map(str, rc_stages))}")
-        plan.explain.append(f"activation recomputation on {where}: each keeps only its inputs per "
-                            "micro-batch in flight and runs its forward again in the backward "
-                            f"({why})")
+    plan.explain += recompute_notes(plan, spec.train.activation_recompute)
     if plan.recomputed:
         plan.explain.append("recomputed in each stage that reads them (cheaper than sending): "
                             + ", ".join(f"{v} ({human_bytes(nbytes)}) in stages "

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
@@ -268,6 +268,8 @@ class UnitTable:
         values: the values that cross cuts (cheap, rebuilt values left out).
         forced_cuts / pins: the user's ``pipe_split()`` and ``annotate()`` constraints.
         folding: how the units map onto a reduced trace's, when folded (else None).
+        selective: per unit, under selective recomputation, ``(seconds of its forward that
+            run again, bytes it keeps per micro-batch)``.
     """
 
     names: list[str]
@@ -279,15 +281,17 @@ class UnitTable:
     forced_cuts: list[int]
     pins: dict[int, int]
     folding: "Folding | None" = None
+    selective: list[tuple[float, float]] = field(default_factory=list)
 
 
 def fold(pg: PricedGraph, run: BlockRun, unit_times: list[tuple[float, float, float]],
-         cheap: set[str]) -> UnitTable | None:
+         cheap: set[str], unit_selective: list[tuple[float, float]]) -> UnitTable | None:
     """The folded cut problem (see the module doc), or None when the reduced graph does not
     fold.
 
     Args:
         unit_times: ``(fwd, B, W)`` seconds of every unit of the reduced graph.
+        unit_selective: its :attr:`UnitTable.selective` figures.
         cheap: values rebuilt in each stage (they cross cuts for free).
     """
     fo = _groups(pg, run)
@@ -315,6 +319,9 @@ def fold(pg: PricedGraph, run: BlockRun, unit_times: list[tuple[float, float, fl
     saved = ([unit(p, "saved_bytes") for p in fo.prologue]
              + [sum(unit(p, "saved_bytes") for p in rep)] * L
              + [unit(p, "saved_bytes") for p in fo.epilogue])
+    block_sel = tuple(sum(unit_selective[p][i] for p in rep) for i in range(2))
+    selective = ([unit_selective[p] for p in fo.prologue] + [block_sel] * L
+                 + [unit_selective[p] for p in fo.epilogue])
     prefix = run.prefix
     names = ([pg.order[p] for p in fo.prologue]
              + [f"{prefix}{run.start + b}" for b in range(L)]
@@ -353,7 +360,7 @@ def fold(pg: PricedGraph, run: BlockRun, unit_times: list[tuple[float, float, fl
             if other:
                 values.append(Value(last_block, tuple(sorted(other)), row.nbytes, grad,
                                     row.name))
-    return UnitTable(names, times, flops, params, saved, values, [], {}, fo)
+    return UnitTable(names, times, flops, params, saved, values, [], {}, fo, selective)
 
 
 def node_groups(traced: TracedModel, run: BlockRun) -> tuple[list[str], dict[int, list[str]],

@@ -47,7 +47,8 @@ def reduce_floor(spec: ParallelSpec, cand: Candidate) -> float:
 SPLIT_BACKWARD = frozenset({"zb-h1", "zb-v", "v-half", "v-min", "dualpipev"})
 
 def cut_bound(prefix: np.ndarray, result: PartitionResult, cand: Candidate, spec: ParallelSpec,
-               scale: float, slow: np.ndarray, recompute: list[bool]) -> float:
+               scale: float, slow: np.ndarray, recompute: list[str],
+               again: np.ndarray | None = None) -> float:
     """A lower bound on the simulated step time of a cut, whatever the schedule does.
 
     For every rank ``r`` whose lowest stage is ``s0``: nothing runs on ``r`` before micro-batch
@@ -56,14 +57,18 @@ def cut_bound(prefix: np.ndarray, result: PartitionResult, cand: Candidate, spec
     of the stage it finished last (at least the smallest of its stages' all-reduces; the
     others may overlap its compute). And its last backward of ``s0`` (after every F and B of
     its stages, but not necessarily after its split-off W's) is followed by the input
-    gradients of stages ``s0-1 .. 0`` (``drain``). Sends and latencies only add time."""
+    gradients of stages ``s0-1 .. 0`` (``drain``). Sends and latencies only add time.
+    ``recompute``: per stage, ``full`` (its forward again in B), ``selective`` (the forward
+    seconds of ``again``, prefix sums over the units, again) or none."""
     cuts = list(result.cuts) + [prefix.shape[1] - 1]
     split = cand.schedule in SPLIT_BACKWARD
     f, b, w = [], [], []
     for j, (a, e) in enumerate(zip(cuts[:-1], cuts[1:])):
         x = (prefix[:, e] - prefix[:, a]) * scale * slow[j]
         f.append(float(x[0]))
-        b.append(float(x[1] + (x[0] if recompute[j] else 0.0)))
+        rerun = (x[0] if recompute[j] == "full" else
+                 (again[e] - again[a]) * scale * slow[j] if recompute[j] == "selective" else 0.0)
+        b.append(float(x[1] + rerun))
         w.append(float(x[2]))
     ranks = stage_to_rank(cand.schedule, cand.pipeline, cand.num_stages)
     floor = reduce_floor(spec, cand)
@@ -111,13 +116,15 @@ def _fill_drain_floor(total: float, fill_share: float, work_share: float, m: int
         points.append(min(total, max(0.0, total * (c / (p - 1) - a) / den)))
     return min(worst(x) for x in points)
 
-def unit_shares(prefix: np.ndarray, recompute: bool, split: bool) -> tuple[float, float, float]:
+def unit_shares(prefix: np.ndarray, again: np.ndarray | None, split: bool
+                ) -> tuple[float, float, float]:
     """``(total, fill share, work share)`` of the units for :func:`_fill_drain_floor`: per
-    micro-batch seconds of all units (the forward twice when recomputing) and the smallest
-    shares of F + B and of the work a rank holds a micro-batch for (F + B, + W unless split)."""
+    micro-batch seconds of all units (``again``: when recomputing, per unit the forward
+    seconds run again, added to B) and the smallest shares of F + B and of the work a rank
+    holds a micro-batch for (F + B, + W unless split)."""
     f, b, w = (np.diff(prefix[i]) for i in range(3))
-    if recompute:
-        b = b + f
+    if again is not None:
+        b = b + again
     tot = f + b + w
     live = tot > 0
     if not live.any():

@@ -27,6 +27,8 @@ Method (per FX compute node, in graph order, through a ``torch.fx.Interpreter``)
   ``torch.autograd.graph.saved_tensors_hooks``), counted by storage, each storage once overall
   (first node that saves it), parameters and buffers excluded. An estimate of the activation
   memory a micro-batch keeps alive between its forward and backward.
+* **Matmul-like ops** (``ops``): each ATen op with a FLOP formula the node runs, its FLOPs and
+  output bytes, recorded by a dispatch mode (what selective recomputation decides on).
 * **Parameter bytes**: each parameter (by canonical FQN, tied tensors deduplicated) is charged
   once, to the first node in graph order that reads it.
 
@@ -42,9 +44,11 @@ from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from fxpipe.execution.op_flops import EXTRA_FORMULAS
+from fxpipe.execution.op_flops import EXTRA_FORMULAS, has_flops, op_flops
+from fxpipe.execution.selective import out_bytes
 from fxpipe.partitioner.trace import COMPUTE_OPS, FakeInterpreter, TracedModel
 
 __all__ = ["NodeCost", "price", "seconds", "transfer_seconds", "value_bytes", "EXTRA_FORMULAS"]
@@ -78,6 +82,9 @@ class NodeCost:
             stores; 0 for every other op. Read only by the GPU model
             (:mod:`fxpipe.partitioner.gpu_model`).
         attn_causal: the attention op masks causally (a flash kernel skips the masked half).
+        ops: ``(FLOPs, output bytes)`` of each matmul-like ATen op the node runs (those with a
+            FLOP formula, :mod:`fxpipe.execution.op_flops`): what selective recomputation
+            keeps or recomputes (:func:`selective`); every other op it recomputes.
     """
 
     fwd_flops: int = 0
@@ -94,6 +101,14 @@ class NodeCost:
     moves_memory: bool = True
     attn_scores: int = 0
     attn_causal: bool = False
+    ops: tuple[tuple[float, float], ...] = ()
+
+    def selective(self, ridge: float) -> tuple[float, bool]:
+        """Under selective recomputation at ``ridge`` (:mod:`fxpipe.execution.selective`):
+        the bytes of this node's kept outputs per micro-batch, and whether its forward runs
+        again (no op of it kept)."""
+        kept = sum(b for f, b in self.ops if b > 0 and f >= ridge * b)
+        return float(kept), not any(b > 0 and f >= ridge * b for f, b in self.ops)
 
     @property
     def bwd_input_flops(self) -> int:
@@ -158,6 +173,23 @@ def transfer_seconds(nbytes: float, GBps: float, latency_s: float = 0.0) -> floa
 
 # ---------------------------------------------------------------------------------------------
 # the pricing interpreter
+
+
+class _OpRecorder(TorchDispatchMode):
+    """Records ``(FLOPs, output bytes)`` of every matmul-like op into the node the pricer
+    is running forward (not its backward's re-runs)."""
+
+    def __init__(self, pricer: "_Pricer"):
+        super().__init__()
+        self.pricer = pricer
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        cost = self.pricer._current
+        if cost is not None and has_flops(func):
+            cost.ops += ((float(op_flops(func, args, kwargs, out)), float(out_bytes(out))),)
+        return out
 
 
 class _Pricer(FakeInterpreter):
@@ -365,7 +397,7 @@ def price(traced: TracedModel, *, backward_ratio: float = 2.0) -> dict[str, Node
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            with torch.enable_grad(), pricer.fake_mode, counter, \
+            with torch.enable_grad(), pricer.fake_mode, counter, _OpRecorder(pricer), \
                     torch.autograd.graph.saved_tensors_hooks(pricer.pack, lambda t: t):
                 pricer.run(*inputs, enable_io_processing=False)
         except Exception as e:

@@ -13,7 +13,8 @@ import numpy as np
 from fxpipe.execution.losses import MODEL_LOSS
 from fxpipe.partitioner.cut_tables import (rebuilt_seconds, stage_params, stage_tensor_comms,
                                            unit_params)
-from fxpipe.partitioner.cutting import Recompute, recompute_stages
+from fxpipe.partitioner.cutting import (FULL, SELECTIVE, Recompute, recompute_stages,
+                                        selective_prefix)
 from fxpipe.partitioner.pricing import Priced
 from fxpipe.partitioner.problem import CutProblem, PartitionResult
 from fxpipe.partitioner.profile import SendCost
@@ -92,7 +93,7 @@ def cut_steps(pr: Priced, prefix: np.ndarray, problem: CutProblem, result: Parti
     cuts = list(result.cuts) + [problem.n]
     k = len(cuts) - 1
     rc = recompute or recompute_stages(pr, spec, cand, result.cuts, scale)
-    flags, plain = rc.flags, rc.plain
+    flags = rc.flags
     stage_of = result.stage_of()
     extra = rebuilt_seconds(pr, stage_of, k)
     tensor = stage_tensor_comms(pr, list(result.cuts),
@@ -101,7 +102,13 @@ def cut_steps(pr: Priced, prefix: np.ndarray, problem: CutProblem, result: Parti
         extra = [x + y for x, y in zip(extra, tensor[1])]
     per = [((prefix[:, b] - prefix[:, a]) + extra[j]) * scale * problem.slow[j]
            for j, (a, b) in enumerate(zip(cuts[:-1], cuts[1:]))]
-    per = [np.array([x[0], x[0] + x[1], x[2]]) if r else x for x, r in zip(per, flags)]
+    if SELECTIVE in flags:  # its recomputed nodes' forward again, and what the stage adds
+        sp = selective_prefix(pr)
+        again = [(sp[b] - sp[a] + extra[j][0]) * scale * problem.slow[j]
+                 for j, (a, b) in enumerate(zip(cuts[:-1], cuts[1:]))]
+    per = [np.array([x[0], x[0] + x[1], x[2]]) if r == FULL else
+           np.array([x[0], again[j] + x[1], x[2]]) if r == SELECTIVE else x
+           for j, (x, r) in enumerate(zip(per, flags))]
     fwd: dict[tuple[int, int], list[float]] = {}
     grad: dict[tuple[int, int], list[float]] = {}  # keyed by (sender of the gradient, receiver)
     for v in problem.values:
@@ -122,10 +129,10 @@ def cut_steps(pr: Priced, prefix: np.ndarray, problem: CutProblem, result: Parti
     grad_send_s = edge_send_times(grad, k, pr.send)
     stages = [StageStep(
         float(x[0]), float(x[1]), float(x[2]),
-        int((result if r or plain is None else plain).saved_bytes[j]),
+        int(rc.activation_bytes(j)),
         float(result.param_bytes[j]), float(shared[j]),
         [shapes[f] for f in names[j] if f in shapes] if names is not None else [],
-        send_s[j], grad_send_s[j]) for j, (x, r) in enumerate(zip(per, flags))]
+        send_s[j], grad_send_s[j]) for j, x in enumerate(per)]
     return CutSteps(stages, fwd, grad, rc, tensor[0] if tensor is not None else None)
 
 

@@ -71,13 +71,43 @@ def held_note(capacity: float, inflight: float, held: float, mbs: float, whole: 
     return (f"with activation recomputation that is the device's {human_bytes(capacity, True)} "
             f"less the stage inputs kept for recomputation, {keep}")
 
+#: activation recomputation of a stage: none, selective (the costly ops' outputs kept,
+#: :mod:`fxpipe.execution.selective`), or full (only the stage's inputs kept)
+OFF, SELECTIVE, FULL = "", "selective", "full"
+
+#: ``train.activation_recompute`` values that make every stage recompute (all of them, and
+#: those that make it full recomputation)
+FORCED, FORCED_FULL = ("on", "full", "selective"), ("on", "full")
+
+def recompute_modes(mode: str, must: bool) -> tuple[str, ...]:
+    """The recomputation a candidate is tried with, in order, under
+    ``train.activation_recompute`` = ``mode`` (``must``: it cannot fit without)."""
+    if mode == "off":
+        return (OFF,)
+    if mode in ("on", "full"):
+        return (FULL,)
+    if mode == "selective":
+        return (SELECTIVE,)
+    return (SELECTIVE, FULL) if must else (OFF, SELECTIVE, FULL)
+
+def selective_prefix(pr: Priced) -> np.ndarray:
+    """``(n+1,)`` prefix sums of the units' forward seconds selective recomputation runs
+    again (:attr:`~fxpipe.partitioner.blocks.UnitTable.selective`)."""
+    if "selective_prefix" not in pr.cache:
+        again = [a for a, _ in pr.table.selective] or [0.0] * len(pr.table.names)
+        pr.cache["selective_prefix"] = np.concatenate([[0.0], np.cumsum(again)])
+    return pr.cache["selective_prefix"]
+
 def cut_problem(pr: Priced, spec: ParallelSpec, cand: Candidate, scale: float,
                  share: int = 1, inflight: Sequence[float] | None = None) -> CutProblem:
     """The cut problem of one candidate layout at ``scale`` x the traced micro-batch, over the
     priced units (node-level, or blocks when the model folds); cheap values are not in it
     (each stage rebuilds them). ``share``: each stage may use 1/share of its device (a rank
     that holds several stages); ``inflight``: micro-batches in flight per stage to bound each
-    stage's memory by, instead of the stage's own peak (:func:`_shared_inflight`)."""
+    stage's memory by, instead of the stage's own peak (:func:`_shared_inflight`). A
+    recomputing candidate's units keep nothing (full) or their kept ops' outputs (selective)
+    per micro-batch, and run their forward (full) or their recomputed nodes' (selective)
+    again in the backward; each stage keeps its input per micro-batch in flight besides."""
     tb = pr.table
     values = [Value(v.producer, v.users, v.nbytes * scale, v.grad, v.name) for v in tb.values]
     peaks, stage_to_rank = stage_inflight(cand)
@@ -85,12 +115,18 @@ def cut_problem(pr: Priced, spec: ParallelSpec, cand: Candidate, scale: float,
     k = cand.num_stages
     capacity: float | list[float] = spec.cluster.memory_gb * 1e9 / share
     if cand.recompute:  # keep each stage's input per micro-batch, run the forward again
-        compute = [(2 * f + bi + bw) * scale for f, bi, bw in tb.times]
-        saved = [0.0] * len(tb.saved)
         held = recompute_held(values)
         if max(inflight) * held >= capacity:
             raise PlanError(held_note(capacity, max(inflight), held, scale * pr.batch, True))
         capacity = [capacity - n * held for n in inflight]
+        if cand.recompute == SELECTIVE:
+            sel = tb.selective or [(0.0, 0.0)] * len(tb.times)
+            compute = [(f + again + bi + bw) * scale
+                       for (f, bi, bw), (again, _) in zip(tb.times, sel)]
+            saved = [kept * scale for _, kept in sel]
+        else:
+            compute = [(2 * f + bi + bw) * scale for f, bi, bw in tb.times]
+            saved = [0.0] * len(tb.saved)
     else:
         compute = [sum(x) * scale for x in tb.times]
         saved = [s * scale for s in tb.saved]
@@ -111,49 +147,74 @@ class Recompute(NamedTuple):
     """Activation recomputation of one cut, stage by stage (:func:`recompute_stages`).
 
     Attributes:
-        flags: per stage, whether it recomputes.
-        plain: the cut priced without recomputation, where some stage of a recomputing
-            candidate keeps its activations (its activation and memory bytes); else None.
+        flags: per stage, its recomputation: :data:`OFF` (``""``), :data:`SELECTIVE` or
+            :data:`FULL`.
+        results: the cut evaluated under each recomputation a stage uses (its activation and
+            memory bytes: :meth:`result`).
         memory: per stage, the bytes its rank holds for it as planned (a recomputing stage's
             inputs kept per micro-batch in flight included); None without recomputation (the
             solver's figures are those bytes).
+        held: the bytes of inputs a recomputing stage keeps per micro-batch
+            (:func:`recompute_held`).
     """
 
-    flags: list[bool]
-    plain: PartitionResult | None
+    flags: list[str]
+    results: dict[str, PartitionResult]
     memory: list[float] | None
+    held: float = 0.0
+
+    def result(self, j: int) -> PartitionResult:
+        """The cut as evaluated under stage ``j``'s recomputation."""
+        return self.results[self.flags[j]]
+
+    def activation_bytes(self, j: int) -> float:
+        """Bytes stage ``j`` holds per micro-batch in flight: what its ops keep for the
+        backward, and a recomputing stage's inputs."""
+        return float(self.result(j).saved_bytes[j]) + (self.held if self.flags[j] else 0.0)
 
 def recompute_stages(pr: Priced, spec: ParallelSpec, cand: Candidate, cuts: Sequence[int],
                       scale: float) -> Recompute:
-    """Which stages of a cut recompute their activations. None in a candidate without
-    recomputation and every stage with ``train.activation_recompute: on``; with ``auto`` a
-    stage keeps its activations (and skips the second forward) where its rank's device still
-    holds all the rank's stages: the cut was solved with every stage recomputing, and stages
-    drop it rank by rank, the one saving the most time first."""
+    """How each stage of a cut recomputes its activations. None in a candidate without
+    recomputation; the candidate's (selective or full) on every stage when
+    ``train.activation_recompute`` names it; with ``auto`` a stage recomputes less where its
+    rank's device still holds all the rank's stages: the cut was solved with every stage
+    recomputing as the candidate does, and stages drop it rank by rank, the one saving the
+    most time first (to none; then, a full candidate's stages still full, to selective)."""
     k = cand.num_stages
-    if not cand.recompute:
-        return Recompute([False] * k, None, None)
-    inflight, s2r = stage_inflight(cand)
-    rc_problem = cut_problem(pr, spec, cand, scale)
-    with_rc = evaluate(rc_problem, list(cuts), method="given")
-    held = recompute_held(rc_problem.values)
-    memory = [float(with_rc.memory_bytes[j]) + inflight[j] * held for j in range(k)]
-    if spec.train.activation_recompute == "on":
-        return Recompute([True] * k, None, memory)
-    plain = evaluate(cut_problem(pr, spec, dataclasses.replace(cand, recompute=False), scale),
-                     list(cuts), method="given")
+    mode = cand.recompute or OFF
+
+    def at(m: str) -> PartitionResult:
+        return evaluate(cut_problem(pr, spec, dataclasses.replace(cand, recompute=m), scale),
+                        list(cuts), method="given")
+
+    results = {mode: at(mode)}
+    if not mode:
+        return Recompute([OFF] * k, results, None)
+    inflight, _ = stage_inflight(cand)
+    held = recompute_held(pr.table.values) * scale
+    mine = results[mode]
+    static = [float(mine.memory_bytes[j]) - inflight[j] * float(mine.saved_bytes[j])
+              for j in range(k)]
+    memory = [float(mine.memory_bytes[j]) + inflight[j] * held for j in range(k)]
+    if spec.train.activation_recompute != "auto":
+        return Recompute([mode] * k, results, memory, held)
     device = spec.cluster.memory_gb * 1e9
-    flags = [True] * k
-    static = [float(with_rc.memory_bytes[j]) for j in range(k)]  # nothing saved per micro-batch
-    per_mb = [held] * k
-    for st, tops in rank_inflight(cand):
-        for j in sorted(st, key=lambda j: (plain.compute_s[j] - with_rc.compute_s[j], j)):
-            was, per_mb[j] = per_mb[j], float(plain.saved_bytes[j])
-            if _rank_peak(st, tops, static, per_mb) <= device:
-                flags[j], memory[j] = False, float(plain.memory_bytes[j])
-            else:
-                per_mb[j] = was
-    return Recompute(flags, None if all(flags) else plain, memory)
+    flags = [mode] * k
+    per_mb = [float(mine.saved_bytes[j]) + held for j in range(k)]
+    for lower in (OFF, SELECTIVE) if mode == FULL else (OFF,):
+        res = results[lower] = at(lower)
+        for st, tops in rank_inflight(cand):
+            for j in sorted(st, key=lambda j: (res.compute_s[j] - mine.compute_s[j], j)):
+                if flags[j] != mode:
+                    continue
+                was = per_mb[j]
+                per_mb[j] = float(res.saved_bytes[j]) + (held if lower else 0.0)
+                if _rank_peak(st, tops, static, per_mb) <= device:
+                    flags[j], memory[j] = lower, static[j] + inflight[j] * per_mb[j]
+                else:
+                    per_mb[j] = was
+    return Recompute(flags, {m: r for m, r in results.items() if m in flags or m == mode},
+                     memory, held)
 
 def _rank_peak(stages: Sequence[int], tops: Sequence[Sequence[int]], static: Sequence[float],
                per_mb: Sequence[float]) -> float:

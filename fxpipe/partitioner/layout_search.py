@@ -15,8 +15,11 @@ import numpy as np
 from fxpipe.errors import FxpipeError, PlanError
 from fxpipe.partitioner.bounds import SPLIT_BACKWARD, candidate_bound, cut_bound, unit_shares
 from fxpipe.partitioner.cut_price import simulate_cut
-from fxpipe.partitioner.cutting import (cut_problem, fastest_slowdown, fits_without_recompute,
-                                        held_note, recompute_held, solve_fitting, static_share)
+from fxpipe.partitioner.cutting import (FORCED, FORCED_FULL, FULL, OFF, SELECTIVE,
+                                        cut_problem, fastest_slowdown,
+                                        fits_without_recompute, held_note,
+                                        recompute_held, recompute_modes, selective_prefix,
+                                        solve_fitting, static_share)
 from fxpipe.partitioner.pricing import Priced, unit_prefix
 from fxpipe.partitioner.problem import PartitionResult
 from fxpipe.partitioner.search import Candidate, candidates, stage_inflight, tensor_degrees
@@ -72,7 +75,10 @@ def search_layouts(pr_at: Callable[[int], Priced], spec: ParallelSpec, prune: bo
         total_params = float(sum(pr.table.params))
         biggest = float(np.diff(prefix.sum(axis=0)).max(initial=0.0))  # the costliest unit
         cumulative = [float(x) for x in prefix.sum(axis=0)]
-        with_rc = [float(x) for x in prefix.sum(axis=0) + prefix[0]]  # the forward twice
+        # what a recomputing stage runs again, at least: the forward (full recomputation
+        # asked for), else the nodes selective recomputation runs again
+        again = prefix[0] if mode in FORCED_FULL else selective_prefix(pr)
+        with_rc = [float(x) for x in prefix.sum(axis=0) + again]
         floors: dict[tuple[int, bool], float] = {}  # the best compute-only cut's slowest stage
         shares: dict[tuple[bool, bool], tuple[float, float, float]] = {}
         for cand in cands:
@@ -83,7 +89,7 @@ def search_layouts(pr_at: Callable[[int], Priced], spec: ParallelSpec, prune: bo
             if cand.schedule in _LOW_MEMORY and mode == "auto":
                 rc_only = None  # told in the loop below, if the candidate is tried at all
             else:
-                rc_only = (mode == "on" or (mode == "auto" and not fits_without_recompute(
+                rc_only = (mode in FORCED or (mode == "auto" and not fits_without_recompute(
                     pr, spec, cand, scale)))
             rcb = bool(rc_only)  # (not recomputing: a lower bound either way)
             if (k, rcb) not in floors:
@@ -91,7 +97,8 @@ def search_layouts(pr_at: Callable[[int], Priced], spec: ParallelSpec, prune: bo
             floor = floors[(k, rcb)] if k == cand.pipeline else 0.0  # one stage per rank
             split = cand.schedule in SPLIT_BACKWARD
             if (rcb, split) not in shares:
-                shares[(rcb, split)] = unit_shares(prefix, rcb, split)
+                shares[(rcb, split)] = unit_shares(prefix, np.diff(again) if rcb else None,
+                                                   split)
             lb = candidate_bound(cand, scale, spec, total, total_params, biggest, fastest,
                                   floor, shares[(rcb, split)])
             bounds.append((lb, cand.label(), cand, mbs, pr, prefix, rc_only))
@@ -112,7 +119,7 @@ def search_layouts(pr_at: Callable[[int], Priced], spec: ParallelSpec, prune: bo
     # fewer micro-batches in flight, so where it fits they only add bubble; with recomputation
     # on, only where those do not fit at all. One met before those waits for them (twice: V-Min
     # for V-Half, which may wait for ZB-V).
-    enough = "fits only with recomputation" if mode == "on" else "fits"
+    enough = "fits only with recomputation" if mode in FORCED else "fits"
     queue, waited, skipped = list(bounds), Counter(), 0
     i = -1
     while i + 1 < len(queue):
@@ -137,36 +144,39 @@ def search_layouts(pr_at: Callable[[int], Priced], spec: ParallelSpec, prune: bo
             if mode == "auto" and not fits_without_recompute(pr, spec, cand, scale):
                 skipped += 1
                 continue
-            rc_only = mode == "on"
+            rc_only = mode in FORCED
         if static_share(pr, spec, cand) > capacity:  # cannot fit, whatever the cut
             failed.append((lb, cand, scale, pr))
             fit[fkey] = "does not fit"
             continue
-        found = None
+        founds = []
         low = cand.schedule in _LOW_MEMORY and mode == "auto"  # tried without recomputation
-        for rc in ((False,) if mode == "off" or low else (True,) if rc_only else (False, True)):
+        for rc in (OFF,) if low else recompute_modes(mode, bool(rc_only)):
             c = dataclasses.replace(cand, recompute=rc)
             try:
-                found = (c, *solve_fitting(pr, spec, c, scale, solved))
-                break
+                founds.append((c, *solve_fitting(pr, spec, c, scale, solved)))
             except PlanError:
                 continue
-        if found is None:
+            if rc != OFF or mode != "auto":
+                break  # (a cut that fits without recomputation is weighed against selective)
+        if not founds:
             failed.append((lb, cand, scale, pr))
             fit[fkey] = "does not fit"
             continue
-        fit[fkey] = "fits only with recomputation" if found[0].recompute else "fits"
-        cand, problem, result, rc = found
-        if prune and best is not None and cut_bound(prefix, result, cand, spec, scale,
-                                                     problem.slow, rc.flags) > best.step_s:
-            pruned += 1
-            continue
-        if len(bounds) == 1:
+        fit[fkey] = "fits only with recomputation" if founds[0][0].recompute else "fits"
+        if len(bounds) == 1 and len(founds) == 1:
+            cand, _, result, _ = founds[0]
             return cand, result, mbs, _degree_notes(left_out) + _sharding_notes(pr, spec, cand)
-        r = _Ranked(simulate_cut(pr, prefix, problem, result, cand, spec, scale,
-                                  rc).step_time_s, cand.label(), cand, result, mbs)
-        ranked.append(r)
-        best = r if best is None or r < best else best
+        for cand, problem, result, rc in founds:
+            if prune and best is not None and cut_bound(
+                    prefix, result, cand, spec, scale, problem.slow, rc.flags,
+                    selective_prefix(pr)) > best.step_s:
+                pruned += 1
+                continue
+            r = _Ranked(simulate_cut(pr, prefix, problem, result, cand, spec, scale,
+                                      rc).step_time_s, cand.label(), cand, result, mbs)
+            ranked.append(r)
+            best = r if best is None or r < best else best
     if best is None:
         raise _nothing_fits(spec, failed)
     ranked.sort()
@@ -184,11 +194,29 @@ def search_layouts(pr_at: Callable[[int], Priced], spec: ParallelSpec, prune: bo
                        "over a tensor group, and the search chose tensor 1")
     explain += _sharding_notes(priced[best.cand.tensor], spec, best.cand, ranked, failed)
     explain += _memory_schedule_notes(best.cand, fit)
+    explain += _selective_notes(priced[best.cand.tensor], spec, best, solved)
     if skipped:
         explain.append(f"v-half / v-min not tried at {skipped} candidate layouts: they are tried "
                        "only where zb-v (for v-min, also v-half) needs activation recomputation "
                        "and they do not (elsewhere they would only add bubble)")
     return best.cand, best.result, best.mbs, explain
+
+def _selective_notes(pr: Priced, spec: ParallelSpec, best: _Ranked, solved: dict) -> list[str]:
+    """Where the search chose selective recomputation, what full recomputation of the same
+    layout would cost (its own cut, simulated alike)."""
+    if best.cand.recompute != SELECTIVE or spec.train.activation_recompute != "auto":
+        return []
+    scale = best.mbs / pr.batch
+    full = dataclasses.replace(best.cand, recompute=FULL)
+    try:
+        problem, result, rc = solve_fitting(pr, spec, full, scale, solved)
+    except PlanError:
+        return []
+    step = simulate_cut(pr, unit_prefix(pr), problem, result, full, spec, scale, rc).step_time_s
+    return [f"selective recomputation chosen: {best.step_s * 1e3:.2f} ms/step; full "
+            f"recomputation at this layout would be {step * 1e3:.2f} ms/step "
+            f"({(step / best.step_s - 1) * 100:+.1f}%: it runs every op's forward again, "
+            "selective only those cheaper to recompute than to keep)"]
 
 #: schedules that trade bubble for activation memory, and the ones they are weighed against
 _LOW_MEMORY = ("v-half", "v-min")
@@ -276,14 +304,15 @@ def _nothing_fits(spec: ParallelSpec, failed: list) -> PlanError:
     closest, and the levers (more pipeline stages, recomputation, smaller micro-batches)."""
     lines = []
     for lb, cand, scale, pr in failed[:3]:
-        c = dataclasses.replace(cand, recompute=spec.train.activation_recompute != "off")
+        c = dataclasses.replace(cand, recompute=recompute_modes(
+            spec.train.activation_recompute, True)[-1])
         try:
             solve_fitting(pr, spec, c, scale)
         except PlanError as e:
             text = str(e)
             if c.recompute and "but the device has" in text:  # its capacity less the inputs
                 held = recompute_held(cut_problem(pr, spec, dataclasses.replace(
-                    c, recompute=False), scale).values)
+                    c, recompute=OFF), scale).values)
                 note = held_note(spec.cluster.memory_gb * 1e9, max(stage_inflight(c)[0]),
                                   held, scale * pr.batch, False)
                 text += f" ({note})"

@@ -77,7 +77,10 @@ def _with_unit_times(pr: Priced, times: np.ndarray) -> Priced:
     if lu is not None:
         t[lu] += _loss_row(pr)
     rows = [tuple(float(x) for x in r) for r in t]
-    table = dataclasses.replace(pr.table, times=rows)
+    # the forward seconds selective recomputation runs again scale with the unit's forward
+    sel = [(again * (new[0] / old[0] if old[0] > 0 else 1.0), kept)
+           for (again, kept), new, old in zip(pr.table.selective, rows, pr.table.times)]
+    table = dataclasses.replace(pr.table, times=rows, selective=sel)
     if table.folding is not None:  # folded plans are assembled from the table's units
         return dataclasses.replace(pr, table=table)
     node_times = dict(pr.times)

@@ -16,6 +16,7 @@ import torch.nn as nn
 from fxpipe.data.batches import example_microbatch
 from fxpipe.errors import PlanError
 from fxpipe.execution.losses import MODEL_LOSS
+from fxpipe.execution.selective import ridge_of
 from fxpipe.partitioner.blocks import UnitTable, fold
 from fxpipe.partitioner.cost import NodeCost
 from fxpipe.partitioner.gpu_model import GpuRates, gpu_rates, gpu_times
@@ -70,6 +71,8 @@ class Priced:
         loss_at: the node whose times include the loss's (None when nothing was added).
         tensor: at a tensor-parallel degree above 1, the sharding and its costs (the costs
             and times above are then one rank's: :mod:`fxpipe.partitioner.tensor_costs`).
+        ridge: the device's FLOPs per byte at which selective recomputation keeps an op's
+            outputs (:func:`spec_ridge`); 0 keeps every matmul-like op's.
     """
 
     traced: TracedModel
@@ -83,6 +86,7 @@ class Priced:
     loss: NodeTimes = dataclasses.field(default_factory=NodeTimes)
     loss_at: str | None = None
     tensor: TensorPricing | None = None
+    ridge: float = 0.0
     #: what is derived once from these figures (:mod:`fxpipe.partitioner.cut_tables`); not
     #: copied by ``dataclasses.replace``, whose copy derives its own
     cache: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
@@ -95,6 +99,29 @@ class Priced:
     def __post_init__(self) -> None:
         if self.table is None:
             self.table = _node_table(self)
+
+def spec_ridge(spec: ParallelSpec) -> float:
+    """FLOPs per byte at which selective recomputation keeps an op's outputs on the spec's
+    devices: ``device_tflops`` over ``memory_GBps`` (:mod:`fxpipe.execution.selective`)."""
+    return ridge_of(spec.cluster.device_tflops * 1e12, spec.cluster.memory_Bps)
+
+def selective_units(pr: "Priced", units: list[list[str]]) -> list[tuple[float, float]]:
+    """Per unit (its member nodes), under selective recomputation: the seconds of its forward
+    that run again (the nodes none of whose ops are kept) and the bytes it keeps per
+    micro-batch."""
+    out = []
+    for members in units:
+        again = kept = 0.0
+        for n in members:
+            c = pr.costs.get(n)
+            if c is None:
+                continue
+            b, rerun = c.selective(pr.ridge)
+            kept += b
+            if rerun and n in pr.times:
+                again += pr.times[n].fwd_s
+        out.append((again, kept))
+    return out
 
 def _node_table(pr: "Priced") -> UnitTable:
     """The node-level units of the priced graph (one per FX node, getitems merged)."""
@@ -116,7 +143,7 @@ def _node_table(pr: "Priced") -> UnitTable:
          for u in pg.order],
         [g.nodes[u]["param_bytes"] for u in pg.order],
         [g.nodes[u]["saved_bytes"] for u in pg.order], values, list(pg.forced_cuts),
-        dict(pg.pins))
+        dict(pg.pins), selective=selective_units(pr, [g.nodes[u]["members"] for u in pg.order]))
 
 def send_cost_of(spec: ParallelSpec) -> SendCost:
     """What a send costs, charged to the sending rank: with ``cluster.costs: measured`` what
@@ -248,9 +275,10 @@ def at_degree(pr: Priced, spec: ParallelSpec, t: int) -> Priced:
         warnings.simplefilter("ignore")  # the degree-1 graph said what there is to say
         pg = build_graph(traced, costs)
     out = Priced(traced, costs, times, pg, pr.cheap, pr.send, pr.batch, loss=loss,
-                 loss_at=pr.loss_at, tensor=tp)
+                 loss_at=pr.loss_at, tensor=tp, ridge=pr.ridge)
     if pr.table.folding is not None:
-        folded = fold(pg, pr.table.folding.run, out.table.times, pr.cheap)
+        folded = fold(pg, pr.table.folding.run, out.table.times, pr.cheap,
+                      out.table.selective)
         if folded is None:  # pragma: no cover - the degree-1 graph folded
             raise PlanError("the model's blocks fold at tensor degree 1 but not at "
                             f"{t}; plan it with parallel.tensor: 1")

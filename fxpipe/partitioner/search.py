@@ -38,7 +38,7 @@ class Candidate:
     microbatches: int
     schedule: str
     virtual_stages: int
-    recompute: bool = False
+    recompute: str = ""  # "", "selective" or "full" (fxpipe.partitioner.cutting)
     layout: str = "pipeline-inner"
     tensor: int = 1
     sharding: str = "none"
@@ -52,7 +52,7 @@ class Candidate:
     def label(self) -> str:
         """Short text, e.g. ``pp=2 dp=2 m=4 1f1b``."""
         v = f" v={self.virtual_stages}" if self.schedule == "interleaved" else ""
-        r = " recompute" if self.recompute else ""
+        r = {"full": " recompute", "selective": " selective"}.get(self.recompute or "", "")
         lay = " data-inner" if self.layout == "data-inner" else ""
         tp = f"tp={self.tensor} " if self.tensor > 1 else ""
         zero = f" shard={self.sharding}" if self.sharding != "none" else ""

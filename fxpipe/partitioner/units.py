@@ -19,7 +19,7 @@ from fxpipe.partitioner.cost import price
 from fxpipe.partitioner.graph import build_graph
 from fxpipe.partitioner.loss_cost import loss_node
 from fxpipe.partitioner.pricing import (Priced, at_degree, node_seconds, rebuilt_values,
-                                        send_cost_of, tensor_inputs)
+                                        send_cost_of, spec_ridge, tensor_inputs)
 from fxpipe.partitioner.trace import fake_on_device, trace
 from fxpipe.specs.schema import ParallelSpec
 
@@ -125,9 +125,10 @@ class PricedUnits:
             pg = build_graph(traced, costs)
         pr = Priced(traced, costs, times, pg, rebuilt_values(pg, spec), send_cost_of(spec),
                     size, loss=loss,
-                    loss_at=loss_node(traced, costs) if loss.total_s > 0 else None)
+                    loss_at=loss_node(traced, costs) if loss.total_s > 0 else None,
+                    ridge=spec_ridge(spec))
         if short:
-            pr.table = fold(pg, self.run, pr.table.times, pr.cheap)
+            pr.table = fold(pg, self.run, pr.table.times, pr.cheap, pr.table.selective)
             self._held_back[:] = held  # said only where the fold stands (see _priced)
         else:
             warn_again(held)

@@ -7,8 +7,8 @@ selective-checkpoint caching mode holding the outputs of the ops the rule of
 :mod:`fxpipe.execution.selective` keeps. What stays per micro-batch: the stage's inputs, the
 kept outputs, and the random-number state. :func:`replay` runs the forward again with autograd
 on, in the same random-number state (dropout masks repeat), the kept ops returning their
-cached outputs, on copies of the buffers (running statistics are updated once); the stage's backward (whole, or B then W) then runs on that graph like a
-stage that never recomputed. ``torch.utils.checkpoint(use_reentrant=False)`` would recompute on
+cached outputs, on copies of the buffers (running statistics are updated once); the stage's
+backward (whole, or B then W) then runs on that graph like a stage that never recomputed. ``torch.utils.checkpoint(use_reentrant=False)`` would recompute on
 every backward pass that reaches a saved tensor: once in B and again in each of W's passes.
 """
 

@@ -450,9 +450,14 @@ class TrainSpec(_Section):
     ``fuse_grad_accumulation``: the weight gradients of fp32 stages' ``linear`` / ``addmm`` /
     ``embedding`` nodes go into ``.grad`` in place over the micro-batches (default true;
     :mod:`fxpipe.execution.grad_fusion`); false keeps autograd's fresh buffer per micro-batch.
-    ``activation_recompute``: keep only each stage's inputs per micro-batch in flight and
-    recompute the stage's forward in its backward (``on``: every stage), never (``off``), or on
-    the stages whose activations would not fit otherwise (``auto``, default); exact either way.
+    ``activation_recompute``: a recomputing stage keeps only its inputs per micro-batch in
+    flight and runs its forward again before its backward (``full``, or ``on``), or keeps its
+    inputs and the outputs of its matmul-like ops whose FLOPs per output byte reach the
+    device's ridge point (``device_tflops`` over ``memory_GBps``) and runs only its other ops
+    again (``selective``: element-wise ops, norms, softmax, dropout, low-intensity matmuls such
+    as attention scores; :mod:`fxpipe.execution.selective`); every stage so, never (``off``),
+    or per stage where the activations would not fit otherwise, the least recomputation that
+    fits (``auto``, default: none, then selective, then full); exact either way.
     ``nan_policy``: on a non-finite loss, ``stop`` the run with a message (default) or ``skip``
     that step's update. ``max_restarts``: torchrun elastic restarts after a failed worker (a
     killed rank); the workers resume from the latest checkpoint (``checkpoint.every``).
@@ -470,7 +475,7 @@ class TrainSpec(_Section):
     grad_compression: Literal[GRAD_COMPRESSIONS] = "none"  # type: ignore[valid-type]
     compression: CompressionSpec = Field(default_factory=CompressionSpec)
     ignore_index: int = -100
-    activation_recompute: Literal["auto", "on", "off"] = "auto"
+    activation_recompute: Literal["auto", "on", "off", "full", "selective"] = "auto"
     updates: Literal["sync", "async"] = "sync"
     max_staleness: int | None = None
     log_every: PositiveInt = 10
