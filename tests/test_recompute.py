@@ -144,3 +144,33 @@ def test_planner_prices_selective_between_none_and_full_and_auto_weighs_it():
     forced = {m: _plan(m, 0.021).predicted.step_time_s for m in ("off", "selective", "full")}
     assert tight.predicted.step_time_s <= min(forced.values())
     assert any(line.startswith("selective recomputation on stage") for line in tight.explain)
+
+
+def test_selective_on_a_model_without_matmuls_says_it_recomputes_everything():
+    """A policy that keeps nothing: element-wise ops only, so selective recomputation is full
+    recomputation; the plan says so in one line, and prices it as full."""
+    import fxpipe
+
+    class Elementwise(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(D))
+            self.norm = nn.LayerNorm(D)
+
+        def forward(self, x):
+            for _ in range(4):
+                x = torch.tanh(self.norm(x) * self.scale) + x
+            return x
+
+    spec = {"model": {"factory": "x:y"}, "data": {"batch_size": 8, "seq_len": 1},
+            "parallel": {"pipeline": 1, "data": 1, "microbatches": 2, "schedule": "1f1b"},
+            "cluster": {"nodes": 1, "devices_per_node": 1},
+            "train": {"loss": "mse", "activation_recompute": "selective"}}
+    x = torch.randn(4, D)
+    sel = fxpipe.plan(Elementwise(), spec, x)
+    full = fxpipe.plan(Elementwise(), dict(spec, train={"loss": "mse",
+                                                        "activation_recompute": "full"}), x)
+    lines = [line for line in sel.explain if "keeps no op's outputs" in line]
+    assert len(lines) == 1 and "stage 0" in lines[0]
+    assert sel.stages[0].bwd_input_time_s == pytest.approx(full.stages[0].bwd_input_time_s)
+    assert sel.stages[0].activation_bytes == full.stages[0].activation_bytes

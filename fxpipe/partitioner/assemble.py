@@ -116,6 +116,7 @@ def assemble(pr: Priced, result: PartitionResult, cand: Candidate, spec: Paralle
         placement=cand.layout, data_sharding=cand.sharding,
     )
     _set_tensor(plan, pr, steps.tensor_comms)
+    plan.explain += _selective_keeps_nothing(rc, pr.ridge)
     return plan
 
 
@@ -138,6 +139,18 @@ def _stage_plan(j: int, step: StageStep, result: PartitionResult, rc: Recompute,
         grad_send_time_s=step.grad_send_s, recompute=bool(recompute),
         keep_ridge=ridge if recompute == SELECTIVE else None, loss_time_s=float(loss_s),
         shared_bytes=int(step.shared_bytes))
+
+def _selective_keeps_nothing(rc: Recompute, ridge: float) -> list[str]:
+    """Stages recomputing selectively whose ops keep nothing (none reaches the ridge point):
+    they recompute their whole forward, as full recomputation does."""
+    idx = [j for j, f in enumerate(rc.flags)
+           if f == SELECTIVE and float(rc.result(j).saved_bytes[j]) == 0.0]
+    if not idx:
+        return []
+    return [f"selective recomputation keeps no op's outputs on stage"
+            f"{'s' if len(idx) > 1 else ''} {', '.join(map(str, idx))}: no matmul-like op there "
+            f"reaches the ridge point ({ridge:.3g} FLOP per byte of output), so each runs its "
+            "whole forward again, as full recomputation does"]
 
 def recompute_notes(plan: Plan, asked: str) -> list[str]:
     """What the plan's stages recompute and why (``asked``: ``train.activation_recompute``)."""
@@ -290,6 +303,7 @@ def assemble_folded(pr: Priced, result: PartitionResult, cand: Candidate, spec: 
         folded=record, placement=cand.layout, data_sharding=cand.sharding,
     )
     _set_tensor(plan, pr, steps.tensor_comms)
+    plan.explain += _selective_keeps_nothing(rc, pr.ridge)
     # a plan of blocks names no values between its stages until a worker resolves it: the
     # bytes on each stage edge are recorded (what Plan.edge_bytes gives for it)
     fwd, grad = steps.edge_bytes()
