@@ -116,17 +116,17 @@ _PLANS: dict[tuple, Plan] = {}
 _REFS: dict[tuple, tuple[list[float], dict[str, torch.Tensor]]] = {}
 
 
-def make_plan(name: str, p: int, dp: int, schedule: str, m: int = M) -> Plan:
+def make_plan(name: str, p: int, dp: int, schedule: str, m: int = M, v: int = 2) -> Plan:
     """The real partitioner's plan for ``name`` on ``p`` pipeline ranks x ``dp`` replicas, ``m``
-    micro-batches."""
-    key = (name, p, dp, schedule, m)
+    micro-batches (interleaved: ``v`` stages per rank)."""
+    key = (name, p, dp, schedule, m, v)
     if key not in _PLANS:
         model = MODELS[name][0]()
         x, _ = MODELS[name][1](torch.Generator().manual_seed(0), MBS)
         spec = {"model": {"factory": f"test_schedules_execute:{name}"},
                 "data": {"batch_size": dp * m * MBS, "seq_len": SEQ},
                 "parallel": {"pipeline": p, "data": dp, "microbatches": m, "schedule": schedule,
-                             "virtual_stages": 2 if schedule == "interleaved" else 1},
+                             "virtual_stages": v if schedule == "interleaved" else 1},
                 "cluster": {"nodes": 1, "devices_per_node": p * dp},
                 "train": {"optimizer": "sgd"}}
         _PLANS[key] = plan_with_graph(model, spec, (x,))[0]
@@ -164,18 +164,19 @@ def recomputing(plan: Plan, mode: str) -> Plan:
 
 
 def run_spec(name, p, dp, schedule, precision="fp32", steps=STEPS, scale=None, poison=None,
-             m=M, recompute=None):
+             m=M, recompute=None, v=2):
     """One case for the workers: its plan, the fp32 reference and the precision settings
     (``scale``: a LossScaler's initial scale; ``poison``: the global rank whose first stage
     parameter gets an inf gradient in the first step; ``m``: micro-batches per step;
-    ``recompute``: every stage recomputes, ``full`` or ``selective``)."""
-    plan = make_plan(name, p, dp, schedule, m)
+    ``recompute``: every stage recomputes, ``full`` or ``selective``; ``v``: interleaved's
+    stages per rank)."""
+    plan = make_plan(name, p, dp, schedule, m, v)
     if recompute:
         plan = recomputing(plan, recompute)
     if precision == "fp16" and scale is None:
         scale = FP16_INIT_SCALE
     return dict(model=name, schedule=schedule, p=p, dp=dp, m=m, plan=plan, precision=precision,
-                steps=steps, scale0=scale, recompute=recompute,
+                steps=steps, scale0=scale, recompute=recompute, v=v,
                 # a poisoned run skips its first step: compare with one step less
                 ref=reference(name, dp * m * MBS, steps - (poison is not None)),
                 poison=poison)
@@ -288,6 +289,7 @@ def _world2_runs():
     runs += [run_spec("gpt", 2, 1, s) for s in V_NEW] + [run_spec("skip4", 2, 1, "dualpipev")]
     runs += [run_spec("gpt", 2, 1, s, recompute=r) for s in RECOMPUTE_SCHEDULES
              for r in ("selective", "full")]
+    runs += [run_spec("gpt", 2, 1, "interleaved", v=3), run_spec("skip8", 2, 1, "interleaved", v=4)]
     return runs
 
 
@@ -318,6 +320,7 @@ def world4():
 
 def _rows(results, **match):
     match.setdefault("recompute", None)
+    match.setdefault("v", 2)
     rows = [r for per_rank in results[1] for r in per_rank
             if all(r[k] == v for k, v in match.items())]
     assert rows, f"no results for {match}"
@@ -623,6 +626,20 @@ def test_recomputing_stages_are_exact(world2, world4, schedule, mode):
             rows = _rows(world4, model=model, schedule=schedule, recompute=mode, p=2, dp=2)
             assert len(rows) == 4
             _assert_exact(rows)
+
+
+@pytest.mark.distributed
+def test_deeper_interleaving_is_exact(world2):
+    """Interleaved 1F1B with 3 and 4 stages per rank (the depths ``virtual_stages: auto``
+    weighs): CharGPT over 6 stages and LongSkip over 8 (a value of stage 0 read by every later
+    stage) on 2 ranks train like one process."""
+    for model, v in (("gpt", 3), ("skip8", 4)):
+        plan = make_plan(model, 2, 1, "interleaved", M, v)
+        assert plan.num_stages == 2 * v and plan.virtual_stages == v
+        rows = _rows(world2, model=model, schedule="interleaved", v=v)
+        assert len(rows) == 2 and next(r for r in rows if r["rank"] == 0)["stages"] == \
+            list(range(0, 2 * v, 2))
+        _assert_exact(rows)
 
 
 # ----------------------------------------------------------------------------- issue 28

@@ -333,7 +333,7 @@ def test_describe_annotations():
     assert describe(fields["pipeline"].annotation) == "a positive integer or 'auto'"
     assert describe(fields["schedule"].annotation).startswith("one of 'gpipe', '1f1b'")
     assert describe(fields["virtual_stages"].annotation,
-                    fields["virtual_stages"].metadata) == "a positive integer"
+                    fields["virtual_stages"].metadata) == "a positive integer or 'auto'"
 
 
 def test_spec_location(tmp_path):

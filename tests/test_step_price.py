@@ -104,7 +104,10 @@ def test_every_scored_candidate_is_priced_as_its_plan_predicts(make, train, monk
         assert predict(plan).step_time_s == plan.predicted.step_time_s
         if folded:
             fwd, _ = plan.edge_bytes()
-            assert set(fwd) == {(j, j + 1) for j in range(plan.num_stages - 1)}
+            # a chain: each stage sends to the next, unless a stage reads only values it
+            # rebuilds itself (deep interleaving cuts the embeddings into stages of their own)
+            assert fwd and set(fwd) <= {(j, j + 1) for j in range(plan.num_stages - 1)}, (
+                cand.label(), sorted(fwd))
             assert all(n > 0 for n in fwd.values())
     assert seen["tensor"] == {1, 2} and "none" in seen["sharding"], seen
     if spec.parallel.data_sharding == "auto":

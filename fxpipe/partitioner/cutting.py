@@ -75,20 +75,21 @@ def held_note(capacity: float, inflight: float, held: float, mbs: float, whole: 
 #: :mod:`fxpipe.execution.selective`), or full (only the stage's inputs kept)
 OFF, SELECTIVE, FULL = "", "selective", "full"
 
-#: ``train.activation_recompute`` values that make every stage recompute (all of them, and
-#: those that make it full recomputation)
-FORCED, FORCED_FULL = ("on", "full", "selective"), ("on", "full")
+#: ``train.activation_recompute`` values that make every stage recompute
+FORCED = ("on", "full", "selective")
 
-def recompute_modes(mode: str, must: bool) -> tuple[str, ...]:
+def recompute_modes(mode: str, must: bool, selective: bool = True) -> tuple[str, ...]:
     """The recomputation a candidate is tried with, in order, under
-    ``train.activation_recompute`` = ``mode`` (``must``: it cannot fit without)."""
+    ``train.activation_recompute`` = ``mode`` (``must``: it cannot fit without;
+    ``selective``: it may fit with selective recomputation, :func:`fits_recomputing`)."""
     if mode == "off":
         return (OFF,)
     if mode in ("on", "full"):
         return (FULL,)
     if mode == "selective":
         return (SELECTIVE,)
-    return (SELECTIVE, FULL) if must else (OFF, SELECTIVE, FULL)
+    sel = (SELECTIVE,) if selective else ()
+    return (*sel, FULL) if must else (OFF, *sel, FULL)
 
 def selective_prefix(pr: Priced) -> np.ndarray:
     """``(n+1,)`` prefix sums of the units' forward seconds selective recomputation runs
@@ -334,16 +335,37 @@ def _solve_cached(problem: CutProblem, cache: dict) -> PartitionResult:
 def fits_without_recompute(pr: Priced, spec: ParallelSpec, cand: Candidate,
                             scale: float) -> bool:
     """Whether some cut could hold every stage's parameters, gradients, optimizer state and
-    the activations of its micro-batches in flight on the device, recomputing nothing: the
-    greedy cover (each stage as long as the device holds it) is optimal for this question, and
-    ignoring that a rank may hold several stages only makes it say yes more often. False means
-    the candidate must recompute (no solve needed to know)."""
+    the activations of its micro-batches in flight on the device, recomputing nothing
+    (:func:`fits_recomputing`). False means the candidate must recompute (no solve needed to
+    know)."""
+    return fits_recomputing(pr, spec, cand, scale, OFF)
+
+def fits_recomputing(pr: Priced, spec: ParallelSpec, cand: Candidate, scale: float,
+                     mode: str) -> bool:
+    """Whether some cut could hold every stage's parameters, gradients, optimizer state and
+    what it keeps per micro-batch in flight on the device, every stage recomputing as
+    ``mode`` says (:data:`OFF`: its activations; :data:`SELECTIVE`: its kept ops' outputs and
+    its input; :data:`FULL`: its input): the greedy cover (each stage as long as the device
+    holds it) is optimal for this question, and ignoring that a rank may hold several stages
+    only makes it say yes more often. False: no cut fits (no solve needed to know)."""
     tb = pr.table
     mult = state_factor(spec.train.optimizer, cand.sharding, cand.dp)
     inflight, _ = stage_inflight(cand)
     cap = spec.cluster.memory_gb * 1e9
-    P = np.concatenate([[0.0], np.cumsum(np.asarray(tb.params, dtype=np.float64))])
-    A = np.concatenate([[0.0], np.cumsum(np.asarray(tb.saved, dtype=np.float64) * scale)])
+    key = ("fits", mode)
+    if key not in pr.cache:  # prefix sums of parameters and of bytes kept per micro-batch
+        if mode == OFF:
+            per = np.asarray(tb.saved, dtype=np.float64)
+        elif mode == SELECTIVE and tb.selective:
+            per = np.asarray([b for _, b in tb.selective], dtype=np.float64)
+        else:
+            per = np.zeros(len(tb.params))
+        pr.cache[key] = (np.concatenate([[0.0], np.cumsum(np.asarray(tb.params,
+                                                                     dtype=np.float64))]),
+                         np.concatenate([[0.0], np.cumsum(per)]),
+                         0.0 if mode == OFF else recompute_held(tb.values))
+    P, cum, held = pr.cache[key]
+    A, held = cum * scale, held * scale
     n, pos = len(tb.params), 0
     memo: dict[int, np.ndarray] = {}
     for j in range(cand.num_stages):
@@ -351,7 +373,7 @@ def fits_without_recompute(pr: Priced, spec: ParallelSpec, cand: Candidate,
         if k not in memo:
             memo[k] = mult * P + k * A  # non-decreasing in the end
         d = memo[k]
-        end = int(np.searchsorted(d, d[pos] + cap, "right")) - 1
+        end = int(np.searchsorted(d, d[pos] + cap - k * held, "right")) - 1
         if end <= pos:
             return False
         pos = end

@@ -15,14 +15,15 @@ import numpy as np
 from fxpipe.errors import FxpipeError, PlanError
 from fxpipe.partitioner.bounds import SPLIT_BACKWARD, candidate_bound, cut_bound, unit_shares
 from fxpipe.partitioner.cut_price import simulate_cut
-from fxpipe.partitioner.cutting import (FORCED, FORCED_FULL, FULL, OFF, SELECTIVE,
-                                        cut_problem, fastest_slowdown,
+from fxpipe.partitioner.cutting import (FORCED, FULL, OFF, SELECTIVE, cut_problem,
+                                        fastest_slowdown, fits_recomputing,
                                         fits_without_recompute, held_note,
                                         recompute_held, recompute_modes, selective_prefix,
                                         solve_fitting, static_share)
 from fxpipe.partitioner.pricing import Priced, unit_prefix
 from fxpipe.partitioner.problem import PartitionResult
-from fxpipe.partitioner.search import Candidate, candidates, stage_inflight, tensor_degrees
+from fxpipe.partitioner.search import (DEEP_VIRTUAL_STAGES, Candidate, candidates,
+                                      stage_inflight, tensor_degrees)
 from fxpipe.partitioner.solvers import chain_bottleneck
 from fxpipe.specs.schema import ParallelSpec, state_factor
 from fxpipe.tensor.choose import DegreeError
@@ -75,12 +76,12 @@ def search_layouts(pr_at: Callable[[int], Priced], spec: ParallelSpec, prune: bo
         total_params = float(sum(pr.table.params))
         biggest = float(np.diff(prefix.sum(axis=0)).max(initial=0.0))  # the costliest unit
         cumulative = [float(x) for x in prefix.sum(axis=0)]
-        # what a recomputing stage runs again, at least: the forward (full recomputation
-        # asked for), else the nodes selective recomputation runs again
-        again = prefix[0] if mode in FORCED_FULL else selective_prefix(pr)
-        with_rc = [float(x) for x in prefix.sum(axis=0) + again]
-        floors: dict[tuple[int, bool], float] = {}  # the best compute-only cut's slowest stage
-        shares: dict[tuple[bool, bool], tuple[float, float, float]] = {}
+        # what a recomputing stage runs again, at least: the nodes selective recomputation
+        # runs again where it may fit, else the forward
+        again = {SELECTIVE: selective_prefix(pr), FULL: prefix[0]}
+        with_rc = {m: [float(x) for x in prefix.sum(axis=0) + a] for m, a in again.items()}
+        floors: dict[tuple[int, str], float] = {}  # the best compute-only cut's slowest stage
+        shares: dict[tuple[str, bool], tuple[float, float, float]] = {}
         for cand in cands:
             mbs = spec.data.batch_size // (cand.dp * cand.microbatches)
             if mbs < 1:
@@ -91,16 +92,19 @@ def search_layouts(pr_at: Callable[[int], Priced], spec: ParallelSpec, prune: bo
             else:
                 rc_only = (mode in FORCED or (mode == "auto" and not fits_without_recompute(
                     pr, spec, cand, scale)))
-            rcb = bool(rc_only)  # (not recomputing: a lower bound either way)
-            if (k, rcb) not in floors:
-                floors[(k, rcb)] = chain_bottleneck(with_rc if rcb else cumulative, k)
-            floor = floors[(k, rcb)] if k == cand.pipeline else 0.0  # one stage per rank
+            # the least recomputation the candidate can have (none: a lower bound either way)
+            least = OFF if not rc_only else (
+                SELECTIVE if mode in ("auto", "selective") and fits_recomputing(
+                    pr, spec, cand, scale, SELECTIVE) else FULL)
+            if (k, least) not in floors:
+                floors[(k, least)] = chain_bottleneck(with_rc[least] if least else cumulative, k)
+            floor = floors[(k, least)] if k == cand.pipeline else 0.0  # one stage per rank
             split = cand.schedule in SPLIT_BACKWARD
-            if (rcb, split) not in shares:
-                shares[(rcb, split)] = unit_shares(prefix, np.diff(again) if rcb else None,
-                                                   split)
+            if (least, split) not in shares:
+                shares[(least, split)] = unit_shares(
+                    prefix, np.diff(again[least]) if least else None, split)
             lb = candidate_bound(cand, scale, spec, total, total_params, biggest, fastest,
-                                  floor, shares[(rcb, split)])
+                                  floor, shares[(least, split)])
             bounds.append((lb, cand.label(), cand, mbs, pr, prefix, rc_only))
     if not bounds:
         if len(degrees) == 1 and first_error is not None:
@@ -120,7 +124,11 @@ def search_layouts(pr_at: Callable[[int], Priced], spec: ParallelSpec, prune: bo
     # on, only where those do not fit at all. One met before those waits for them (twice: V-Min
     # for V-Half, which may wait for ZB-V).
     enough = "fits only with recomputation" if mode in FORCED else "fits"
-    queue, waited, skipped = list(bounds), Counter(), 0
+    queue, waited, skipped, deeper = list(bounds), Counter(), 0, 0
+    depth: dict[tuple, float] = {}  # (layout, stages per rank) -> interleaved's best step
+    depths = {(_layout_key(b[2]), b[2].virtual_stages) for b in bounds
+              if b[2].schedule == "interleaved"}  # the depths searched
+    given_up: set[tuple] = set()  # (layout..., stages per rank): interleaved not tried
     i = -1
     while i + 1 < len(queue):
         i += 1
@@ -131,7 +139,22 @@ def search_layouts(pr_at: Callable[[int], Priced], spec: ParallelSpec, prune: bo
             pruned += 1
             continue
         scale = mbs / pr.batch
-        fkey = (_layout_key(cand), cand.schedule)
+        fkey = (_layout_key(cand), _fit_name(cand))
+        key = _layout_key(cand)
+        shallower = [v for v in DEEP_VIRTUAL_STAGES if v < cand.virtual_stages][-2:]
+        if cand.schedule == "interleaved" and shallower and (key, shallower[-1]) in depths:
+            # deeper interleaving only where the next shallower depth was simulated and was
+            # faster than the one before it (the bubble shrinks with depth, the messages grow)
+            got = [depth.get((key, v)) for v in shallower]
+            if got[-1] is None and key + (shallower[-1],) not in given_up \
+                    and waited[label] < 2:
+                waited[label] += 1
+                queue.append(queue[i])
+                continue
+            if got[-1] is None or (len(got) == 2 and got[0] is not None and got[1] >= got[0]):
+                deeper += 1
+                given_up.add(key + (cand.virtual_stages,))
+                continue
         if cand.schedule in _LOW_MEMORY:
             full = [fit.get((fkey[0], s)) for s in _LOW_MEMORY_VERSUS[cand.schedule]]
             if "fits" in full or enough in full:
@@ -151,7 +174,10 @@ def search_layouts(pr_at: Callable[[int], Priced], spec: ParallelSpec, prune: bo
             continue
         founds = []
         low = cand.schedule in _LOW_MEMORY and mode == "auto"  # tried without recomputation
-        for rc in (OFF,) if low else recompute_modes(mode, bool(rc_only)):
+        modes = (OFF,) if low else recompute_modes(
+            mode, bool(rc_only), mode != "auto" or fits_recomputing(pr, spec, cand, scale,
+                                                                    SELECTIVE))
+        for rc in modes:
             c = dataclasses.replace(cand, recompute=rc)
             try:
                 founds.append((c, *solve_fitting(pr, spec, c, scale, solved)))
@@ -167,7 +193,13 @@ def search_layouts(pr_at: Callable[[int], Priced], spec: ParallelSpec, prune: bo
         if len(bounds) == 1 and len(founds) == 1:
             cand, _, result, _ = founds[0]
             return cand, result, mbs, _degree_notes(left_out) + _sharding_notes(pr, spec, cand)
+        same: set[tuple] = set()
         for cand, problem, result, rc in founds:
+            if cand.recompute and not any(rc.flags):  # every stage dropped it: say so
+                cand = dataclasses.replace(cand, recompute=OFF)
+            if (tuple(result.cuts), tuple(rc.flags)) in same:
+                continue  # the selective cut came out as the one without recomputation
+            same.add((tuple(result.cuts), tuple(rc.flags)))
             if prune and best is not None and cut_bound(
                     prefix, result, cand, spec, scale, problem.slow, rc.flags,
                     selective_prefix(pr)) > best.step_s:
@@ -175,6 +207,9 @@ def search_layouts(pr_at: Callable[[int], Priced], spec: ParallelSpec, prune: bo
                 continue
             r = _Ranked(simulate_cut(pr, prefix, problem, result, cand, spec, scale,
                                       rc).step_time_s, cand.label(), cand, result, mbs)
+            if cand.schedule == "interleaved":
+                k_ = (_layout_key(cand), cand.virtual_stages)
+                depth[k_] = min(depth.get(k_, r.step_s), r.step_s)
             ranked.append(r)
             best = r if best is None or r < best else best
     if best is None:
@@ -195,6 +230,18 @@ def search_layouts(pr_at: Callable[[int], Priced], spec: ParallelSpec, prune: bo
     explain += _sharding_notes(priced[best.cand.tensor], spec, best.cand, ranked, failed)
     explain += _memory_schedule_notes(best.cand, fit)
     explain += _selective_notes(priced[best.cand.tensor], spec, best, solved)
+    if best.cand.schedule == "interleaved":
+        tried = sorted((v, t) for (k, v), t in depth.items() if k == _layout_key(best.cand))
+        if len(tried) > 1:
+            explain.append(f"interleaving depth {best.cand.virtual_stages} stages per rank "
+                           "chosen at this layout: " + ", ".join(
+                               f"{v} -> {t * 1e3:.2f} ms/step" for v, t in tried)
+                           + " (a deeper one shortens the bubble and sends more messages)")
+    if deeper:
+        explain.append(f"interleaved: {plural(deeper, 'deeper layout')} not tried: a depth "
+                       f"({', '.join(map(str, DEEP_VIRTUAL_STAGES))} stages per rank) is tried "
+                       "only where the next shallower one was simulated and was faster than "
+                       "the one before it (the bubble shrinks with depth, the messages grow)")
     if skipped:
         explain.append(f"v-half / v-min not tried at {skipped} candidate layouts: they are tried "
                        "only where zb-v (for v-min, also v-half) needs activation recomputation "
@@ -226,6 +273,12 @@ _FULL_MEMORY = ("zb-v", "1f1b", "zb-h1", "dualpipev", "interleaved", "gpipe")
 #: a layout tries V-Half / V-Min only where none of these fits it without recomputation (the
 #: same placement with more micro-batches in flight: less bubble)
 _LOW_MEMORY_VERSUS = {"v-half": ("zb-v",), "v-min": ("zb-v", "v-half")}
+
+def _fit_name(cand: Candidate) -> str:
+    """The schedule as the search records how it fits a layout (interleaved deeper than 2
+    stages per rank by its depth)."""
+    v = cand.virtual_stages
+    return f"interleaved v={v}" if cand.schedule == "interleaved" and v > 2 else cand.schedule
 
 def _layout_key(cand: Candidate) -> tuple:
     """A candidate's layout without its schedule (and recomputation)."""

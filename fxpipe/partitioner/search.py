@@ -60,6 +60,23 @@ class Candidate:
                 f"{r}{zero}{lay}")
 
 
+#: the interleaved schedule's stages per rank the search weighs (``virtual_stages: auto``)
+DEEP_VIRTUAL_STAGES = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+
+
+def _virtual_stages(par, schedule: str, pp: int, max_stages: int | None) -> list[int]:
+    """Stages per rank to try for ``schedule`` at pipeline ``pp``: the V schedules' and the
+    others' own (1 here); interleaved: the spec's ``virtual_stages``, or under ``auto`` (the
+    count or the schedule) :data:`DEEP_VIRTUAL_STAGES` up to the model's units per rank (at
+    least 2: too many stages is then said for 2)."""
+    if schedule != "interleaved":
+        return [1]
+    if par.virtual_stages != "auto" and (par.schedule != "auto" or par.virtual_stages > 1):
+        return [par.virtual_stages]
+    most = max(2, (max_stages or 2 * pp) // pp)
+    return [v for v in DEEP_VIRTUAL_STAGES if v <= most]
+
+
 def _divisors(n: int) -> list[int]:
     """Divisors of ``n`` in ascending order (O(sqrt n))."""
     small, large = [], []
@@ -171,25 +188,24 @@ def candidates(spec: ParallelSpec, max_stages: int | None = None,
         scheds = AUTO_SCHEDULES if par.schedule == "auto" else (par.schedule,)
         for m in ms:
             for s in scheds:
-                v = par.virtual_stages if s == "interleaved" and par.schedule != "auto" else (
-                    AUTO_VIRTUAL_STAGES if s == "interleaved" else 1)
-                per_rank = stages_per_rank(s, v)
                 if pp == 1 and stages_per_rank(s, AUTO_VIRTUAL_STAGES) > 1:
                     continue
-                if max_stages is not None and pp * per_rank > max_stages:
-                    if too_many is None or pp * per_rank < too_many[0]:
-                        too_many = (pp * per_rank, pp, per_rank)
-                    continue
-                # the arithmetic rules of the generators
-                if (s == "interleaved" and m % pp) or (s == "dualpipev" and m < 2 * pp - 1):
-                    if par.schedule != "auto" and par.microbatches != "auto":
-                        compute_schedule(s, pp, m, v)  # raises, explaining the rule
-                    continue
-                for z in _sharding_levels(spec, dp):
-                    out.append(Candidate(pp, dp, m, s, v, tensor=tensor, sharding=z))
-                    if spread and pp > 1 and dp > 1:  # several nodes: the other way round too
-                        out.append(Candidate(pp, dp, m, s, v, layout="data-inner",
-                                             tensor=tensor, sharding=z))
+                for v in _virtual_stages(par, s, pp, max_stages):
+                    per_rank = stages_per_rank(s, v)
+                    if max_stages is not None and pp * per_rank > max_stages:
+                        if too_many is None or pp * per_rank < too_many[0]:
+                            too_many = (pp * per_rank, pp, per_rank)
+                        continue
+                    # the arithmetic rules of the generators
+                    if (s == "interleaved" and m % pp) or (s == "dualpipev" and m < 2 * pp - 1):
+                        if par.schedule != "auto" and par.microbatches != "auto":
+                            compute_schedule(s, pp, m, v)  # raises, explaining the rule
+                        continue
+                    for z in _sharding_levels(spec, dp):
+                        out.append(Candidate(pp, dp, m, s, v, tensor=tensor, sharding=z))
+                        if spread and pp > 1 and dp > 1:  # several nodes: the other way too
+                            out.append(Candidate(pp, dp, m, s, v, layout="data-inner",
+                                                 tensor=tensor, sharding=z))
     if not out and too_many is not None and max_stages is not None:
         fits = [d for d in _divisors(world) if spec.data.batch_size % d == 0]  # 1 always
         if par.pipeline == "auto" and par.data == "auto" and world // max(fits) > max_stages:
@@ -222,8 +238,15 @@ _SIMULATE_ACTIONS = 4_000
 def stage_inflight(cand: Candidate) -> tuple[list[int], list[int]]:
     """Peak micro-batches in flight per stage for the candidate's schedule and the schedule's
     stage -> rank placement (cached per schedule, pipeline, micro-batches, stages per rank)."""
-    peaks = _inflight(cand.schedule, cand.pipeline, cand.microbatches, cand.virtual_stages)
-    return list(peaks), stage_to_rank(cand.schedule, cand.pipeline, cand.num_stages)
+    peaks, ranks = _stage_inflight(cand.schedule, cand.pipeline, cand.microbatches,
+                                   cand.virtual_stages, cand.num_stages)
+    return list(peaks), list(ranks)
+
+
+@functools.lru_cache(maxsize=4096)
+def _stage_inflight(schedule: str, p: int, m: int, v: int, k: int
+                    ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    return _inflight(schedule, p, m, v), tuple(stage_to_rank(schedule, p, k))
 
 
 

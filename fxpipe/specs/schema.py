@@ -254,7 +254,10 @@ class ParallelSpec_(_Section):
     """``pipeline``: stages per pipeline (p); ``data``: replicas (dp); ``tensor``: ranks that
     split every layer of a stage (t, tensor parallelism: :mod:`fxpipe.tensor`; a tensor group
     stays inside one node); ``microbatches``: per replica per step (m); ``schedule``;
-    ``virtual_stages``: stages per rank (v). Any of them may be ``auto`` (the planner searches).
+    ``virtual_stages``: stages per rank (v) of the ``interleaved`` schedule (``auto``, and
+    under ``schedule: auto``: the planner weighs 2, 3, 4, 6, 8, ... up to the model's units:
+    deeper interleaving shortens the bubble and adds point-to-point messages). Any of them may
+    be ``auto`` (the planner searches).
     ``sequence_parallel``: with ``tensor > 1``, norms, dropout and residual adds run on a slice of
     the sequence (reduce-scatter / all-gather instead of all-reduce; less activation memory).
     ``data_sharding``: what each stage's data-parallel replicas split among themselves instead
@@ -267,7 +270,7 @@ class ParallelSpec_(_Section):
     tensor: Union[PositiveInt, Auto] = 1
     microbatches: Union[PositiveInt, Auto] = 1
     schedule: Union[Literal[SCHEDULES], Auto] = "1f1b"  # type: ignore[valid-type]
-    virtual_stages: PositiveInt = 1
+    virtual_stages: Union[PositiveInt, Auto] = 1
     sequence_parallel: bool = False
     data_sharding: Literal[DATA_SHARDING] = "none"  # type: ignore[valid-type]
 
@@ -637,7 +640,7 @@ def cross_section_problems(spec: ParallelSpec) -> list[tuple[tuple[str, ...], st
                     f"batch_size={b} (the global batch) does not split over parallel.data={d} "
                     f"replicas; choose a batch size divisible by {d}"))
     v = par.virtual_stages
-    if v > 1 and par.schedule not in ("interleaved", "auto"):
+    if v != "auto" and v > 1 and par.schedule not in ("interleaved", "auto"):
         out.append((("parallel", "virtual_stages"),
                     f"virtual_stages={v} needs schedule 'interleaved' (schedule is "
                     f"{par.schedule!r}); set parallel.schedule: interleaved, or virtual_stages: 1 "
