@@ -174,3 +174,30 @@ def test_selective_on_a_model_without_matmuls_says_it_recomputes_everything():
     assert len(lines) == 1 and "stage 0" in lines[0]
     assert sel.stages[0].bwd_input_time_s == pytest.approx(full.stages[0].bwd_input_time_s)
     assert sel.stages[0].activation_bytes == full.stages[0].activation_bytes
+
+
+def test_gpt3_on_1024_a100s_picks_selective_recomputation_and_says_what_full_costs():
+    """The issue's case: GPT-3 175B as Megatron-LM trained it (attention written out, dropout
+    0.1, sequence 2,048, bf16) on 1,024 A100-80GB, every layout field ``auto``: the attention
+    scores, softmax and dropout masks are what fill the memory and cost few FLOPs, so the plan
+    recomputes selectively and says how much longer full recomputation would take."""
+    import fxpipe
+    from fxpipe.examples.gpt import CharGPT
+
+    shape = dict(vocab_size=51200, block_size=2048, n_head=96, n_embd=12288, n_layer=96,
+                 dropout=0.1, fused_attention=False)
+    with torch.device("meta"):
+        model = CharGPT(**shape)
+    auto = {k: "auto" for k in ("pipeline", "data", "tensor", "microbatches", "schedule",
+                                "data_sharding")}
+    spec = {"model": {"factory": "fxpipe.examples.gpt:CharGPT", "args": shape},
+            "data": {"batch_size": 1536, "seq_len": 2048}, "parallel": auto,
+            "cluster": {"nodes": 128, "devices_per_node": 8, "gpu": "A100-80GB",
+                        "attention": "math"},
+            "train": {"optimizer": "adamw", "precision": "bf16"}}
+    plan = fxpipe.plan(model, spec, torch.zeros(1, 2048, dtype=torch.long, device="meta"))
+    modes = [st.recompute_mode for st in plan.stages]
+    assert modes.count("selective") > len(modes) // 2 and "off" not in modes[:2], modes
+    line = next(x for x in plan.explain if x.startswith("selective recomputation chosen"))
+    full_ms = float(line.split("would be ")[1].split(" ms")[0].replace(",", ""))
+    assert full_ms > plan.predicted.step_time_s * 1e3

@@ -59,6 +59,28 @@ def recompute_held(values: list[Value]) -> float:
     largest value between units (the planner's memory model of recomputation)."""
     return max((v.nbytes for v in values), default=0.0)
 
+def stage_inputs(pr: Priced, cuts: Sequence[int], scale: float) -> list[float]:
+    """Per stage of a cut, the bytes per micro-batch of what it reads from outside: the values
+    other stages make and the model inputs its units read (what a recomputing stage keeps for
+    its second forward; the inputs of values a stage rebuilds are not counted), at ``scale`` x
+    the traced micro-batch."""
+    ends = list(cuts[1:]) + [len(pr.table.names)]
+    stage_of = np.zeros(len(pr.table.names), dtype=np.int64)
+    for j, (a, b) in enumerate(zip(cuts, ends)):
+        stage_of[a:b] = j
+    out = [0.0] * len(cuts)
+    for v in pr.table.values:
+        src = int(stage_of[v.producer]) if v.producer >= 0 else -1
+        for j in {int(stage_of[u]) for u in v.users} - {src}:
+            out[j] += v.nbytes * scale
+    fo = pr.table.folding
+    for name, positions in pr.pg.input_users.items():  # the model inputs a unit reads
+        units = {p if fo is None else fo.folded_pos(p) for p in positions} - {None}
+        nbytes = pr.pg.value_info(name)[2] * scale
+        for j in {int(stage_of[u]) for u in units}:
+            out[j] += nbytes
+    return out
+
 def held_note(capacity: float, inflight: float, held: float, mbs: float, whole: bool) -> str:
     """Why recomputation leaves less (or no) device memory: the stage inputs it keeps."""
     keep = (f"{human_bytes(held, True)} per micro-batch in flight on the stage (the largest "
@@ -155,14 +177,14 @@ class Recompute(NamedTuple):
         memory: per stage, the bytes its rank holds for it as planned (a recomputing stage's
             inputs kept per micro-batch in flight included); None without recomputation (the
             solver's figures are those bytes).
-        held: the bytes of inputs a recomputing stage keeps per micro-batch
-            (:func:`recompute_held`).
+        held: per stage, the bytes of the inputs it keeps per micro-batch when it recomputes
+            (:func:`stage_inputs`; the cut was solved with :func:`recompute_held`'s bound).
     """
 
     flags: list[str]
     results: dict[str, PartitionResult]
     memory: list[float] | None
-    held: float = 0.0
+    held: list[float] | None = None
 
     def result(self, j: int) -> PartitionResult:
         """The cut as evaluated under stage ``j``'s recomputation."""
@@ -171,7 +193,8 @@ class Recompute(NamedTuple):
     def activation_bytes(self, j: int) -> float:
         """Bytes stage ``j`` holds per micro-batch in flight: what its ops keep for the
         backward, and a recomputing stage's inputs."""
-        return float(self.result(j).saved_bytes[j]) + (self.held if self.flags[j] else 0.0)
+        kept = float(self.result(j).saved_bytes[j])
+        return kept + (self.held[j] if self.flags[j] and self.held else 0.0)
 
 def recompute_stages(pr: Priced, spec: ParallelSpec, cand: Candidate, cuts: Sequence[int],
                       scale: float) -> Recompute:
@@ -192,16 +215,16 @@ def recompute_stages(pr: Priced, spec: ParallelSpec, cand: Candidate, cuts: Sequ
     if not mode:
         return Recompute([OFF] * k, results, None)
     inflight, _ = stage_inflight(cand)
-    held = recompute_held(pr.table.values) * scale
+    held = stage_inputs(pr, cuts, scale)
     mine = results[mode]
     static = [float(mine.memory_bytes[j]) - inflight[j] * float(mine.saved_bytes[j])
               for j in range(k)]
-    memory = [float(mine.memory_bytes[j]) + inflight[j] * held for j in range(k)]
+    memory = [float(mine.memory_bytes[j]) + inflight[j] * held[j] for j in range(k)]
     if spec.train.activation_recompute != "auto":
         return Recompute([mode] * k, results, memory, held)
     device = spec.cluster.memory_gb * 1e9
     flags = [mode] * k
-    per_mb = [float(mine.saved_bytes[j]) + held for j in range(k)]
+    per_mb = [float(mine.saved_bytes[j]) + held[j] for j in range(k)]
     for lower in (OFF, SELECTIVE) if mode == FULL else (OFF,):
         res = results[lower] = at(lower)
         for st, tops in rank_inflight(cand):
@@ -209,7 +232,7 @@ def recompute_stages(pr: Priced, spec: ParallelSpec, cand: Candidate, cuts: Sequ
                 if flags[j] != mode:
                     continue
                 was = per_mb[j]
-                per_mb[j] = float(res.saved_bytes[j]) + (held if lower else 0.0)
+                per_mb[j] = float(res.saved_bytes[j]) + (held[j] if lower else 0.0)
                 if _rank_peak(st, tops, static, per_mb) <= device:
                     flags[j], memory[j] = lower, static[j] + inflight[j] * per_mb[j]
                 else:

@@ -180,7 +180,8 @@ def scaled_costs(costs: dict[str, NodeCost], tp: TensorPricing) -> dict[str, Nod
             c, fwd_flops=c.fwd_flops * f, bwd_flops=c.bwd_flops * f,
             bwd_weight_flops=c.bwd_weight_flops * f, out_bytes=int(c.out_bytes * f),
             in_bytes=int(c.in_bytes * f), saved_bytes=int(c.saved_bytes * f),
-            param_bytes=int(c.param_bytes * pf), attn_scores=int(c.attn_scores * f))
+            param_bytes=int(c.param_bytes * pf), attn_scores=int(c.attn_scores * f),
+            ops=tuple((fl * f, b * f) for fl, b in c.ops))
     return out
 
 
