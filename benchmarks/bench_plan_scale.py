@@ -224,9 +224,11 @@ def run(configs: list[Config], shape: dict, repeats: int, log=print, max_busy: f
 
 
 def _layout(plan) -> str:
-    n_rc = sum(s.recompute for s in plan.stages)
-    rc = ("" if not n_rc else " recompute" if n_rc == len(plan.stages)
-          else f" recompute on {n_rc} of {len(plan.stages)} stages")
+    n = len(plan.stages)
+    modes = [s.recompute_mode for s in plan.stages]
+    parts = [f"{m} on {'all' if modes.count(m) == n else modes.count(m)}"
+             for m in ("selective", "full") if m in modes]
+    rc = f" recompute {', '.join(parts)} of {n} stages" if parts else ""
     v = f" v={plan.virtual_stages}" if plan.schedule == "interleaved" else ""
     return (f"pp={plan.pipeline} dp={plan.dp} m={plan.microbatches} {plan.schedule}{v}{rc}, "
             f"micro-batch {plan.microbatch_size}, {plan.placement}")

@@ -38,9 +38,25 @@ class Noisy(nn.Module):
         return (self.b(self.ln(h)),)
 
 
-def _stage(mode: str, split: bool, loss: bool) -> tuple[StageWork, Noisy]:
+class WritesInPlace(nn.Module):
+    """Linear layers whose outputs are written in place afterwards: ``nn.ReLU(inplace=True)``
+    and a write through a view; counts its forwards."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.act = nn.Linear(D, D), nn.Linear(D, D), nn.ReLU(inplace=True)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        h = self.a(x)
+        h.view(-1)[::3].mul_(2.0)
+        return (self.act(self.b(self.act(h))),)
+
+
+def _stage(mode: str, split: bool, loss: bool, make=Noisy) -> tuple[StageWork, nn.Module]:
     torch.manual_seed(0)
-    mod = Noisy()
+    mod = make()
     sp = StagePlan(index=0, nodes=[], params=[], buffers=[], inputs=["x"], outputs=["y"],
                    fwd_flops=0, bwd_flops=0, bwd_weight_flops=0, param_bytes=0,
                    activation_bytes=0, recv_bytes=0, send_bytes=0, compute_time_s=0,
@@ -53,8 +69,8 @@ def _stage(mode: str, split: bool, loss: bool) -> tuple[StageWork, Noisy]:
     return work, mod
 
 
-def _run(mode: str, split: bool, loss: bool):
-    work, mod = _stage(mode, split, loss)
+def _run(mode: str, split: bool, loss: bool, make=Noisy):
+    work, mod = _stage(mode, split, loss, make)
     g = torch.Generator().manual_seed(1)
     xs = [torch.randn(B, D, generator=g).requires_grad_() for _ in range(3)]
     target = torch.randn(B, D, generator=g)
@@ -87,6 +103,17 @@ def test_recomputing_stage_equals_keeping_everything(mode, split, loss):
     for a, b in zip(ref["buffers"], got["buffers"]):  # running statistics updated once
         assert torch.equal(a, b)
     assert torch.equal(ref["rng"], got["rng"]), "the replay leaves the caller's RNG stream"
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["whole", "b-w"])
+def test_selective_keeps_what_an_op_wrote_over_in_place_as_it_was(split):
+    """A kept linear output that a later op writes in place (in-place ReLU, a write through a
+    view): the recomputation reads the value the linear layer produced, not the written one."""
+    ref, got = _run("off", split, False, WritesInPlace), _run("selective", split, False,
+                                                                WritesInPlace)
+    assert got["calls"] == (3, 6)
+    for a, b in zip(ref["in_grads"] + ref["grads"], got["in_grads"] + got["grads"]):
+        assert torch.equal(a, b)
 
 
 def test_selective_rule_keeps_matmuls_and_recomputes_the_rest():

@@ -18,10 +18,12 @@ and the planner agree on it.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from fxpipe.execution.op_flops import has_flops, op_flops
@@ -53,14 +55,63 @@ def keeps_op(func, args: tuple, kwargs: dict, out: Any, ridge: float) -> bool:
     return nbytes > 0 and op_flops(func, args, kwargs or {}, out) >= ridge * nbytes
 
 
+def _written(func, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors ``func`` writes in place (its schema's mutable arguments)."""
+    schema = getattr(func, "_schema", None)
+    if schema is None or not schema.is_mutable:
+        return []
+    out = []
+    for i, a in enumerate(schema.arguments):
+        if a.alias_info is None or not a.alias_info.is_write:
+            continue
+        v = args[i] if i < len(args) else kwargs.get(a.name)
+        out.extend(t for t in pytree.tree_leaves(v) if isinstance(t, torch.Tensor))
+    return out
+
+
+class _CopyBeforeWrite(TorchDispatchMode):
+    """Runs above torch's caching mode in the first forward: before an op writes in place into
+    a kept output (``nn.ReLU(inplace=True)`` after a linear layer, or a write through a view of
+    it), the kept entry is replaced by a copy of its value as the op produced it, so the
+    recomputation reads that value (torch's mode would otherwise refuse the mutated entry in
+    the backward). The bytes kept are the same; the copy is made only where a write happens."""
+
+    def __init__(self, storage) -> None:
+        super().__init__()
+        self.storage = storage
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        written = {t.untyped_storage().data_ptr() for t in _written(func, args, kwargs)
+                   if t.device.type != "meta"}
+        if written:
+            hit = [w for entries in self.storage.values()
+                   for entry in (entries.values() if isinstance(entries, dict) else entries)
+                   for w in pytree.tree_leaves(entry)
+                   if isinstance(getattr(w, "val", None), torch.Tensor)
+                   and w.val.untyped_storage().data_ptr() in written]
+            with _disable_current_modes():  # the copy is no op of the model's: not cached
+                for w in hit:
+                    w.val = w.val.clone()
+                    w.version = w.val._version
+        return func(*args, **kwargs)
+
+
 def selective_contexts(ridge: float):
-    """The (forward, recompute) dispatch-mode pair of torch's selective checkpointing with the
-    rule of :func:`keeps_op` at ``ridge``: the forward caches the kept ops' outputs, the
-    recompute returns them and runs every other op again. A fresh pair per micro-batch (they
-    share its cache)."""
+    """The (forward, recompute) context pair of torch's selective checkpointing with the rule
+    of :func:`keeps_op` at ``ridge``: the forward caches the kept ops' outputs (copied first
+    where a later op writes into them in place), the recompute returns them and runs every
+    other op again. A fresh pair per micro-batch (they share its cache)."""
     def policy(ctx, func, *args, **kwargs):
         if keeps_op(func, args, kwargs, ctx.op_output, ridge):
             return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE
 
-    return create_selective_checkpoint_contexts(policy)
+    caching, cached = create_selective_checkpoint_contexts(policy)
+
+    @contextmanager
+    def forward():
+        with caching, _CopyBeforeWrite(caching.storage):
+            yield
+
+    return forward(), cached

@@ -190,7 +190,8 @@ def search_layouts(pr_at: Callable[[int], Priced], spec: ParallelSpec, prune: bo
             fit[fkey] = "does not fit"
             continue
         fit[fkey] = "fits only with recomputation" if founds[0][0].recompute else "fits"
-        if len(bounds) == 1 and len(founds) == 1:
+        if len(bounds) == 1 and len(founds) == 1 and not (
+                mode == "auto" and founds[0][0].recompute == SELECTIVE):  # (it says what full costs)
             cand, _, result, _ = founds[0]
             return cand, result, mbs, _degree_notes(left_out) + _sharding_notes(pr, spec, cand)
         same: set[tuple] = set()
