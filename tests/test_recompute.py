@@ -60,8 +60,10 @@ def _stage(mode: str, split: bool, loss: bool, make=Noisy) -> tuple[StageWork, n
     sp = StagePlan(index=0, nodes=[], params=[], buffers=[], inputs=["x"], outputs=["y"],
                    fwd_flops=0, bwd_flops=0, bwd_weight_flops=0, param_bytes=0,
                    activation_bytes=0, recv_bytes=0, send_bytes=0, compute_time_s=0,
-                   comm_time_s=0, time_s=0, memory_bytes=0, recompute=mode != "off",
-                   keep_ridge=RIDGE if mode == "selective" else None)
+                   comm_time_s=0, time_s=0, memory_bytes=0,
+                   recompute=mode in ("full", "selective"),
+                   keep_ridge=RIDGE if mode == "selective" else None,
+                   offload_bytes=1 if mode == "offload" else 0)
     values = {"y": ValueInfo("y", 0, [] if loss else [1], [B, D], "float32", B * D * 4)}
     work = StageWork(sp, mod, values, {} if loss else {"y": [1]}, split,
                      contextlib.nullcontext, lambda i: f"micro-batch {i}",
@@ -85,7 +87,8 @@ def _run(mode: str, split: bool, loss: bool, make=Noisy):
         in_grads.append(work.backward(i)[0][1])
         if split:
             work.weight(i)
-    return dict(calls=(after_forwards, mod.calls), in_grads=in_grads,
+    moved = (work.offload.out_bytes, work.offload.in_bytes) if work.offload else (0, 0)
+    return dict(calls=(after_forwards, mod.calls), in_grads=in_grads, moved=moved,
                 grads=[p.grad.clone() for p in mod.parameters()],
                 buffers=[b.clone() for b in mod.buffers()], rng=torch.get_rng_state())
 
@@ -103,6 +106,21 @@ def test_recomputing_stage_equals_keeping_everything(mode, split, loss):
     for a, b in zip(ref["buffers"], got["buffers"]):  # running statistics updated once
         assert torch.equal(a, b)
     assert torch.equal(ref["rng"], got["rng"]), "the replay leaves the caller's RNG stream"
+
+
+@pytest.mark.parametrize("loss", [False, True], ids=["sends", "loss"])
+@pytest.mark.parametrize("split", [False, True], ids=["whole", "b-w"])
+def test_offloading_stage_equals_keeping_everything(split, loss):
+    """Activation offload: what autograd saves goes to host memory and comes back for the
+    backward, unchanged (bit-equal), the forward run once; under a split backward W fetches
+    what it reads again."""
+    ref, got = _run("off", split, loss), _run("offload", split, loss)
+    assert got["calls"] == (3, 3)
+    for a, b in zip(ref["in_grads"] + ref["grads"] + ref["buffers"],
+                    got["in_grads"] + got["grads"] + got["buffers"]):
+        assert torch.equal(a, b)
+    out, back = got["moved"]
+    assert out > 0 and (back == out if not split else out < back <= 2 * out)
 
 
 @pytest.mark.parametrize("split", [False, True], ids=["whole", "b-w"])
@@ -173,6 +191,39 @@ def test_planner_prices_selective_between_none_and_full_and_auto_weighs_it():
     assert any(line.startswith("selective recomputation on stage") for line in tight.explain)
 
 
+@pytest.mark.parametrize("memory_gb", [0.018, 0.015])
+def test_auto_weighs_the_full_cut_against_the_selective_one(memory_gb):
+    """Where nothing fits without recomputation, the selective cut keeps more bytes per stage
+    and may have to be less balanced than the full one: ``auto`` is no slower than either
+    forced, and where it recomputes selectively it says what the same cut would take with
+    full recomputation there."""
+    auto = _plan("auto", memory_gb)
+    forced = []
+    for m in ("selective", "full"):
+        try:
+            forced.append(_plan(m, memory_gb).predicted.step_time_s)
+        except Exception as e:  # a forced mode that does not fit says what would
+            assert "full activation recomputation fits" in str(e)
+    assert forced and auto.predicted.step_time_s <= min(forced) * (1 + 1e-9)
+    n_sel = [st.recompute_mode for st in auto.stages].count("selective")
+    lines = [x for x in auto.explain if x.startswith("selective recomputation chosen on")]
+    assert len(lines) == (1 if n_sel else 0)
+    if n_sel:
+        full_ms = float(lines[0].split("would take ")[1].split(" ms")[0].replace(",", ""))
+        assert full_ms > auto.predicted.step_time_s * 1e3
+
+
+def test_recompute_accepts_yaml_booleans():
+    """YAML 1.1 reads unquoted ``on`` / ``off`` as booleans: they mean on and off."""
+    import yaml
+
+    from fxpipe.specs.schema import TrainSpec
+
+    for text, want in (("off", "off"), ("on", "on"), ("false", "off"), ('"full"', "full")):
+        got = TrainSpec(**yaml.safe_load(f"activation_recompute: {text}"))
+        assert got.activation_recompute == want
+
+
 def test_selective_on_a_model_without_matmuls_says_it_recomputes_everything():
     """A policy that keeps nothing: element-wise ops only, so selective recomputation is full
     recomputation; the plan says so in one line, and prices it as full."""
@@ -226,5 +277,76 @@ def test_gpt3_on_1024_a100s_picks_selective_recomputation_and_says_what_full_cos
     modes = [st.recompute_mode for st in plan.stages]
     assert modes.count("selective") > len(modes) // 2 and "off" not in modes[:2], modes
     line = next(x for x in plan.explain if x.startswith("selective recomputation chosen"))
-    full_ms = float(line.split("would be ")[1].split(" ms")[0].replace(",", ""))
+    full_ms = float(line.split("would take ")[1].split(" ms")[0].replace(",", ""))
     assert full_ms > plan.predicted.step_time_s * 1e3
+
+
+def _offload_plan(recompute: str, offload: str, memory_gb: float, host_GBps: float = 20.0,
+                  host_memory_gb: float = 1.0, schedule: str = "1f1b"):
+    import fxpipe
+    from fxpipe.examples.gpt import CharGPT
+
+    torch.manual_seed(0)
+    model = CharGPT(n_layer=4, n_embd=128, n_head=4, block_size=128)
+    spec = {"model": {"factory": "fxpipe.examples.gpt:CharGPT"},
+            "data": {"batch_size": 32, "seq_len": 128},
+            "parallel": {"pipeline": 2, "data": 1, "microbatches": 8, "schedule": schedule},
+            "cluster": {"nodes": 1, "devices_per_node": 2, "memory_gb": memory_gb,
+                        "host_memory_gb": host_memory_gb, "links": {"host_GBps": host_GBps}},
+            "train": {"activation_recompute": recompute, "activation_offload": offload}}
+    return fxpipe.plan(model, spec, torch.randint(0, 256, (4, 128)))
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-v"])
+def test_offload_is_priced_at_the_host_link(schedule):
+    """An offloading stage keeps only its inputs on the device; the bytes its backward reads
+    cross the host link out after F and back before B (and again before W under a split
+    backward), priced at ``links.host_GBps`` in the stage's times."""
+    keep = _offload_plan("off", "off", 16.0, schedule=schedule)
+    off = _offload_plan("off", "on", 16.0, schedule=schedule)
+    host = 20e9
+    moves_w = 1 if schedule == "zb-v" else 0
+    same = 0
+    for a, b in zip(keep.stages, off.stages):
+        assert b.offload_bytes > 0 and b.recompute_mode == "off"
+        assert b.activation_bytes < a.activation_bytes  # the stage's inputs only
+        if a.nodes == b.nodes:  # the same cut: what goes out is what the stage kept
+            same += 1
+            assert b.offload_bytes == a.activation_bytes
+            t = b.offload_bytes / host
+            assert b.fwd_time_s == pytest.approx(a.fwd_time_s + t, rel=1e-9)
+            assert b.bwd_input_time_s == pytest.approx(a.bwd_input_time_s + t, rel=1e-9)
+            assert b.bwd_weight_time_s == pytest.approx(a.bwd_weight_time_s + moves_w * t,
+                                                        rel=1e-9)
+    assert same, "no stage cut alike with and without offload: nothing compared"
+    assert off.predicted.step_time_s > keep.predicted.step_time_s
+    assert any(line.startswith("activation offload on every stage") for line in off.explain)
+
+
+def test_auto_offloads_where_the_host_link_beats_recomputation():
+    """Where the activations do not fit: over a fast host link auto offloads (and says what
+    full recomputation of the same cut would take); over a slow one it recomputes."""
+    fast = _offload_plan("auto", "auto", 0.018, host_GBps=200.0)
+    assert any(st.offload_bytes for st in fast.stages)
+    line = next(x for x in fast.explain if x.startswith("activation offload chosen on"))
+    full_ms = float(line.split("would take ")[1].split(" ms")[0].replace(",", ""))
+    assert full_ms > fast.predicted.step_time_s * 1e3
+    slow = _offload_plan("auto", "auto", 0.018, host_GBps=0.01)
+    assert not any(st.offload_bytes for st in slow.stages)
+    assert any(st.recompute for st in slow.stages)
+
+
+def test_offload_bad_input_says_what_is_missing():
+    """Offload without host memory, offload and forced recomputation together, and host
+    memory too small for what would go there: one clear line each."""
+    from fxpipe.errors import PlanError, SpecError
+    from fxpipe.specs.loader import load_spec
+
+    base = {"model": {"factory": "a:b"}, "cluster": {"nodes": 1, "devices_per_node": 1}}
+    with pytest.raises(SpecError, match="needs cluster.host_memory_gb"):
+        load_spec({**base, "train": {"activation_offload": "on"}})
+    with pytest.raises(SpecError, match="a stage either offloads them or recomputes them"):
+        load_spec({**base, "cluster": {"host_memory_gb": 64.0},
+                   "train": {"activation_offload": "on", "activation_recompute": "full"}})
+    with pytest.raises(PlanError, match="activation offload: rank 0 holds .* host memory"):
+        _offload_plan("off", "on", 16.0, host_memory_gb=0.001)

@@ -156,10 +156,14 @@ def reference(name: str, global_batch: int, steps: int = STEPS):
 
 def recomputing(plan: Plan, mode: str) -> Plan:
     """A copy of ``plan`` whose every stage recomputes its activations, ``full`` or
-    ``selective`` (at the CPU default's ridge: linear layers and attention kept)."""
+    ``selective`` (at the CPU default's ridge: linear layers and attention kept), or offloads
+    them to host memory (``offload``)."""
     plan = copy.deepcopy(plan)
     for st in plan.stages:
-        st.recompute, st.keep_ridge = True, (CPU_RIDGE if mode == "selective" else None)
+        if mode == "offload":
+            st.offload_bytes = 1  # (the runtime reads whether, the planner prices how many)
+        else:
+            st.recompute, st.keep_ridge = True, (CPU_RIDGE if mode == "selective" else None)
     return plan
 
 
@@ -288,7 +292,7 @@ def _world2_runs():
     runs += [run_spec("skip4", 2, 1, s) for s in ("interleaved", "zb-v")]
     runs += [run_spec("gpt", 2, 1, s) for s in V_NEW] + [run_spec("skip4", 2, 1, "dualpipev")]
     runs += [run_spec("gpt", 2, 1, s, recompute=r) for s in RECOMPUTE_SCHEDULES
-             for r in ("selective", "full")]
+             for r in ("selective", "full", "offload")]
     runs += [run_spec("gpt", 2, 1, "interleaved", v=3), run_spec("skip8", 2, 1, "interleaved", v=4)]
     return runs
 
@@ -303,6 +307,7 @@ def _world4_runs():
     runs += [run_spec("cnn", 2, 2, s) for s in V_NEW]
     runs += [run_spec("skip8", 4, 1, s, m=_m_for(s, 4)) for s in V_NEW]
     runs += [run_spec(n, 2, 2, "zb-v", recompute="selective") for n in ("gpt", "cnn")]
+    runs += [run_spec("gpt", 2, 2, "zb-v", recompute="offload")]
     return runs
 
 
@@ -610,19 +615,20 @@ if __name__ == "__main__":  # print the measured figures
 
 # ----------------------------------------------------------------------------- issue 36
 @pytest.mark.distributed
-@pytest.mark.parametrize("mode", ["selective", "full"])
+@pytest.mark.parametrize("mode", ["selective", "full", "offload"])
 @pytest.mark.parametrize("schedule", RECOMPUTE_SCHEDULES)
 def test_recomputing_stages_are_exact(world2, world4, schedule, mode):
     """Every stage recomputing its activations, fully or selectively (the linear layers'
-    and attention's outputs kept), trains like one process: interleaved (one whole backward
-    per stage), ZB-H1 and ZB-V (B then W: the forward runs again once, before B) at p=2;
+    and attention's outputs kept), or offloading them to host memory, trains like one
+    process: interleaved (one whole backward per stage), ZB-H1 and ZB-V (B then W: the
+    forward runs again once, before B; offloaded tensors come back for B and for W) at p=2;
     selective under ZB-V with data parallel 2 on CharGPT and SkipCNN (a skip from stage 0 to
-    stage 3)."""
+    stage 3), offload on CharGPT."""
     rows = _rows(world2, model="gpt", schedule=schedule, recompute=mode)
     assert len(rows) == 2
     _assert_exact(rows)
-    if schedule == "zb-v" and mode == "selective":
-        for model in ("gpt", "cnn"):
+    if schedule == "zb-v" and mode != "full":
+        for model in ("gpt", "cnn") if mode == "selective" else ("gpt",):
             rows = _rows(world4, model=model, schedule=schedule, recompute=mode, p=2, dp=2)
             assert len(rows) == 4
             _assert_exact(rows)

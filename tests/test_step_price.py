@@ -1,6 +1,6 @@
 """One pricing rule (issue 39, item 3): every candidate the layout search scores is scored
 exactly as the Plan assembled from it is predicted, across tensor degrees, data sharding,
-gradient compression and activation recomputation (selective, full), on models with tied weights (shared across stages), values rebuilt per
+gradient compression, activation recomputation (selective, full) and offload, on models with tied weights (shared across stages), values rebuilt per
 stage (a transformers Llama's masks and rotary tables) and repeated blocks (planned folded)."""
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ def _spec(model: dict, batch: int, seq: int, **train) -> dict:
             "parallel": {"pipeline": "auto", "data": 2, "tensor": "auto", "microbatches": 4,
                          "schedule": "auto", "data_sharding": "none" if lossy else "auto"},
             "cluster": {"nodes": 2, "devices_per_node": 4, "memory_gb": 4, "device_tflops": 0.02,
+                        "host_memory_gb": 64,
                         "links": {"intra_node_GBps": 5, "inter_node_GBps": 0.5}},
             "train": {"optimizer": "adamw", "loss": train.pop("loss", "cross_entropy"),
                       **train}}
@@ -61,13 +62,15 @@ CASES = [(_gpt, {}), (_gpt, {"grad_compression": "fp16"}),
          (_gpt, {"grad_compression": "topk", "compression": {"ratio": 0.05}}),
          (_llama, {"loss": "model"}), (_deep, {"grad_compression": "powersgd"}),
          (_gpt, {"activation_recompute": "selective"}),
-         (_deep, {"activation_recompute": "selective"}), (_deep, {"activation_recompute": "on"})]
+         (_deep, {"activation_recompute": "selective"}), (_deep, {"activation_recompute": "on"}),
+         (_gpt, {"activation_offload": "on"}), (_deep, {"activation_offload": "on"})]
 
 
 @pytest.mark.parametrize("make, train", CASES, ids=["gpt", "gpt-fp16", "gpt-powersgd",
                                                     "gpt-topk", "llama", "blocks-powersgd",
                                                     "gpt-selective", "blocks-selective",
-                                                    "blocks-full"])
+                                                    "blocks-full", "gpt-offload",
+                                                    "blocks-offload"])
 def test_every_scored_candidate_is_priced_as_its_plan_predicts(make, train, monkeypatch):
     model, args, kwargs, model_spec, seq = make()
     spec = load_spec(_spec(model_spec, 2 * 4 * 2, seq, **train))
@@ -99,6 +102,9 @@ def test_every_scored_candidate_is_priced_as_its_plan_predicts(make, train, monk
         if train.get("activation_recompute") in ("selective", "on"):
             mode = "full" if train["activation_recompute"] == "on" else "selective"
             assert all(st.recompute_mode == mode for st in plan.stages)
+        if train.get("activation_offload") == "on":
+            assert not any(st.recompute for st in plan.stages)  # (a stage of views saves
+            assert sum(st.offload_bytes for st in plan.stages) > 0  # nothing to offload)
         # the plan path prices it again the same way (`fxpipe simulate`, the report's
         # timeline), a plan of blocks too: its stage edges are the cut's
         assert predict(plan).step_time_s == plan.predicted.step_time_s

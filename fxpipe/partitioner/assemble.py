@@ -13,8 +13,9 @@ import torch.nn as nn
 from fxpipe.errors import TraceError
 from fxpipe.partitioner.blocks import KEEP
 from fxpipe.partitioner.boundaries import GUARDS_FN, stage_boundaries
+from fxpipe.partitioner.bounds import SPLIT_BACKWARD
 from fxpipe.partitioner.cut_price import cut_steps
-from fxpipe.partitioner.cutting import (FULL, OFF, SELECTIVE, Recompute, cut_problem,
+from fxpipe.partitioner.cutting import (FULL, OFF, OFFLOAD, SELECTIVE, Recompute, cut_problem,
                                         slowdowns)
 from fxpipe.partitioner.pricing import Priced, unit_prefix
 from fxpipe.partitioner.problem import PartitionResult
@@ -42,7 +43,7 @@ def _lower_bound(result: PartitionResult, rc: Recompute) -> float:
     """Total compute per micro-batch over the stages (no cut can beat it), with the stages'
     recomputation as planned (the solver's figure counts every stage recomputing as the
     candidate does; :func:`recompute_stages` may have lowered some stages' since)."""
-    mode = next(m for m in (FULL, SELECTIVE, OFF) if m in rc.results)
+    mode = next(m for m in (FULL, SELECTIVE, OFFLOAD, OFF) if m in rc.results)
     solved = rc.results[mode]
     if all(f == mode for f in rc.flags):
         return result.lower_bound_s
@@ -136,8 +137,9 @@ def _stage_plan(j: int, step: StageStep, result: PartitionResult, rc: Recompute,
         time_s=compute + result.comm_s[j], memory_bytes=int(memory),
         fwd_time_s=step.fwd_s, bwd_input_time_s=step.bwd_input_s,
         bwd_weight_time_s=step.bwd_weight_s, send_time_s=step.send_s,
-        grad_send_time_s=step.grad_send_s, recompute=bool(recompute),
-        keep_ridge=ridge if recompute == SELECTIVE else None, loss_time_s=float(loss_s),
+        grad_send_time_s=step.grad_send_s, recompute=recompute in (SELECTIVE, FULL),
+        keep_ridge=ridge if recompute == SELECTIVE else None,
+        offload_bytes=int(rc.host_bytes(j)), loss_time_s=float(loss_s),
         shared_bytes=int(step.shared_bytes))
 
 def _selective_keeps_nothing(rc: Recompute, ridge: float) -> list[str]:
@@ -176,6 +178,28 @@ def recompute_notes(plan: Plan, asked: str) -> list[str]:
         name = "activation recomputation" if mode == "full" else "selective recomputation"
         out.append(f"{name} on {where}: {what} ({why})")
     return out
+
+def offload_notes(plan: Plan) -> list[str]:
+    """Which stages offload their activations to host memory, what crosses the host link and
+    why (``train.activation_offload``)."""
+    idx = [j for j, st in enumerate(plan.stages) if st.offload_bytes]
+    if not idx:
+        return []
+    cl, asked = plan.spec.cluster, plan.spec.train.activation_offload
+    every = len(idx) == plan.num_stages
+    where = "every stage" if every else f"stage{'s' if len(idx) > 1 else ''} " + ", ".join(
+        map(str, idx))
+    per = ", ".join(f"{human_bytes(plan.stages[j].offload_bytes, True)}" for j in idx[:4])
+    moves = "out after F, back before B and again before W" if plan.schedule in SPLIT_BACKWARD \
+        else "out after F, back before B"
+    why = ("train.activation_offload: on" if asked == "on" else
+           "the activations of the micro-batches in flight would not fit cluster.memory_gb, "
+           "and moving them was faster than recomputing them")
+    return [f"activation offload on {where}: per micro-batch {per}{' ...' if len(idx) > 4 else ''}"
+            f" of saved activations cross the host link at {cl.host_Bps / 1e9:.3g} GB/s "
+            f"({moves}; priced in the stage's times) and wait in host memory "
+            f"(cluster.host_memory_gb {cl.host_memory_gb:g} per node, "
+            f"{human_bytes(cl.host_bytes_per_device or 0, True)} per device) ({why})"]
 
 def _set_tensor(plan: Plan, pr: Priced, comms: list[list] | None) -> None:
     """The plan's tensor-parallel fields from the priced units' sharding, and what it says:
@@ -397,6 +421,7 @@ def finish_plan(plan: Plan, pr: Priced, spec: ParallelSpec, model: nn.Module, kw
                             "bytes at cluster.memory_GBps), which prices gloo sends low; "
                             "`fxpipe profile SPEC` measures it")
     plan.explain += recompute_notes(plan, spec.train.activation_recompute)
+    plan.explain += offload_notes(plan)
     if plan.recomputed:
         plan.explain.append("recomputed in each stage that reads them (cheaper than sending): "
                             + ", ".join(f"{v} ({human_bytes(nbytes)}) in stages "

@@ -13,8 +13,8 @@ import numpy as np
 from fxpipe.execution.losses import MODEL_LOSS
 from fxpipe.partitioner.cut_tables import (rebuilt_seconds, stage_params, stage_tensor_comms,
                                            unit_params)
-from fxpipe.partitioner.cutting import (FULL, SELECTIVE, Recompute, recompute_stages,
-                                        selective_prefix)
+from fxpipe.partitioner.cutting import (FULL, OFFLOAD, SELECTIVE, Recompute, offload_moves,
+                                        recompute_stages, selective_prefix)
 from fxpipe.partitioner.pricing import Priced
 from fxpipe.partitioner.problem import CutProblem, PartitionResult
 from fxpipe.partitioner.profile import SendCost
@@ -109,6 +109,12 @@ def cut_steps(pr: Priced, prefix: np.ndarray, problem: CutProblem, result: Parti
     per = [np.array([x[0], x[0] + x[1], x[2]]) if r == FULL else
            np.array([x[0], again[j] + x[1], x[2]]) if r == SELECTIVE else x
            for j, (x, r) in enumerate(zip(per, flags))]
+    if OFFLOAD in flags:  # out after F, back before B (and again before W: offload_moves)
+        w = offload_moves(cand) - 2
+        for j, r in enumerate(flags):
+            if r == OFFLOAD:
+                t = rc.host_bytes(j) / spec.cluster.host_Bps * problem.slow[j]
+                per[j] = per[j] + np.array([t, t, w * t])
     fwd: dict[tuple[int, int], list[float]] = {}
     grad: dict[tuple[int, int], list[float]] = {}  # keyed by (sender of the gradient, receiver)
     for v in problem.values:

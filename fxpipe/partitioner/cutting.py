@@ -10,6 +10,7 @@ from typing import NamedTuple, Sequence
 import numpy as np
 
 from fxpipe.errors import PlanError
+from fxpipe.partitioner.bounds import SPLIT_BACKWARD
 from fxpipe.partitioner.pricing import Priced
 from fxpipe.partitioner.problem import CutProblem, PartitionResult, Value, evaluate
 from fxpipe.partitioner.search import Candidate, rank_inflight, stage_inflight
@@ -93,25 +94,43 @@ def held_note(capacity: float, inflight: float, held: float, mbs: float, whole: 
     return (f"with activation recomputation that is the device's {human_bytes(capacity, True)} "
             f"less the stage inputs kept for recomputation, {keep}")
 
-#: activation recomputation of a stage: none, selective (the costly ops' outputs kept,
-#: :mod:`fxpipe.execution.selective`), or full (only the stage's inputs kept)
-OFF, SELECTIVE, FULL = "", "selective", "full"
+#: what a stage does with the activations its backward reads: keep them (none), recompute
+#: them selectively (the costly ops' outputs kept, :mod:`fxpipe.execution.selective`) or fully
+#: (only the stage's inputs kept), or offload them to host memory and fetch them back
+OFF, SELECTIVE, FULL, OFFLOAD = "", "selective", "full", "offload"
 
 #: ``train.activation_recompute`` values that make every stage recompute
 FORCED = ("on", "full", "selective")
 
-def recompute_modes(mode: str, must: bool, selective: bool = True) -> tuple[str, ...]:
-    """The recomputation a candidate is tried with, in order, under
-    ``train.activation_recompute`` = ``mode`` (``must``: it cannot fit without;
-    ``selective``: it may fit with selective recomputation, :func:`fits_recomputing`)."""
+def every_stage_forced(spec: ParallelSpec) -> bool:
+    """Whether the spec makes every stage give up its activations (recompute or offload)."""
+    return (spec.train.activation_recompute in FORCED
+            or spec.train.activation_offload == "on")
+
+def recompute_modes(mode: str, must: bool, selective: bool = True,
+                    offload: str = "off") -> tuple[str, ...]:
+    """What a candidate is tried with, in order, under ``train.activation_recompute`` =
+    ``mode`` and ``train.activation_offload`` = ``offload`` (``must``: it cannot fit keeping
+    its activations; ``selective``: it may fit with selective recomputation,
+    :func:`fits_recomputing`)."""
+    if offload == "on":
+        return (OFFLOAD,)
+    off = (OFFLOAD,) if offload == "auto" else ()
     if mode == "off":
-        return (OFF,)
+        return off if must and off else (OFF, *off)
     if mode in ("on", "full"):
         return (FULL,)
     if mode == "selective":
         return (SELECTIVE,)
     sel = (SELECTIVE,) if selective else ()
-    return (*sel, FULL) if must else (OFF, *sel, FULL)
+    return (*sel, *off, FULL) if must else (OFF, *sel, *off, FULL)
+
+def offload_moves(cand: Candidate) -> int:
+    """Times an offloading stage's activation bytes cross the host link per micro-batch: out
+    after the forward, back for B, and back again for W under a split backward (W reads its
+    saved tensors again; priced as all of them, an upper bound: the weight gradients read the
+    matmuls' inputs, most of the bytes)."""
+    return 3 if cand.schedule in SPLIT_BACKWARD else 2
 
 def selective_prefix(pr: Priced) -> np.ndarray:
     """``(n+1,)`` prefix sums of the units' forward seconds selective recomputation runs
@@ -142,7 +161,12 @@ def cut_problem(pr: Priced, spec: ParallelSpec, cand: Candidate, scale: float,
         if max(inflight) * held >= capacity:
             raise PlanError(held_note(capacity, max(inflight), held, scale * pr.batch, True))
         capacity = [capacity - n * held for n in inflight]
-        if cand.recompute == SELECTIVE:
+        if cand.recompute == OFFLOAD:  # the saved bytes cross the host link instead
+            per_byte = offload_moves(cand) / spec.cluster.host_Bps
+            compute = [(f + bi + bw + kept * per_byte) * scale
+                       for (f, bi, bw), kept in zip(tb.times, tb.saved)]
+            saved = [0.0] * len(tb.saved)
+        elif cand.recompute == SELECTIVE:
             sel = tb.selective or [(0.0, 0.0)] * len(tb.times)
             compute = [(f + again + bi + bw) * scale
                        for (f, bi, bw), (again, _) in zip(tb.times, sel)]
@@ -171,9 +195,10 @@ class Recompute(NamedTuple):
 
     Attributes:
         flags: per stage, its recomputation: :data:`OFF` (``""``), :data:`SELECTIVE` or
-            :data:`FULL`.
+            :data:`FULL`, or :data:`OFFLOAD`.
         results: the cut evaluated under each recomputation a stage uses (its activation and
-            memory bytes: :meth:`result`).
+            memory bytes: :meth:`result`; with offload also without, whose activation bytes
+            are what goes to the host).
         memory: per stage, the bytes its rank holds for it as planned (a recomputing stage's
             inputs kept per micro-batch in flight included); None without recomputation (the
             solver's figures are those bytes).
@@ -189,6 +214,13 @@ class Recompute(NamedTuple):
     def result(self, j: int) -> PartitionResult:
         """The cut as evaluated under stage ``j``'s recomputation."""
         return self.results[self.flags[j]]
+
+    def host_bytes(self, j: int) -> float:
+        """Bytes stage ``j`` moves to host memory per micro-batch in flight (an offloading
+        stage's activations; 0 otherwise)."""
+        if self.flags[j] != OFFLOAD:
+            return 0.0
+        return float(self.results[OFF].saved_bytes[j])
 
     def activation_bytes(self, j: int) -> float:
         """Bytes stage ``j`` holds per micro-batch in flight: what its ops keep for the
@@ -214,19 +246,22 @@ def recompute_stages(pr: Priced, spec: ParallelSpec, cand: Candidate, cuts: Sequ
     results = {mode: at(mode)}
     if not mode:
         return Recompute([OFF] * k, results, None)
+    if mode == OFFLOAD:  # what goes to the host: the activations kept without it
+        results[OFF] = at(OFF)
     inflight, _ = stage_inflight(cand)
     held = stage_inputs(pr, cuts, scale)
     mine = results[mode]
     static = [float(mine.memory_bytes[j]) - inflight[j] * float(mine.saved_bytes[j])
               for j in range(k)]
     memory = [float(mine.memory_bytes[j]) + inflight[j] * held[j] for j in range(k)]
-    if spec.train.activation_recompute != "auto":
+    chosen = spec.train.activation_offload if mode == OFFLOAD else spec.train.activation_recompute
+    if chosen != "auto":
         return Recompute([mode] * k, results, memory, held)
     device = spec.cluster.memory_gb * 1e9
     flags = [mode] * k
     per_mb = [float(mine.saved_bytes[j]) + held[j] for j in range(k)]
     for lower in (OFF, SELECTIVE) if mode == FULL else (OFF,):
-        res = results[lower] = at(lower)
+        res = results[lower] = results[lower] if lower in results else at(lower)
         for st, tops in rank_inflight(cand):
             for j in sorted(st, key=lambda j: (res.compute_s[j] - mine.compute_s[j], j)):
                 if flags[j] != mode:
@@ -237,8 +272,8 @@ def recompute_stages(pr: Priced, spec: ParallelSpec, cand: Candidate, cuts: Sequ
                     flags[j], memory[j] = lower, static[j] + inflight[j] * per_mb[j]
                 else:
                     per_mb[j] = was
-    return Recompute(flags, {m: r for m, r in results.items() if m in flags or m == mode},
-                     memory, held)
+    keep = set(flags) | {mode} | ({OFF} if OFFLOAD in flags else set())
+    return Recompute(flags, {m: r for m, r in results.items() if m in keep}, memory, held)
 
 def _rank_peak(stages: Sequence[int], tops: Sequence[Sequence[int]], static: Sequence[float],
                per_mb: Sequence[float]) -> float:
@@ -305,6 +340,7 @@ def solve_fitting(pr: Priced, spec: ParallelSpec, cand: Candidate, scale: float,
     first = solve(cut_problem(pr, spec, cand, scale))
     over = _rank_memory(spec, cand, first[1], first[2])
     if over is None:
+        _check_host_memory(spec, cand, first[2])
         return first
     share = cand.num_stages // cand.pipeline
     shared = _shared_inflight(cand)
@@ -318,9 +354,30 @@ def solve_fitting(pr: Priced, spec: ParallelSpec, cand: Candidate, scale: float,
             continue
         still = _rank_memory(spec, cand, again[1], again[2])
         if still is None:
+            _check_host_memory(spec, cand, again[2])
             return again
         why = why or still
     raise PlanError(why)
+
+def host_peaks(cand: Candidate, rc: Recompute) -> list[float]:
+    """Per rank, the host bytes its offloading stages hold at the rank's peak (micro-batches
+    in flight times each stage's offloaded bytes per micro-batch)."""
+    per_mb = [rc.host_bytes(j) for j in range(len(rc.flags))]
+    return [_rank_peak(st, tops, [0.0] * len(per_mb), per_mb) for st, tops in rank_inflight(cand)]
+
+def _check_host_memory(spec: ParallelSpec, cand: Candidate, rc: Recompute) -> None:
+    """Raise PlanError where a rank's offloaded activations overflow its share of the node's
+    host memory (``cluster.host_memory_gb`` / devices per node)."""
+    if OFFLOAD not in rc.flags:
+        return
+    share = spec.cluster.host_bytes_per_device
+    need = host_peaks(cand, rc)
+    worst = int(np.argmax(need))
+    if share is None or need[worst] > share:
+        raise PlanError(
+            f"activation offload: rank {worst} holds {human_bytes(need[worst], True)} of "
+            f"activations in host memory at its peak, but its share of the node's host memory "
+            f"is {human_bytes(share or 0.0, True)} (cluster.host_memory_gb / devices per node)")
 
 def _problem_key(problem: CutProblem) -> tuple:
     """Everything :func:`optimal_partition` reads of a cut problem (unit names only label its

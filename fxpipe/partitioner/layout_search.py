@@ -15,13 +15,14 @@ import numpy as np
 from fxpipe.errors import FxpipeError, PlanError
 from fxpipe.partitioner.bounds import SPLIT_BACKWARD, candidate_bound, cut_bound, unit_shares
 from fxpipe.partitioner.cut_price import simulate_cut
-from fxpipe.partitioner.cutting import (FORCED, FULL, OFF, SELECTIVE, cut_problem,
+from fxpipe.partitioner.cutting import (FULL, OFF, OFFLOAD, SELECTIVE, Recompute, cut_problem,
+                                        every_stage_forced,
                                         fastest_slowdown, fits_recomputing,
                                         fits_without_recompute, held_note,
-                                        recompute_held, recompute_modes, selective_prefix,
-                                        solve_fitting, static_share)
+                                        recompute_held, recompute_modes, recompute_stages,
+                                        selective_prefix, solve_fitting, static_share)
 from fxpipe.partitioner.pricing import Priced, unit_prefix
-from fxpipe.partitioner.problem import PartitionResult
+from fxpipe.partitioner.problem import PartitionResult, evaluate
 from fxpipe.partitioner.search import (DEEP_VIRTUAL_STAGES, Candidate, candidates,
                                       stage_inflight, tensor_degrees)
 from fxpipe.partitioner.solvers import chain_bottleneck
@@ -60,6 +61,8 @@ def search_layouts(pr_at: Callable[[int], Priced], spec: ParallelSpec, prune: bo
     fastest = fastest_slowdown(spec)
     degrees = tensor_degrees(spec)
     mode = spec.train.activation_recompute
+    offload = spec.train.activation_offload
+    may_drop = mode == "auto" or offload == "auto"  # a stage may give up its activations
     left_out: list[str] = []
     first_error: FxpipeError | None = None
     priced: dict[int, Priced] = {}
@@ -79,6 +82,9 @@ def search_layouts(pr_at: Callable[[int], Priced], spec: ParallelSpec, prune: bo
         # what a recomputing stage runs again, at least: the nodes selective recomputation
         # runs again where it may fit, else the forward
         again = {SELECTIVE: selective_prefix(pr), FULL: prefix[0]}
+        if offload != "off":  # an offloading stage's bytes cross the host link twice at least
+            again[OFFLOAD] = np.concatenate([[0.0], np.cumsum(
+                2.0 * np.asarray(pr.table.saved, dtype=np.float64) / spec.cluster.host_Bps)])
         with_rc = {m: [float(x) for x in prefix.sum(axis=0) + a] for m, a in again.items()}
         floors: dict[tuple[int, str], float] = {}  # the best compute-only cut's slowest stage
         shares: dict[tuple[str, bool], tuple[float, float, float]] = {}
@@ -90,22 +96,31 @@ def search_layouts(pr_at: Callable[[int], Priced], spec: ParallelSpec, prune: bo
             if cand.schedule in _LOW_MEMORY and mode == "auto":
                 rc_only = None  # told in the loop below, if the candidate is tried at all
             else:
-                rc_only = (mode in FORCED or (mode == "auto" and not fits_without_recompute(
+                rc_only = (every_stage_forced(spec) or (may_drop and not fits_without_recompute(
                     pr, spec, cand, scale)))
-            # the least recomputation the candidate can have (none: a lower bound either way)
-            least = OFF if not rc_only else (
+            # the least recomputation the candidate can have (none: a lower bound either way;
+            # offloading runs nothing again)
+            least = OFF if not rc_only or offload == "on" else (
                 SELECTIVE if mode in ("auto", "selective") and fits_recomputing(
                     pr, spec, cand, scale, SELECTIVE) else FULL)
-            if (k, least) not in floors:
-                floors[(k, least)] = chain_bottleneck(with_rc[least] if least else cumulative, k)
-            floor = floors[(k, least)] if k == cand.pipeline else 0.0  # one stage per rank
             split = cand.schedule in SPLIT_BACKWARD
-            if (least, split) not in shares:
-                shares[(least, split)] = unit_shares(
-                    prefix, np.diff(again[least]) if least else None, split)
-            lb = candidate_bound(cand, scale, spec, total, total_params, biggest, fastest,
-                                  floor, shares[(least, split)])
-            bounds.append((lb, cand.label(), cand, mbs, pr, prefix, rc_only))
+
+            lbs: dict[str, float] = {}
+            for way in (least, OFFLOAD) if offload != "off" else (least,):
+                if (k, way) not in floors:
+                    floors[(k, way)] = chain_bottleneck(with_rc[way] if way else cumulative, k)
+                floor = floors[(k, way)] if k == cand.pipeline else 0.0  # one stage per rank
+                if (way, split) not in shares:
+                    shares[(way, split)] = unit_shares(
+                        prefix, np.diff(again[way]) if way else None, split)
+                lbs[way] = candidate_bound(cand, scale, spec, total, total_params, biggest,
+                                           fastest, floor, shares[(way, split)])
+            lb, lb_off = lbs[least], lbs.get(OFFLOAD)  # (offloading, at least)
+            if offload == "on":
+                lb = lb_off
+            elif lb_off is not None and rc_only:
+                lb = min(lb, lb_off)
+            bounds.append((lb, cand.label(), cand, mbs, pr, prefix, rc_only, lb_off))
     if not bounds:
         if len(degrees) == 1 and first_error is not None:
             raise first_error
@@ -123,7 +138,7 @@ def search_layouts(pr_at: Callable[[int], Priced], spec: ParallelSpec, prune: bo
     # fewer micro-batches in flight, so where it fits they only add bubble; with recomputation
     # on, only where those do not fit at all. One met before those waits for them (twice: V-Min
     # for V-Half, which may wait for ZB-V).
-    enough = "fits only with recomputation" if mode in FORCED else "fits"
+    enough = "fits only with recomputation" if every_stage_forced(spec) else "fits"
     queue, waited, skipped, deeper = list(bounds), Counter(), 0, 0
     depth: dict[tuple, float] = {}  # (layout, stages per rank) -> interleaved's best step
     depths = {(_layout_key(b[2]), b[2].virtual_stages) for b in bounds
@@ -132,7 +147,7 @@ def search_layouts(pr_at: Callable[[int], Priced], spec: ParallelSpec, prune: bo
     i = -1
     while i + 1 < len(queue):
         i += 1
-        lb, label, cand, mbs, pr, prefix, rc_only = queue[i]
+        lb, label, cand, mbs, pr, prefix, rc_only, lb_off = queue[i]
         _progress.info("auto search: candidate %d/%d (%s)%s", i + 1, len(bounds), label,
                        f", best so far {best.step_s * 1e3:.3g} ms/step" if best else "")
         if prune and best is not None and lb > best.step_s:
@@ -167,7 +182,7 @@ def search_layouts(pr_at: Callable[[int], Priced], spec: ParallelSpec, prune: bo
             if mode == "auto" and not fits_without_recompute(pr, spec, cand, scale):
                 skipped += 1
                 continue
-            rc_only = mode in FORCED
+            rc_only = every_stage_forced(spec)
         if static_share(pr, spec, cand) > capacity:  # cannot fit, whatever the cut
             failed.append((lb, cand, scale, pr))
             fit[fkey] = "does not fit"
@@ -176,22 +191,26 @@ def search_layouts(pr_at: Callable[[int], Priced], spec: ParallelSpec, prune: bo
         low = cand.schedule in _LOW_MEMORY and mode == "auto"  # tried without recomputation
         modes = (OFF,) if low else recompute_modes(
             mode, bool(rc_only), mode != "auto" or fits_recomputing(pr, spec, cand, scale,
-                                                                    SELECTIVE))
+                                                                    SELECTIVE), offload)
         for rc in modes:
+            if rc == OFFLOAD and prune and best is not None and lb_off > best.step_s:
+                continue  # offloading cannot beat the best so far
             c = dataclasses.replace(cand, recompute=rc)
             try:
                 founds.append((c, *solve_fitting(pr, spec, c, scale, solved)))
             except PlanError:
                 continue
-            if rc != OFF or mode != "auto":
-                break  # (a cut that fits without recomputation is weighed against selective)
+            if len(founds) == 2 and founds[0][0].recompute == OFF:
+                break  # under auto a cut that fits keeping its activations is weighed against
+                # the next (selective, or offload), and where none fits keeping them, every
+                # other way (selective, offload, full) against each other
         if not founds:
             failed.append((lb, cand, scale, pr))
             fit[fkey] = "does not fit"
             continue
         fit[fkey] = "fits only with recomputation" if founds[0][0].recompute else "fits"
         if len(bounds) == 1 and len(founds) == 1 and not (
-                mode == "auto" and founds[0][0].recompute == SELECTIVE):  # (it says what full costs)
+                may_drop and founds[0][0].recompute):  # (it says what the lever bought)
             cand, _, result, _ = founds[0]
             return cand, result, mbs, _degree_notes(left_out) + _sharding_notes(pr, spec, cand)
         same: set[tuple] = set()
@@ -230,7 +249,7 @@ def search_layouts(pr_at: Callable[[int], Priced], spec: ParallelSpec, prune: bo
                        "over a tensor group, and the search chose tensor 1")
     explain += _sharding_notes(priced[best.cand.tensor], spec, best.cand, ranked, failed)
     explain += _memory_schedule_notes(best.cand, fit)
-    explain += _selective_notes(priced[best.cand.tensor], spec, best, solved)
+    explain += _lever_notes(priced[best.cand.tensor], spec, best)
     if best.cand.schedule == "interleaved":
         tried = sorted((v, t) for (k, v), t in depth.items() if k == _layout_key(best.cand))
         if len(tried) > 1:
@@ -249,22 +268,42 @@ def search_layouts(pr_at: Callable[[int], Priced], spec: ParallelSpec, prune: bo
                        "and they do not (elsewhere they would only add bubble)")
     return best.cand, best.result, best.mbs, explain
 
-def _selective_notes(pr: Priced, spec: ParallelSpec, best: _Ranked, solved: dict) -> list[str]:
-    """Where the search chose selective recomputation, what full recomputation of the same
-    layout would cost (its own cut, simulated alike)."""
-    if best.cand.recompute != SELECTIVE or spec.train.activation_recompute != "auto":
+def _lever_notes(pr: Priced, spec: ParallelSpec, best: _Ranked) -> list[str]:
+    """Where ``auto`` chose selective recomputation or activation offload on some stages, what
+    the same cut would cost with those stages recomputing fully (simulated alike): what the
+    lever bought."""
+    if not best.cand.recompute:
         return []
     scale = best.mbs / pr.batch
-    full = dataclasses.replace(best.cand, recompute=FULL)
-    try:
-        problem, result, rc = solve_fitting(pr, spec, full, scale, solved)
-    except PlanError:
-        return []
-    step = simulate_cut(pr, unit_prefix(pr), problem, result, full, spec, scale, rc).step_time_s
-    return [f"selective recomputation chosen: {best.step_s * 1e3:.2f} ms/step; full "
-            f"recomputation at this layout would be {step * 1e3:.2f} ms/step "
-            f"({(step / best.step_s - 1) * 100:+.1f}%: it runs every op's forward again, "
-            "selective only those cheaper to recompute than to keep)"]
+    cuts = list(best.result.cuts)
+    rc = recompute_stages(pr, spec, best.cand, cuts, scale)
+    out = []
+    for lever, setting, name, why in (
+            (SELECTIVE, spec.train.activation_recompute, "selective recomputation",
+             "full runs every op's forward again, selective only the ops cheaper to recompute "
+             "than to keep"),
+            (OFFLOAD, spec.train.activation_offload, "activation offload",
+             "offload moves the saved activations over the host link instead of running the "
+             "forward again")):
+        n = rc.flags.count(lever)
+        if not n or setting != "auto":
+            continue
+        problem = cut_problem(pr, spec, best.cand, scale)
+        results = dict(rc.results)
+        if FULL not in results:
+            results[FULL] = evaluate(cut_problem(pr, spec, dataclasses.replace(
+                best.cand, recompute=FULL), scale), cuts, method="given")
+        as_full = Recompute([FULL if f == lever else f for f in rc.flags], results, rc.memory,
+                            rc.held)
+        prefix = unit_prefix(pr)
+        mine = simulate_cut(pr, prefix, problem, best.result, best.cand, spec, scale, rc)
+        full = simulate_cut(pr, prefix, problem, best.result, best.cand, spec, scale, as_full)
+        k = len(rc.flags)
+        where = "every stage" if n == k else f"{n} of {k} stages"
+        out.append(f"{name} chosen on {where}: {mine.step_time_s * 1e3:.2f} ms/step; the same "
+                   f"cut recomputing fully there would take {full.step_time_s * 1e3:.2f} ms/step "
+                   f"({(full.step_time_s / mine.step_time_s - 1) * 100:+.1f}%: {why})")
+    return out
 
 #: schedules that trade bubble for activation memory, and the ones they are weighed against
 _LOW_MEMORY = ("v-half", "v-min")
@@ -359,7 +398,7 @@ def _nothing_fits(spec: ParallelSpec, failed: list) -> PlanError:
     lines = []
     for lb, cand, scale, pr in failed[:3]:
         c = dataclasses.replace(cand, recompute=recompute_modes(
-            spec.train.activation_recompute, True)[-1])
+            spec.train.activation_recompute, True, True, spec.train.activation_offload)[-1])
         try:
             solve_fitting(pr, spec, c, scale)
         except PlanError as e:
@@ -390,6 +429,18 @@ def _nothing_fits(spec: ParallelSpec, failed: list) -> PlanError:
                f"planning units, and activations too): more than {tried} pipeline stages")
     if spec.train.activation_recompute == "off":
         fix += "; allow activation recomputation (train.activation_recompute: auto)"
+    if spec.train.activation_recompute == "selective":
+        for _, cand, scale, pr_ in failed[:3]:
+            full = dataclasses.replace(cand, recompute=FULL)
+            try:
+                solve_fitting(pr_, spec, full, scale)
+            except PlanError:
+                continue
+            fix = (f"full activation recomputation fits {cand.label()} (selective keeps the "
+                   "matmul-like ops' outputs; train.activation_recompute: full keeps only each "
+                   "stage's inputs, auto recomputes selectively where that fits and fully "
+                   "elsewhere); " + fix)
+            break
     if spec.parallel.tensor == 1 and spec.cluster.devices_per_node > 1:
         fix += ("; tensor parallelism (parallel.tensor: auto, or a divisor of "
                 f"cluster.devices_per_node={spec.cluster.devices_per_node}) splits every "

@@ -52,7 +52,8 @@ class Candidate:
     def label(self) -> str:
         """Short text, e.g. ``pp=2 dp=2 m=4 1f1b``."""
         v = f" v={self.virtual_stages}" if self.schedule == "interleaved" else ""
-        r = {"full": " recompute", "selective": " selective"}.get(self.recompute or "", "")
+        r = {"full": " recompute", "selective": " selective",
+             "offload": " offload"}.get(self.recompute or "", "")
         lay = " data-inner" if self.layout == "data-inner" else ""
         tp = f"tp={self.tensor} " if self.tensor > 1 else ""
         zero = f" shard={self.sharding}" if self.sharding != "none" else ""

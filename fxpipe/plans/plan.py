@@ -71,6 +71,10 @@ class StagePlan:
         keep_ridge: under recomputation, selective: the ops whose FLOPs per output byte reach
             this many keep their outputs, the others are recomputed
             (:mod:`fxpipe.execution.selective`); None: full recomputation (nothing kept).
+        offload_bytes: activation offload: bytes per micro-batch the stage moves to host
+            memory after its forward and fetches back for its backward (the tensors autograd
+            saves, parameters and the stage's inputs aside; priced in ``fwd_time_s`` and the
+            backward times at ``cluster.links.host_GBps``); 0: none.
         loss_time_s: of the times above, the seconds per micro-batch of the loss
             (``train.loss``) this stage runs on the model's output, forward + backward (the last
             stage; 0 elsewhere and for a model that computes its own loss).
@@ -103,6 +107,7 @@ class StagePlan:
     send_time_s: float = 0.0
     recompute: bool = False
     keep_ridge: float | None = None
+    offload_bytes: int = 0
     grad_send_time_s: float | None = None
     loss_time_s: float = 0.0
     tensor_collectives: int = 0

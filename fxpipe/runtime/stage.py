@@ -21,6 +21,7 @@ from fxpipe.errors import RuntimeFailure, ScheduleError
 from fxpipe.plans.plan import StagePlan
 from fxpipe.plans.values import ValueInfo, needs_grad
 from fxpipe.runtime.backward_split import WeightWork, backward_input, backward_weight
+from fxpipe.runtime.offload import Offload
 from fxpipe.runtime.recompute import Replay, forward_keeping_inputs, replay
 
 
@@ -75,6 +76,7 @@ class StageWork:
         self._split, self._autocast, self._ctx = split_backward, autocast, context
         self._mb: dict[int, _Microbatch] = {}
         self.peak = 0  # micro-batches held at once this step
+        self.offload = Offload(module) if plan_stage.offload_bytes else None
 
     # ------------------------------------------------------------------ bookkeeping
     @property
@@ -113,6 +115,9 @@ class StageWork:
         with self._autocast():
             if sp.recompute and torch.is_grad_enabled():  # keep the inputs, recompute before B
                 out, rep = forward_keeping_inputs(self.module, args, sp.keep_ridge)
+            elif self.offload is not None and torch.is_grad_enabled():
+                with self.offload.saving(args):
+                    out = self.module(*args)
             else:
                 out = self.module(*args)
             outs = self._outputs(i, out)

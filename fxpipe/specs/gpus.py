@@ -30,6 +30,10 @@ Sources of the profile constants:
   A100 peak (forward and backward, the lower end for the backward); 0.55 used. On H100 the
   FlashAttention-2 kernel (which PyTorch's SDPA runs) reaches about 335 TFLOP/s of 989 in that
   paper: 0.33 used (FlashAttention-3's Hopper kernels are faster; not what torch runs).
+* ``host_GBps``: **estimate**, device <-> host memory per GPU each way, for activation offload:
+  PCIe Gen4 x16 (A100) 32 GB/s and Gen5 x16 (H100/H200) 64 GB/s line rate, of which pinned
+  copies reach about 80 %, and in an 8-GPU HGX/DGX node two GPUs share one switch uplink to
+  the CPU (DGX A100 / DGX H100 system guides): 12.5 and 25 GB/s per GPU when all offload at once.
 * ``hbm_efficiency``: **estimate**, 0.85: bandwidth-bound copy kernels (STREAM-like) reach
   about 85-90 % of the HBM datasheet figure on A100/H100; fused norm/softmax kernels less.
 
@@ -59,6 +63,7 @@ class GpuProfile:
         matmul_fixed_us: fixed ramp-up/tail time per GEMM.
         flash_efficiency: fraction of the 16-bit peak flash attention reaches (fwd + bwd).
         hbm_efficiency: fraction of ``hbm_GBps`` memory-bound kernels reach.
+        host_GBps: device <-> host memory bandwidth per GPU, each way, all GPUs copying.
     """
 
     name: str
@@ -76,13 +81,14 @@ class GpuProfile:
     matmul_fixed_us: float
     flash_efficiency: float
     hbm_efficiency: float = 0.85
+    host_GBps: float = 12.5
 
     def cluster_defaults(self) -> dict:
         """The ``cluster`` keys ``cluster.gpu`` fills when they are not given."""
         return {"device": "cuda", "device_tflops": self.bf16_tflops,
                 "memory_GBps": self.hbm_GBps, "memory_gb": self.memory_gb,
                 "links": {"intra_node_GBps": self.nvlink_busbw_GBps,
-                          "inter_node_GBps": self.nic_busbw_GBps}}
+                          "inter_node_GBps": self.nic_busbw_GBps, "host_GBps": self.host_GBps}}
 
 
 PROFILES: dict[str, GpuProfile] = {
@@ -95,11 +101,12 @@ PROFILES: dict[str, GpuProfile] = {
                             nvlink_busbw_GBps=370.0, nvlink_allreduce_busbw_GBps=480.0,
                             nic_busbw_GBps=45.0, intra_half_MB=8.0, inter_half_MB=8.0,
                             matmul_efficiency=0.70, matmul_fixed_us=6.0,
-                            flash_efficiency=0.33),
+                            flash_efficiency=0.33, host_GBps=25.0),
     "H200": GpuProfile("H200", 989.0, 494.5, 67.0, 4800.0, 141.0,
                        nvlink_busbw_GBps=370.0, nvlink_allreduce_busbw_GBps=480.0,
                        nic_busbw_GBps=45.0, intra_half_MB=8.0, inter_half_MB=8.0,
-                       matmul_efficiency=0.70, matmul_fixed_us=6.0, flash_efficiency=0.33),
+                       matmul_efficiency=0.70, matmul_fixed_us=6.0, flash_efficiency=0.33,
+                       host_GBps=25.0),
 }
 #: the names ``cluster.gpu`` accepts
 GPU_NAMES = tuple(PROFILES)

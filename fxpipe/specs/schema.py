@@ -278,10 +278,13 @@ class ParallelSpec_(_Section):
 class LinksSpec(_Section):
     """Link bandwidths in GB/s (10^9 bytes per second, one direction) and latency in seconds.
     ``intra_node_GBps``: e.g. NVLink 4 about 450 each way; ``inter_node_GBps``: e.g. NDR
-    InfiniBand about 50."""
+    InfiniBand about 50; ``host_GBps``: between one device and its node's host memory, each
+    way, with every device of the node copying (activation offload; default: a GPU profile's,
+    the memory bandwidth on CPU, 12.5 on CUDA otherwise)."""
 
     intra_node_GBps: Rate = DEFAULT_INTRA_NODE_GBPS
     inter_node_GBps: Rate = DEFAULT_INTER_NODE_GBPS
+    host_GBps: Rate | None = None
     latency_s: float = Field(default=DEFAULT_LATENCY_S, ge=0, allow_inf_nan=False)
 
 
@@ -323,6 +326,7 @@ class ClusterSpec(_Section):
     gpu: str | None = None
     attention: Literal["flash", "math"] = "flash"
     memory_gb: PositiveFloat = 16.0
+    host_memory_gb: PositiveFloat | None = None
     device_tflops: Rate = 0.05
     memory_GBps: Rate | None = None
     op_overhead_us: float | None = Field(default=None, ge=0, allow_inf_nan=False)
@@ -379,6 +383,23 @@ class ClusterSpec(_Section):
     def memory_Bps(self) -> float:
         """Memory bandwidth in bytes/s (``memory_GBps`` or the device's default)."""
         return (self.memory_GBps or DEFAULT_MEMORY_GBPS[self.device]) * 1e9
+
+    @property
+    def host_Bps(self) -> float:
+        """Bytes/s between one device and host memory, each way (``links.host_GBps``; on CPU
+        the memory bandwidth, on CUDA without a GPU profile 12.5 GB/s: PCIe Gen4 x16 shared
+        by two GPUs)."""
+        if self.links.host_GBps is not None:
+            return self.links.host_GBps * 1e9
+        return self.memory_Bps if self.device == "cpu" else 12.5e9
+
+    @property
+    def host_bytes_per_device(self) -> float | None:
+        """Host memory a device's offloaded activations may use: ``host_memory_gb`` of its
+        node shared by the node's devices (None when not given)."""
+        if self.host_memory_gb is None:
+            return None
+        return self.host_memory_gb * 1e9 / self.devices_per_node
 
 
 class CheckpointSpec(_Section):
@@ -461,6 +482,10 @@ class TrainSpec(_Section):
     as attention scores; :mod:`fxpipe.execution.selective`); every stage so, never (``off``),
     or per stage where the activations would not fit otherwise, the least recomputation that
     fits (``auto``, default: none, then selective, then full); exact either way.
+    ``activation_offload``: a stage moves the tensors its backward reads to host memory after
+    the forward and back before its backward (priced at ``cluster.links.host_GBps``, held in
+    ``cluster.host_memory_gb``): ``off`` (default), ``on`` (every stage), ``auto`` (weighed
+    per candidate against recomputation where the activations would not fit otherwise).
     ``nan_policy``: on a non-finite loss, ``stop`` the run with a message (default) or ``skip``
     that step's update. ``max_restarts``: torchrun elastic restarts after a failed worker (a
     killed rank); the workers resume from the latest checkpoint (``checkpoint.every``).
@@ -479,6 +504,7 @@ class TrainSpec(_Section):
     compression: CompressionSpec = Field(default_factory=CompressionSpec)
     ignore_index: int = -100
     activation_recompute: Literal["auto", "on", "off", "full", "selective"] = "auto"
+    activation_offload: Literal["off", "on", "auto"] = "off"
     updates: Literal["sync", "async"] = "sync"
     max_staleness: int | None = None
     log_every: PositiveInt = 10
@@ -500,6 +526,12 @@ class TrainSpec(_Section):
             raise ValueError(f"got {v}; list each writer once, csv always (losses.csv feeds the "
                              "report and --resume): [csv] or [csv, tensorboard]")
         return v
+
+    @field_validator("activation_recompute", "activation_offload", mode="before")
+    @classmethod
+    def _recompute_from_bool(cls, v: object) -> object:
+        # YAML 1.1 reads unquoted on / off as booleans
+        return {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v
 
     @field_validator("max_staleness")
     @classmethod
@@ -647,10 +679,29 @@ def cross_section_problems(spec: ParallelSpec) -> list[tuple[tuple[str, ...], st
                     "(zb-v, v-half, v-min and dualpipev always use 2 stages per rank by themselves)"))
     out += _schedule_problems(par)
     out += _train_problems(spec.train)
+    out += _offload_problems(spec)
     out += _compression_problems(spec.train)
     from fxpipe.specs.updates import update_problems
 
     out += update_problems(spec)
+    return out
+
+
+def _offload_problems(spec: ParallelSpec) -> list[tuple[tuple[str, ...], str]]:
+    """``train.activation_offload`` against host memory and ``activation_recompute``."""
+    t, out = spec.train, []
+    if t.activation_offload == "off":
+        return out
+    if spec.cluster.host_memory_gb is None:
+        out.append((("train", "activation_offload"),
+                    f"{t.activation_offload} needs cluster.host_memory_gb "
+                    "(the host memory of one node, 10^9 bytes, shared by its devices), which "
+                    "holds the offloaded activations; give it, or set activation_offload: off"))
+    if t.activation_offload == "on" and t.activation_recompute in ("on", "full", "selective"):
+        out.append((("train", "activation_offload"),
+                    f"on with activation_recompute: {t.activation_recompute}: both ask every stage to give up its activations "
+                    "(a stage either offloads them or recomputes them); choose one, or set "
+                    "one of them to auto"))
     return out
 
 

@@ -1,0 +1,69 @@
+"""Activation offload: the tensors a stage's forward saves for its backward go to host memory
+as they are saved and come back to the device when the backward reads them.
+
+``torch.autograd.graph.saved_tensors_hooks`` with a copy out on pack and a copy back on
+unpack (``torch.autograd.graph.save_on_cpu`` does the same, but for every saved tensor): the
+stage's parameters and buffers, and the inputs the runtime holds for the micro-batch anyway,
+stay where they are (moving them would free nothing). The copies are exact, so an offloading
+stage trains bit-equal to one that keeps its activations. On CUDA the host buffers are pinned
+and the copies run on the compute stream (ordered with the kernels, as the planner prices them:
+not overlapped). A split backward reads some saved tensors again in W, and they come back
+again. :class:`Offload` counts the bytes each way.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import torch
+import torch.nn as nn
+
+__all__ = ["Offload"]
+
+
+def _storage(t: torch.Tensor) -> int | None:
+    """Address of ``t``'s storage (views share it), or None where it has none of its own."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+
+
+class Offload:
+    """The offload hooks of one stage (``module``'s parameters and buffers stay on the
+    device) and the bytes they moved: ``out_bytes`` (device to host), ``in_bytes`` (back)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.out_bytes = 0
+        self.in_bytes = 0
+
+    @contextmanager
+    def saving(self, args: list[Any]) -> Iterator[None]:
+        """The forward of one micro-batch on ``args``: what autograd saves goes to the host,
+        except the parameters, buffers and ``args``."""
+        held = [*self.module.parameters(), *self.module.buffers(),
+                *(a for a in args if isinstance(a, torch.Tensor))]
+        keep = {_storage(t) for t in held}  # (as they are now: a gathered parameter of data
+        # sharding is new storage each step)
+
+        def pack(t: torch.Tensor) -> Any:
+            where = _storage(t)
+            if where is None or where in keep or t.numel() == 0:
+                return t  # (a tensor subclass without plain storage stays too)
+            pin = t.device.type == "cuda"
+            host = torch.empty(t.size(), dtype=t.dtype, layout=t.layout, pin_memory=pin)
+            host.copy_(t, non_blocking=pin)
+            self.out_bytes += t.numel() * t.element_size()
+            return (t.device, host)
+
+        def unpack(packed: Any) -> torch.Tensor:
+            if isinstance(packed, torch.Tensor):
+                return packed
+            device, host = packed
+            self.in_bytes += host.numel() * host.element_size()
+            return host.to(device, non_blocking=device.type == "cuda")
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            yield
