@@ -475,9 +475,24 @@ class PipelineExecutor:
 
     def _send(self, st: StepState, a: Action, items: list[tuple[str, torch.Tensor]], s: int,
               t: int, backward: bool) -> None:
+        self._reap_sends(st)
         sends, nbytes = self.links.send(items, s, t, a.microbatch, backward, self._ctx(a))
         st.sends.extend(sends)
         st.message_bytes += nbytes
+
+    def _reap_sends(self, st: StepState) -> None:
+        """Finish the sends that have completed (their errors surface here), so that what they
+        read is freed as the pipeline goes, not held to the end of the step: the planner
+        counts a stage's activations per micro-batch in flight, not per micro-batch sent.
+        (NCCL's works report completion; gloo's send works report it only once waited, so
+        on CPU the sends are still finished at the end of the step.)"""
+        left = []
+        for pend, ctx in st.sends:
+            if pend.work.is_completed():
+                p2p.wait(pend, ctx, self.timeout_s)
+            else:
+                left.append((pend, ctx))
+        st.sends[:] = left
 
     def _from_wire(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """A received ``t`` back in value ``name``'s plan dtype."""
