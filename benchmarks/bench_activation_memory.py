@@ -7,8 +7,9 @@ Each stage of each plan runs its forward on 4 micro-batches in one process, as a
 (:class:`fxpipe.runtime.stage.StageWork`, no backward), and the live heap bytes (glibc's
 ``mallinfo2``: bytes in use, freed memory kept in the process as the ranks keep it) grow by
 what the stage holds per micro-batch in flight until its backward: set beside the plan's
-``activation_bytes``. The stage's outputs are listed apart: the runtime holds them until B
-(they are sent, and B starts from them), which the plan's figure does not count. Offload on a
+``activation_bytes`` (which count the outputs the stage sends: the runtime holds them until
+B). The model's output, on the loss stage, is listed apart: the runtime holds it until B too,
+and the plan does not count it. Offload on a
 CPU moves the bytes within the same memory, so there the bytes the hooks moved are set beside
 the plan's ``offload_bytes`` instead.
 
@@ -115,7 +116,8 @@ def measure(recompute: str, offload: str, live) -> list[dict]:
         held = (live() - before) / IN_FLIGHT
         moved = ((work.offload.out_bytes - moved0) / IN_FLIGHT) if work.offload else 0.0
         work.reset()
-        outs = sum(plan.values[o].nbytes for o in st.outputs if o in plan.values)
+        outs = sum(plan.values[o].nbytes for o in st.outputs  # the model's output: B starts
+                   if o in plan.values and not plan.values[o].consumers)  # from it
         rows.append(dict(mode=offload == "on" and "offload" or recompute, stage=j,
                          how=("offload" if st.offload_bytes else st.recompute_mode),
                          predicted=st.activation_bytes, measured=held, outputs=outs,
@@ -130,8 +132,9 @@ def _mb(x: float) -> str:
 def report(rows: list[dict], note: str) -> str:
     table = _report.markdown_table(
         ["asked", "stage", "stage does", "plan: activation MB / micro-batch",
-         "measured MB / micro-batch", "measured / plan", "outputs held MB (not in the plan)",
-         "plan + outputs / measured", "offload: plan MB", "offload: moved MB"],
+         "measured MB / micro-batch", "measured / plan",
+         "model output held MB (not in the plan)",
+         "plan + model output / measured", "offload: plan MB", "offload: moved MB"],
         [[r["mode"], str(r["stage"]), r["how"], _mb(r["predicted"]), _mb(r["measured"]),
           f"{r['measured'] / r['predicted']:.2f}"
           if r["predicted"] >= 0.01 * r["measured"] and not r["offload_pred"] else "-",
@@ -145,7 +148,8 @@ def report(rows: list[dict], note: str) -> str:
             f"CharGPT {SHAPE['n_layer']} x {SHAPE['n_embd']}, sequence {SEQ}, micro-batch {MBS}, "
             "fp32, pipeline 2, 1F1B on 2 CPU devices; each stage runs its forward on "
             f"{IN_FLIGHT} micro-batches as a rank does, and the live heap (glibc `mallinfo2`) "
-            "grows by what it holds until their backward. On a CPU offload moves bytes within "
+            "grows by what it holds until their backward (the plan counts the outputs a stage sends, "
+            "held until B; the model's output on the loss stage is listed apart). On a CPU offload moves bytes within "
             "the same memory (so its heap growth includes the host copies); its row sets the "
             "bytes the hooks moved beside the plan's instead.\n\n" + table + "\n")
 

@@ -348,7 +348,7 @@ def test_recomputation_is_chosen_per_stage():
 
 
 @pytest.mark.parametrize("schedule, pipeline, memory_gb", [
-    ("interleaved", 2, 0.06), ("interleaved", 4, 0.1), ("zb-v", 3, 0.1), ("interleaved", 2, 0.04)])
+    ("interleaved", 2, 0.065), ("interleaved", 4, 0.1), ("zb-v", 3, 0.1), ("interleaved", 2, 0.04)])
 def test_a_rank_that_holds_several_stages_holds_them_all(schedule, pipeline, memory_gb):
     # interleaved and ZB-V put two stages on each rank: the rank's device holds both
     model, x = _meta_gpt(8)

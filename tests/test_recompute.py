@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from fxpipe.errors import PlanError
 from fxpipe.execution.selective import keeps_op, ridge_of
 from fxpipe.plans.plan import StagePlan
 from fxpipe.plans.values import ValueInfo
@@ -186,7 +187,12 @@ def test_planner_prices_selective_between_none_and_full_and_auto_weighs_it():
     assert _plan("auto", 16.0).predicted.step_time_s == steps["off"]  # it fits: nothing
     tight = _plan("auto", 0.021)
     assert "selective" in [st.recompute_mode for st in tight.stages]
-    forced = {m: _plan(m, 0.021).predicted.step_time_s for m in ("off", "selective", "full")}
+    forced = {}
+    for m in ("off", "selective", "full"):
+        try:
+            forced[m] = _plan(m, 0.021).predicted.step_time_s
+        except PlanError:  # keeping everything does not fit
+            assert m == "off"
     assert tight.predicted.step_time_s <= min(forced.values())
     assert any(line.startswith("selective recomputation on stage") for line in tight.explain)
 
@@ -310,9 +316,10 @@ def test_offload_is_priced_at_the_host_link(schedule):
     for a, b in zip(keep.stages, off.stages):
         assert b.offload_bytes > 0 and b.recompute_mode == "off"
         assert b.activation_bytes < a.activation_bytes  # the stage's inputs only
-        if a.nodes == b.nodes:  # the same cut: what goes out is what the stage kept
-            same += 1
-            assert b.offload_bytes == a.activation_bytes
+        if a.nodes == b.nodes:  # the same cut: what goes out is what the stage kept (its
+            same += 1  # outputs, held until B either way, aside)
+            outs = sum(keep.values[o].nbytes for o in a.outputs if keep.values[o].consumers)
+            assert b.offload_bytes == a.activation_bytes - outs
             t = b.offload_bytes / host
             assert b.fwd_time_s == pytest.approx(a.fwd_time_s + t, rel=1e-9)
             assert b.bwd_input_time_s == pytest.approx(a.bwd_input_time_s + t, rel=1e-9)

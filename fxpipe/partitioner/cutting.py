@@ -82,6 +82,23 @@ def stage_inputs(pr: Priced, cuts: Sequence[int], scale: float) -> list[float]:
             out[j] += nbytes
     return out
 
+def stage_outputs(pr: Priced, cuts: Sequence[int], scale: float) -> list[float]:
+    """Per stage of a cut, the bytes per micro-batch of the values it makes that other stages
+    read: the runtime holds a stage's outputs from its forward until its backward (they are
+    sent, and B starts from them), at ``scale`` x the traced micro-batch."""
+    ends = list(cuts[1:]) + [len(pr.table.names)]
+    stage_of = np.zeros(len(pr.table.names), dtype=np.int64)
+    for j, (a, b) in enumerate(zip(cuts, ends)):
+        stage_of[a:b] = j
+    out = [0.0] * len(cuts)
+    for v in pr.table.values:
+        if v.producer < 0:
+            continue
+        src = int(stage_of[v.producer])
+        if any(int(stage_of[u]) != src for u in v.users):
+            out[src] += v.nbytes * scale
+    return out
+
 def held_note(capacity: float, inflight: float, held: float, mbs: float, whole: bool) -> str:
     """Why recomputation leaves less (or no) device memory: the stage inputs it keeps."""
     keep = (f"{human_bytes(held, True)} per micro-batch in flight on the stage (the largest "
@@ -141,7 +158,8 @@ def selective_prefix(pr: Priced) -> np.ndarray:
     return pr.cache["selective_prefix"]
 
 def cut_problem(pr: Priced, spec: ParallelSpec, cand: Candidate, scale: float,
-                 share: int = 1, inflight: Sequence[float] | None = None) -> CutProblem:
+                 share: int = 1, inflight: Sequence[float] | None = None,
+                 sent: float | None = None) -> CutProblem:
     """The cut problem of one candidate layout at ``scale`` x the traced micro-batch, over the
     priced units (node-level, or blocks when the model folds); cheap values are not in it
     (each stage rebuilds them). ``share``: each stage may use 1/share of its device (a rank
@@ -156,11 +174,15 @@ def cut_problem(pr: Priced, spec: ParallelSpec, cand: Candidate, scale: float,
     inflight = list(peaks) if inflight is None else list(inflight)
     k = cand.num_stages
     capacity: float | list[float] = spec.cluster.memory_gb * 1e9 / share
+    # each stage's outputs, held until B: the largest value (or ``sent``, a stage's outputs
+    # found larger in a first cut)
+    out = max(recompute_held(values), sent or 0.0)
     if cand.recompute:  # keep each stage's input per micro-batch, run the forward again
         held = recompute_held(values)
-        if max(inflight) * held >= capacity:
-            raise PlanError(held_note(capacity, max(inflight), held, scale * pr.batch, True))
-        capacity = [capacity - n * held for n in inflight]
+        if max(inflight) * (held + out) >= capacity:
+            raise PlanError(held_note(capacity, max(inflight), held + out, scale * pr.batch,
+                                      True))
+        capacity = [capacity - n * (held + out) for n in inflight]
         if cand.recompute == OFFLOAD:  # the saved bytes cross the host link instead
             per_byte = offload_moves(cand) / spec.cluster.host_Bps
             compute = [(f + bi + bw + kept * per_byte) * scale
@@ -177,6 +199,7 @@ def cut_problem(pr: Priced, spec: ParallelSpec, cand: Candidate, scale: float,
     else:
         compute = [sum(x) * scale for x in tb.times]
         saved = [s * scale for s in tb.saved]
+        capacity = [capacity - n * out for n in inflight]
     return CutProblem(
         compute, tb.params, saved, values, k,
         bandwidth_Bps=_boundary_bandwidths(spec, cand, stage_to_rank) if k > 1 else 1.0,
@@ -204,12 +227,15 @@ class Recompute(NamedTuple):
             solver's figures are those bytes).
         held: per stage, the bytes of the inputs it keeps per micro-batch when it recomputes
             (:func:`stage_inputs`; the cut was solved with :func:`recompute_held`'s bound).
+        sent: per stage, the bytes of its outputs per micro-batch, held until its backward
+            (:func:`stage_outputs`; solved with the same bound).
     """
 
     flags: list[str]
     results: dict[str, PartitionResult]
     memory: list[float] | None
     held: list[float] | None = None
+    sent: list[float] | None = None
 
     def result(self, j: int) -> PartitionResult:
         """The cut as evaluated under stage ``j``'s recomputation."""
@@ -226,7 +252,8 @@ class Recompute(NamedTuple):
         """Bytes stage ``j`` holds per micro-batch in flight: what its ops keep for the
         backward, and a recomputing stage's inputs."""
         kept = float(self.result(j).saved_bytes[j])
-        return kept + (self.held[j] if self.flags[j] and self.held else 0.0)
+        return (kept + (self.held[j] if self.flags[j] and self.held else 0.0)
+                + (self.sent[j] if self.sent else 0.0))
 
 def recompute_stages(pr: Priced, spec: ParallelSpec, cand: Candidate, cuts: Sequence[int],
                       scale: float) -> Recompute:
@@ -244,22 +271,24 @@ def recompute_stages(pr: Priced, spec: ParallelSpec, cand: Candidate, cuts: Sequ
                         list(cuts), method="given")
 
     results = {mode: at(mode)}
+    inflight, _ = stage_inflight(cand)
+    sent = stage_outputs(pr, cuts, scale)
+    mine = results[mode]
     if not mode:
-        return Recompute([OFF] * k, results, None)
+        return Recompute([OFF] * k, results, [float(mine.memory_bytes[j]) + inflight[j] * sent[j]
+                                              for j in range(k)], None, sent)
     if mode == OFFLOAD:  # what goes to the host: the activations kept without it
         results[OFF] = at(OFF)
-    inflight, _ = stage_inflight(cand)
     held = stage_inputs(pr, cuts, scale)
-    mine = results[mode]
     static = [float(mine.memory_bytes[j]) - inflight[j] * float(mine.saved_bytes[j])
               for j in range(k)]
-    memory = [float(mine.memory_bytes[j]) + inflight[j] * held[j] for j in range(k)]
+    memory = [float(mine.memory_bytes[j]) + inflight[j] * (held[j] + sent[j]) for j in range(k)]
     chosen = spec.train.activation_offload if mode == OFFLOAD else spec.train.activation_recompute
     if chosen != "auto":
-        return Recompute([mode] * k, results, memory, held)
+        return Recompute([mode] * k, results, memory, held, sent)
     device = spec.cluster.memory_gb * 1e9
     flags = [mode] * k
-    per_mb = [float(mine.saved_bytes[j]) + held[j] for j in range(k)]
+    per_mb = [float(mine.saved_bytes[j]) + held[j] + sent[j] for j in range(k)]
     for lower in (OFF, SELECTIVE) if mode == FULL else (OFF,):
         res = results[lower] = results[lower] if lower in results else at(lower)
         for st, tops in rank_inflight(cand):
@@ -267,13 +296,13 @@ def recompute_stages(pr: Priced, spec: ParallelSpec, cand: Candidate, cuts: Sequ
                 if flags[j] != mode:
                     continue
                 was = per_mb[j]
-                per_mb[j] = float(res.saved_bytes[j]) + (held[j] if lower else 0.0)
+                per_mb[j] = float(res.saved_bytes[j]) + (held[j] if lower else 0.0) + sent[j]
                 if _rank_peak(st, tops, static, per_mb) <= device:
                     flags[j], memory[j] = lower, static[j] + inflight[j] * per_mb[j]
                 else:
                     per_mb[j] = was
     keep = set(flags) | {mode} | ({OFF} if OFFLOAD in flags else set())
-    return Recompute(flags, {m: r for m, r in results.items() if m in keep}, memory, held)
+    return Recompute(flags, {m: r for m, r in results.items() if m in keep}, memory, held, sent)
 
 def _rank_peak(stages: Sequence[int], tops: Sequence[Sequence[int]], static: Sequence[float],
                per_mb: Sequence[float]) -> float:
@@ -312,11 +341,12 @@ def _rank_memory(spec: ParallelSpec, cand: Candidate, result: PartitionResult,
     static, per_mb = _stage_bytes(spec, cand, result, rc)
     device = spec.cluster.memory_gb * 1e9
     for r, (mine, tops) in enumerate(rank_inflight(cand)):
-        need = _rank_peak(mine, tops, static, per_mb) if len(mine) > 1 else 0.0
+        need = _rank_peak(mine, tops, static, per_mb)
         if need > device:
-            return (f"rank {r} holds stages {', '.join(map(str, mine))}, which need "
-                    f"{human_bytes(need, True)} together at their peak but the device "
-                    f"has {human_bytes(device, True)}")
+            what = (f"stages {', '.join(map(str, mine))}, which need" if len(mine) > 1
+                    else f"stage {mine[0]}, which needs")
+            return (f"rank {r} holds {what} {human_bytes(need, True)} at the peak (its outputs "
+                    f"held until B included) but the device has {human_bytes(device, True)}")
     return None
 
 def solve_fitting(pr: Priced, spec: ParallelSpec, cand: Candidate, scale: float,
@@ -339,6 +369,13 @@ def solve_fitting(pr: Priced, spec: ParallelSpec, cand: Candidate, scale: float,
 
     first = solve(cut_problem(pr, spec, cand, scale))
     over = _rank_memory(spec, cand, first[1], first[2])
+    sent = max(first[2].sent or [0.0])
+    if over is not None and sent > recompute_held(first[0].values):  # several outputs a stage
+        try:
+            first = solve(cut_problem(pr, spec, cand, scale, sent=sent))
+            over = _rank_memory(spec, cand, first[1], first[2])
+        except PlanError:
+            pass
     if over is None:
         _check_host_memory(spec, cand, first[2])
         return first
@@ -443,7 +480,7 @@ def fits_recomputing(pr: Priced, spec: ParallelSpec, cand: Candidate, scale: flo
         pr.cache[key] = (np.concatenate([[0.0], np.cumsum(np.asarray(tb.params,
                                                                      dtype=np.float64))]),
                          np.concatenate([[0.0], np.cumsum(per)]),
-                         0.0 if mode == OFF else recompute_held(tb.values))
+                         recompute_held(tb.values) * (1 if mode == OFF else 2))
     P, cum, held = pr.cache[key]
     A, held = cum * scale, held * scale
     n, pos = len(tb.params), 0

@@ -294,7 +294,7 @@ def _lever_notes(pr: Priced, spec: ParallelSpec, best: _Ranked) -> list[str]:
             results[FULL] = evaluate(cut_problem(pr, spec, dataclasses.replace(
                 best.cand, recompute=FULL), scale), cuts, method="given")
         as_full = Recompute([FULL if f == lever else f for f in rc.flags], results, rc.memory,
-                            rc.held)
+                            rc.held, rc.sent)
         prefix = unit_prefix(pr)
         mine = simulate_cut(pr, prefix, problem, best.result, best.cand, spec, scale, rc)
         full = simulate_cut(pr, prefix, problem, best.result, best.cand, spec, scale, as_full)
