@@ -288,7 +288,7 @@ def test_gpt3_on_1024_a100s_picks_selective_recomputation_and_says_what_full_cos
 
 
 def _offload_plan(recompute: str, offload: str, memory_gb: float, host_GBps: float = 20.0,
-                  host_memory_gb: float = 1.0, schedule: str = "1f1b"):
+                  host_memory_gb: float = 1.0, schedule: str = "1f1b", device: str = "cpu"):
     import fxpipe
     from fxpipe.examples.gpt import CharGPT
 
@@ -298,6 +298,7 @@ def _offload_plan(recompute: str, offload: str, memory_gb: float, host_GBps: flo
             "data": {"batch_size": 32, "seq_len": 128},
             "parallel": {"pipeline": 2, "data": 1, "microbatches": 8, "schedule": schedule},
             "cluster": {"nodes": 1, "devices_per_node": 2, "memory_gb": memory_gb,
+                        "device": device, "device_tflops": 0.05, "memory_GBps": 20.0,
                         "host_memory_gb": host_memory_gb, "links": {"host_GBps": host_GBps}},
             "train": {"activation_recompute": recompute, "activation_offload": offload}}
     return fxpipe.plan(model, spec, torch.randint(0, 256, (4, 128)))
@@ -333,12 +334,15 @@ def test_offload_is_priced_at_the_host_link(schedule):
 def test_auto_offloads_where_the_host_link_beats_recomputation():
     """Where the activations do not fit: over a fast host link auto offloads (and says what
     full recomputation of the same cut would take); over a slow one it recomputes."""
-    fast = _offload_plan("auto", "auto", 0.018, host_GBps=200.0)
+    fast = _offload_plan("auto", "auto", 0.018, host_GBps=200.0, device="cuda")
     assert any(st.offload_bytes for st in fast.stages)
     line = next(x for x in fast.explain if x.startswith("activation offload chosen on"))
     full_ms = float(line.split("would take ")[1].split(" ms")[0].replace(",", ""))
     assert full_ms > fast.predicted.step_time_s * 1e3
-    slow = _offload_plan("auto", "auto", 0.018, host_GBps=0.01)
+    slow = _offload_plan("auto", "auto", 0.018, host_GBps=0.01, device="cuda")
+    # on a CPU host and device memory are one: auto does not offload there
+    assert not any(st.offload_bytes for st in _offload_plan(
+        "auto", "auto", 0.018, host_GBps=200.0).stages)
     assert not any(st.offload_bytes for st in slow.stages)
     assert any(st.recompute for st in slow.stages)
 
@@ -355,5 +359,6 @@ def test_offload_bad_input_says_what_is_missing():
     with pytest.raises(SpecError, match="a stage either offloads them or recomputes them"):
         load_spec({**base, "cluster": {"host_memory_gb": 64.0},
                    "train": {"activation_offload": "on", "activation_recompute": "full"}})
-    with pytest.raises(PlanError, match="activation offload: rank 0 holds .* host memory"):
+    with pytest.raises(PlanError, match="activation offload: rank 0 holds .* host memory") as e:
         _offload_plan("off", "on", 16.0, host_memory_gb=0.001)
+    assert "more host memory for the offloaded activations" in str(e.value)

@@ -193,8 +193,10 @@ def offload_notes(plan: Plan) -> list[str]:
     moves = "out after F, back before B and again before W" if plan.schedule in SPLIT_BACKWARD \
         else "out after F, back before B"
     why = ("train.activation_offload: on" if asked == "on" else
-           "the activations of the micro-batches in flight would not fit cluster.memory_gb, "
-           "and moving them was faster than recomputing them")
+           "the activations of the micro-batches in flight would not fit cluster.memory_gb"
+           + (" and train.activation_recompute is off"
+              if plan.spec.train.activation_recompute == "off"
+              else ", and moving them was faster than recomputing them"))
     return [f"activation offload on {where}: per micro-batch {per}{' ...' if len(idx) > 4 else ''}"
             f" of saved activations cross the host link at {cl.host_Bps / 1e9:.3g} GB/s "
             f"({moves}; priced in the stage's times) and wait in host memory "

@@ -62,6 +62,8 @@ def search_layouts(pr_at: Callable[[int], Priced], spec: ParallelSpec, prune: bo
     degrees = tensor_degrees(spec)
     mode = spec.train.activation_recompute
     offload = spec.train.activation_offload
+    if offload == "auto" and spec.cluster.device == "cpu":
+        offload = "off"  # host and device memory are one: offloading frees nothing there
     may_drop = mode == "auto" or offload == "auto"  # a stage may give up its activations
     left_out: list[str] = []
     first_error: FxpipeError | None = None
@@ -195,15 +197,16 @@ def search_layouts(pr_at: Callable[[int], Priced], spec: ParallelSpec, prune: bo
         for rc in modes:
             if rc == OFFLOAD and prune and best is not None and lb_off > best.step_s:
                 continue  # offloading cannot beat the best so far
+            if (founds and founds[0][0].recompute == OFF and rc != OFFLOAD
+                    and len(founds) >= 2):
+                continue  # under auto a cut that fits keeping its activations is weighed
+                # against the next recomputing one (selective, else full) and offload; where
+                # none fits keeping them, every way against each other
             c = dataclasses.replace(cand, recompute=rc)
             try:
                 founds.append((c, *solve_fitting(pr, spec, c, scale, solved)))
             except PlanError:
                 continue
-            if len(founds) == 2 and founds[0][0].recompute == OFF:
-                break  # under auto a cut that fits keeping its activations is weighed against
-                # the next (selective, or offload), and where none fits keeping them, every
-                # other way (selective, offload, full) against each other
         if not founds:
             failed.append((lb, cand, scale, pr))
             fit[fkey] = "does not fit"
@@ -429,6 +432,9 @@ def _nothing_fits(spec: ParallelSpec, failed: list) -> PlanError:
                f"planning units, and activations too): more than {tried} pipeline stages")
     if spec.train.activation_recompute == "off":
         fix += "; allow activation recomputation (train.activation_recompute: auto)"
+    if any("host memory" in line for line in lines):
+        fix = ("more host memory for the offloaded activations (cluster.host_memory_gb), or "
+               "train.activation_offload: auto or off; " + fix)
     if spec.train.activation_recompute == "selective":
         for _, cand, scale, pr_ in failed[:3]:
             full = dataclasses.replace(cand, recompute=FULL)

@@ -13,6 +13,7 @@ again. :class:`Offload` counts the bytes each way.
 
 from __future__ import annotations
 
+import weakref
 from contextlib import contextmanager
 from typing import Any, Iterator
 
@@ -48,15 +49,22 @@ class Offload:
         keep = {_storage(t) for t in held}  # (as they are now: a gathered parameter of data
         # sharding is new storage each step)
 
+        copies: dict[tuple, tuple] = {}  # one host copy of a tensor several ops save
+
         def pack(t: torch.Tensor) -> Any:
             where = _storage(t)
             if where is None or where in keep or t.numel() == 0:
                 return t  # (a tensor subclass without plain storage stays too)
+            key = (id(t), t._version)  # the same tensor, alive, unchanged since
+            seen = copies.get(key)
+            if seen is not None and seen[0]() is t:
+                return seen[1]
             pin = t.device.type == "cuda"
             host = torch.empty(t.size(), dtype=t.dtype, layout=t.layout, pin_memory=pin)
             host.copy_(t, non_blocking=pin)
             self.out_bytes += t.numel() * t.element_size()
-            return (t.device, host)
+            copies[key] = (weakref.ref(t), (t.device, host))
+            return copies[key][1]
 
         def unpack(packed: Any) -> torch.Tensor:
             if isinstance(packed, torch.Tensor):
