@@ -10,7 +10,8 @@ batch: losses and final parameters within the float32 bounds of their reordered 
 (tests/tolerances.py; fp32, SGD). The transformers models get dict batches and compute their
 own loss from ``labels``; the loss is the mean over the tokens that count in the whole batch.
 BatchNorm statistics are per micro-batch (as in GPipe), so the ResNet's reference runs
-micro-batch by micro-batch; everything else is the same.
+micro-batch by micro-batch; everything else is the same. GPT-2 and Llama also run their cuts
+with the memory levers: full and selective recomputation, activation offload.
 """
 
 from __future__ import annotations
@@ -45,6 +46,10 @@ PIPE, DP, M = 2, 2, 2
 MBS = zoo.B // (DP * M)
 STEPS = 3
 SCHEDULES = ("gpipe", "1f1b", "zb-h1")
+#: selective recomputation's ridge (FLOP per output byte) in these runs: above an unfused
+#: attention score's (2 x head width 8 / 4 bytes = 4) and below a linear layer's (2 x input
+#: width 32 / 4 = 16): the linear layers keep their outputs, the rest runs again
+SELECTIVE_RIDGE = 6.0
 
 
 def _plan(name: str, pipeline: int, data: int, microbatches: int, schedule: str,
@@ -69,10 +74,11 @@ def _counter(plan: Plan, traced):
 
 
 def _variant(plan: Plan, schedule: str | None = None, placement: str | None = None,
-             recompute: list[bool] | None = None) -> Plan:
+             recompute: list[bool] | None = None, **stage_fields) -> Plan:
     """A copy of ``plan`` (same cut) run under another schedule, placement or per-stage
     recomputation: what the executor reads of them (the planner cuts these models alike under
-    GPipe, 1F1B and ZB-H1; only its predictions and memory estimates differ)."""
+    GPipe, 1F1B and ZB-H1; only its predictions and memory estimates differ). ``stage_fields``:
+    set on every stage (selective recomputation's ``keep_ridge``, ``offload_bytes``)."""
     plan = copy.deepcopy(plan)
     if schedule is not None:
         plan.schedule = schedule
@@ -82,6 +88,9 @@ def _variant(plan: Plan, schedule: str | None = None, placement: str | None = No
         plan.placement = placement
     for st, on in zip(plan.stages, recompute or ()):
         st.recompute = on
+    for st in plan.stages:
+        for k, v in stage_fields.items():
+            setattr(st, k, v)
     return plan
 
 
@@ -177,6 +186,16 @@ def trained():
         "1f1b recompute": {},
         "zb-h1 recompute": {"schedule": "zb-h1",
                             "recompute": [True] + [False] * (again.num_stages - 1)}}))
+    # the memory levers of issue 36 on the same cuts: selective recomputation (the linear
+    # layers' outputs kept, SELECTIVE_RIDGE) and
+    # activation offload, under a whole backward (1F1B) and a split one (ZB-H1)
+    for name in ("gpt2", "llama"):
+        cases[zoo.NAMES.index(name)][2].update({
+            "1f1b selective": {"recompute": [True] * PIPE, "keep_ridge": SELECTIVE_RIDGE},
+            "zb-h1 selective": {"schedule": "zb-h1", "recompute": [True] * PIPE,
+                                "keep_ridge": SELECTIVE_RIDGE},
+            "1f1b offload": {"offload_bytes": 1},
+            "zb-h1 offload": {"schedule": "zb-h1", "offload_bytes": 1}})
     results: dict = {}
     for per_rank in run_ranks(_worker, PIPE * DP, cases, timeout_s=600, dist_timeout_s=120):
         for key, (losses, params) in per_rank.items():
@@ -199,7 +218,9 @@ def test_plans_into_two_and_four_stages(name):
 @pytest.mark.distributed
 @pytest.mark.parametrize("name, schedule", [(n, s) for s in SCHEDULES for n in zoo.NAMES]
                          + [("gpt2", "1f1b data-inner"), ("llama", "1f1b recompute"),
-                            ("llama", "zb-h1 recompute")])
+                            ("llama", "zb-h1 recompute")]
+                         + [(n, f"{s} {lever}") for n in ("gpt2", "llama")
+                            for s in ("1f1b", "zb-h1") for lever in ("selective", "offload")])
 def test_trains_like_single_process(trained, name, schedule):
     ref_losses, ref_model, (loss_tol, param_tol) = _reference(name)
     got = trained[(name, schedule)]

@@ -124,6 +124,29 @@ def test_offloading_stage_equals_keeping_everything(split, loss):
     assert out > 0 and (back == out if not split else out < back <= 2 * out)
 
 
+class WritesSavedOutput(nn.Module):
+    """A sigmoid's output (which its backward reads) written in place afterwards: plain
+    PyTorch refuses the backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.calls = nn.Linear(D, D), 0
+
+    def forward(self, x):
+        self.calls += 1
+        h = torch.sigmoid(self.a(x))
+        h.mul_(2.0)
+        return (h,)
+
+
+@pytest.mark.parametrize("mode", ["off", "offload"])
+def test_an_in_place_write_autograd_refuses_is_refused_under_offload_too(mode):
+    """Offload moves the sigmoid's saved output to the host before the write: its backward
+    still fails with autograd's message rather than training on the unwritten copy."""
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        _run(mode, False, False, WritesSavedOutput)
+
+
 @pytest.mark.parametrize("split", [False, True], ids=["whole", "b-w"])
 def test_selective_keeps_what_an_op_wrote_over_in_place_as_it_was(split):
     """A kept linear output that a later op writes in place (in-place ReLU, a write through a

@@ -68,8 +68,14 @@ def _batch(name: str, step: int):
     return (kwargs, None) if kwargs else (args if len(args) > 1 else args[0], target)
 
 
+#: ``lever`` of a case -> the train (and cluster) settings that turn it on (issue 36)
+LEVERS = {"": ({}, {}), "selective": ({"activation_recompute": "selective"}, {}),
+          "offload": ({"activation_recompute": "off", "activation_offload": "on"},
+                      {"host_memory_gb": 8})}
+
+
 def _spec(name: str, p: int, d: int, t: int, schedule: str, sp: bool = False,
-          precision: str = "fp32") -> dict:
+          precision: str = "fp32", lever: str = "") -> dict:
     if name == "gpt":
         spec = {"model": {"factory": "shared_models:tiny_gpt"},
                 "data": {"batch_size": GPT_B, "seq_len": 16},
@@ -80,7 +86,9 @@ def _spec(name: str, p: int, d: int, t: int, schedule: str, sp: bool = False,
                         "schedule": schedule, "sequence_parallel": sp}
     spec["cluster"] = {"nodes": 1, "devices_per_node": p * d * t, "memory_gb": 4,
                        "device_tflops": 0.02, "links": {"intra_node_GBps": 5}}
-    spec["train"] = {**spec["train"], "precision": precision, "timeout_s": 120}
+    train, cluster = LEVERS[lever]
+    spec["cluster"].update(cluster)
+    spec["train"] = {**spec["train"], "precision": precision, "timeout_s": 120, **train}
     return spec
 
 
@@ -88,8 +96,8 @@ _PLANS: dict[tuple, dict] = {}
 
 
 def _plan(name: str, p: int, d: int, t: int, schedule: str, sp: bool = False,
-          precision: str = "fp32") -> dict:
-    key = (name, p, d, t, schedule, sp, precision)
+          precision: str = "fp32", lever: str = "") -> dict:
+    key = (name, p, d, t, schedule, sp, precision, lever)
     if key not in _PLANS:
         with torch.device("meta"):
             model = _build(name)
@@ -270,7 +278,12 @@ CASES4 = [("gpt", 2, 1, 2, "1f1b", False), ("gpt", 2, 1, 2, "zb-h1", True),
           ("gpt", 1, 2, 2, "gpipe", False), ("gpt", 2, 1, 2, "zb-v", False),
           ("gpt2", 2, 1, 2, "1f1b", False), ("gpt2", 1, 2, 2, "zb-h1", False),
           ("llama", 2, 1, 2, "gpipe", False), ("llama", 1, 2, 2, "1f1b", True),
-          ("bert", 2, 1, 2, "zb-h1", False), ("bert", 1, 2, 2, "gpipe", False)]
+          ("bert", 2, 1, 2, "zb-h1", False), ("bert", 1, 2, 2, "gpipe", False),
+          # the memory levers (issue 36) under tensor 2: selective recomputation (ZB-V: B
+          # then W; data 2), activation offload
+          ("gpt", 2, 1, 2, "zb-v", False, "fp32", "selective"),
+          ("gpt2", 1, 2, 2, "1f1b", False, "fp32", "selective"),
+          ("llama", 2, 1, 2, "1f1b", False, "fp32", "offload")]
 CASES2 = [("gpt", 1, 1, 2, "1f1b", False), ("gpt2", 1, 1, 2, "gpipe", True),
           ("llama", 1, 1, 2, "zb-h1", False), ("bert", 1, 1, 2, "1f1b", True)]
 
@@ -390,6 +403,11 @@ def _check(cases, results):
 def test_tensor_2_with_pipeline_or_data_2_trains_like_one_process(world4):
     _, results = world4
     _check(CASES4, results)
+    for case in CASES4:  # the lever cases ran with it on every stage
+        stages = Plan.from_dict(_plan(*case)).stages
+        lever = case[7] if len(case) > 7 else ""
+        assert all(st.recompute_mode == "selective" for st in stages) == (lever == "selective")
+        assert all(st.offload_bytes > 0 for st in stages) == (lever == "offload")
 
 
 @pytest.mark.distributed

@@ -162,7 +162,8 @@ def recompute_notes(plan: Plan, asked: str) -> list[str]:
                         "runs its forward again in the backward"),
                        ("selective", "each keeps its inputs and the outputs of its matmul-like "
                         "ops whose FLOPs per output byte reach the device's ridge point "
-                        f"({plan.stages[modes.index('selective')].keep_ridge:.3g}) per "
+                        f"({plan.stages[modes.index('selective')].keep_ridge:.3g} FLOP per "
+                        "byte of output) per "
                         "micro-batch in flight, and runs its other ops (element-wise, norms, "
                         "softmax, low-intensity matmuls) again in the backward"
                         if "selective" in modes else "")):
@@ -189,7 +190,8 @@ def offload_notes(plan: Plan) -> list[str]:
     every = len(idx) == plan.num_stages
     where = "every stage" if every else f"stage{'s' if len(idx) > 1 else ''} " + ", ".join(
         map(str, idx))
-    per = ", ".join(f"{human_bytes(plan.stages[j].offload_bytes, True)}" for j in idx[:4])
+    per = ", ".join(f"{human_bytes(plan.stages[j].offload_bytes, True)}"
+                    + ("" if len(idx) == 1 else f" (stage {j})") for j in idx[:4])
     moves = "out after F, back before B and again before W" if plan.schedule in SPLIT_BACKWARD \
         else "out after F, back before B"
     why = ("train.activation_offload: on" if asked == "on" else

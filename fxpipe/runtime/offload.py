@@ -8,7 +8,9 @@ stay where they are (moving them would free nothing). The copies are exact, so a
 stage trains bit-equal to one that keeps its activations. On CUDA the host buffers are pinned
 and the copies run on the compute stream (ordered with the kernels, as the planner prices them:
 not overlapped). A split backward reads some saved tensors again in W, and they come back
-again. :class:`Offload` counts the bytes each way.
+again. :class:`Offload` counts the bytes each way. A saved tensor that is written in place
+after it was saved (while still alive) fails its backward with autograd's own message, as it
+would without offload: the host copy would otherwise hide the write.
 """
 
 from __future__ import annotations
@@ -63,13 +65,20 @@ class Offload:
             host = torch.empty(t.size(), dtype=t.dtype, layout=t.layout, pin_memory=pin)
             host.copy_(t, non_blocking=pin)
             self.out_bytes += t.numel() * t.element_size()
-            copies[key] = (weakref.ref(t), (t.device, host))
+            copies[key] = (weakref.ref(t), (t.device, host, weakref.ref(t), t._version))
             return copies[key][1]
 
         def unpack(packed: Any) -> torch.Tensor:
             if isinstance(packed, torch.Tensor):
                 return packed
-            device, host = packed
+            device, host, ref, version = packed
+            t = ref()
+            if t is not None and t._version != version:
+                raise RuntimeError(
+                    "one of the variables needed for gradient computation has been modified by "
+                    f"an inplace operation: [{t.dtype} {list(t.shape)}] is at version "
+                    f"{t._version}; expected version {version} instead (activation offload "
+                    "keeps autograd's check on the tensors it moves to the host)")
             self.in_bytes += host.numel() * host.element_size()
             return host.to(device, non_blocking=device.type == "cuda")
 

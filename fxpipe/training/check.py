@@ -227,7 +227,9 @@ def check(spec_ref: Any, steps: int | None = None, out=None) -> int:
     eps = EPS[t.precision]
     k = t.grad_accumulation
     terms = spec.data.batch_size * k  # samples per optimizer step
-    layout = (f"{plural(plan.pipeline, 'stage')} x {plural(plan.dp, 'replica')}"
+    ranks = (f"{plural(plan.num_stages, 'stage')} on {plural(plan.pipeline, 'pipeline rank')}"
+             if plan.num_stages != plan.pipeline else plural(plan.pipeline, 'stage'))
+    layout = (f"{ranks} x {plural(plan.dp, 'replica')}"
               + (f" x tensor {plan.tensor}" if plan.tensor > 1 else "")
               + f", {plural(plan.microbatches, 'micro-batch').replace('batchs', 'batches')} of "
               f"{plan.microbatch_size}, {plan.schedule}")
