@@ -2,7 +2,8 @@
 
 Writes the ``activation-memory`` section of BENCHMARKS.md. The bundled GPT (4 layers x 128,
 sequence 128, micro-batch 4, fp32) is planned on 2 CPU devices at pipeline 2, 1F1B, with
-``train.activation_recompute`` off, selective and full, and with ``activation_offload: on``.
+``train.activation_recompute`` off, selective and full, full with ``recompute_layers: 1``
+(partial: each stage recomputes the first of its 2 blocks), and with ``activation_offload: on``.
 Each stage of each plan runs its forward on 4 micro-batches in one process, as a rank does
 (:class:`fxpipe.runtime.stage.StageWork`, no backward), and the live heap bytes (glibc's
 ``mallinfo2``: bytes in use, freed memory kept in the process as the ranks keep it) grow by
@@ -69,19 +70,22 @@ def _live_bytes_reader():
     return live
 
 
-def _spec(recompute: str, offload: str) -> dict:
+def _spec(recompute: str, offload: str, layers: int | None = None) -> dict:
     return {"model": {"factory": "fxpipe.examples.gpt:CharGPT", "args": SHAPE},
             "data": {"batch_size": MBS * 8, "seq_len": SEQ},
             "parallel": {"pipeline": 2, "data": 1, "microbatches": 8, "schedule": "1f1b"},
             "cluster": {"nodes": 1, "devices_per_node": 2, "host_memory_gb": 1.0},
-            "train": {"activation_recompute": recompute, "activation_offload": offload}}
+            "train": {"activation_recompute": recompute, "activation_offload": offload,
+                      **({"recompute_layers": layers} if layers else {})}}
 
 
-def measure(recompute: str, offload: str, live) -> list[dict]:
-    """Per stage of the plan: predicted and measured bytes per micro-batch in flight."""
+def measure(recompute: str, offload: str, live, layers: int | None = None) -> list[dict]:
+    """Per stage of the plan: predicted and measured bytes per micro-batch in flight
+    (``layers``: ``train.recompute_layers``)."""
     torch.manual_seed(0)
     model = CharGPT(**SHAPE)
-    plan = fxpipe.plan(model, _spec(recompute, offload), torch.randint(0, 256, (MBS, SEQ)))
+    plan = fxpipe.plan(model, _spec(recompute, offload, layers),
+                       torch.randint(0, 256, (MBS, SEQ)))
     mods = materialize_stages(plan, model, list(range(plan.num_stages)))
     consumers: dict[str, list[int]] = {}
     for name, v in plan.values.items():
@@ -118,7 +122,8 @@ def measure(recompute: str, offload: str, live) -> list[dict]:
         work.reset()
         outs = sum(plan.values[o].nbytes for o in st.outputs  # the model's output: B starts
                    if o in plan.values and not plan.values[o].consumers)  # from it
-        rows.append(dict(mode=offload == "on" and "offload" or recompute, stage=j,
+        mode = offload == "on" and "offload" or recompute
+        rows.append(dict(mode=f"{mode}, recompute_layers {layers}" if layers else mode, stage=j,
                          how=("offload" if st.offload_bytes else st.recompute_mode),
                          predicted=st.activation_bytes, measured=held, outputs=outs,
                          offload_pred=st.offload_bytes, offload_moved=moved))
@@ -166,8 +171,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     torch.set_num_threads(1)
     t0 = time.perf_counter()
     rows = []
-    for rec, off in (("off", "off"), ("selective", "off"), ("full", "off"), ("off", "on")):
-        rows += measure(rec, off, live)
+    for rec, off, layers in (("off", "off", None), ("selective", "off", None),
+                             ("full", "off", None), ("full", "off", 1), ("off", "on", None)):
+        rows += measure(rec, off, live, layers)
         for r in rows[-2:]:
             print(r, flush=True)
     _report.write_section(SECTION, report(rows, f"{time.perf_counter() - t0:.0f} s, "

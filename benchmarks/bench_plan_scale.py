@@ -227,7 +227,7 @@ def _layout(plan) -> str:
     n = len(plan.stages)
     modes = [s.recompute_mode for s in plan.stages]
     parts = [f"{m} on {'all' if modes.count(m) == n else modes.count(m)}"
-             for m in ("selective", "full") if m in modes]
+             for m in ("selective", "partial", "full") if m in modes]
     rc = f" recompute {', '.join(parts)} of {n} stages" if parts else ""
     v = f" v={plan.virtual_stages}" if plan.schedule == "interleaved" else ""
     return (f"pp={plan.pipeline} dp={plan.dp} m={plan.microbatches} {plan.schedule}{v}{rc}, "

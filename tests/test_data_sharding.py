@@ -14,6 +14,10 @@ gradients and the parameters (``parallel.data_sharding``), exactly.
   all-gather bytes equal :func:`~fxpipe.plans.state_bytes.sharded_bytes_sent`.
 * Checkpoints: saved sharded (torch.distributed.checkpoint), resumed under another data-parallel
   degree or level with the same next loss; the plain model loads it.
+* Per-block gathering (``param_gather: block``, issue 37): under 1F1B, interleaved, ZB-V and
+  tensor 2 x data 2, SGD trains like one process; the gathered-parameter and reduce-buffer
+  bytes each rank held at a step's fullest equal :mod:`fxpipe.runtime.block_gather`'s formula
+  (a pair of adjacent groups, not the stage).
 """
 
 from __future__ import annotations
@@ -67,13 +71,14 @@ _PLANS: dict[tuple, dict] = {}
 
 def _plan(p: int, d: int, level: str, t: int = 1, schedule: str = "1f1b",
           precision: str = "fp32", compression: str = "none", optimizer: str = "adamw",
-          batch: int = B) -> dict:
-    key = (p, d, level, t, schedule, precision, compression, optimizer, batch)
+          batch: int = B, virtual: int = 1) -> dict:
+    key = (p, d, level, t, schedule, precision, compression, optimizer, batch, virtual)
     if key not in _PLANS:
         spec = {"model": {"factory": "shared_models:tiny_gpt"},
                 "data": {"batch_size": batch, "seq_len": 16},
                 "parallel": {"pipeline": p, "data": d, "tensor": t, "microbatches": 2,
-                             "schedule": schedule, "data_sharding": level},
+                             "schedule": schedule, "data_sharding": level,
+                             "virtual_stages": virtual},
                 "cluster": {"nodes": 1, "devices_per_node": p * d * t, "memory_gb": 4,
                             "device_tflops": 0.02, "links": {"intra_node_GBps": 5}},
                 "train": {"optimizer": optimizer, "loss": "cross_entropy",
@@ -156,8 +161,10 @@ def _train(plan_dict: dict, kind: str, accumulation: int = 1) -> dict:
         else:
             held = state_storage_bytes(pipe.parameters(), opt)
         opt.zero_grad()
+    gathered = (dict(sharding.block_held.peak) if sharding is not None
+                and sharding.block_held is not None else None)  # the last step's
     whole = pipe.state_dict()
-    return {"losses": losses, "params": {k: v.numpy().copy() for k, v in whole.items()},
+    return {"losses": losses, "gathered": gathered, "params": {k: v.numpy().copy() for k, v in whole.items()},
             "held": held, "peak": peak, "sent": sent, "stages": list(pipe.executor.local_stages),
             "replica": pipe.replica, "skipped": pipe.skipped_steps}
 
@@ -218,11 +225,24 @@ COMPOSED = [((1, 2, "optimizer", 2), "adamw", 1),
             ((2, 2, "optimizer", 1, "1f1b", "fp32", "fp16"), "sgd", 1)]
 
 
+#: ``full`` gathered per block (``param_gather: block``, set on the plan as the planner would):
+#: 1F1B, interleaved, ZB-V, and tensor 2 x data 2
+BLOCK = [((2, 2, "full", 1, "1f1b"), {}), ((2, 2, "full", 1, "interleaved"), {"virtual": 2}),
+         ((2, 2, "full", 1, "zb-v"), {}), ((1, 2, "full", 2), {})]
+
+
+def _per_block(plan: dict) -> dict:
+    for st in plan["stages"]:
+        st["param_gather"] = "block"
+    return plan
+
+
 @pytest.fixture(scope="module")
 def world4(tmp_path_factory):
     ckpt = str(tmp_path_factory.mktemp("zero-ckpt") / "ckpt")
     runs = [(_plan(*args), kind) for args, kind in EXACT]
     runs += [(_plan(*args), kind, acc) for args, kind, acc in COMPOSED]
+    runs += [(_per_block(_plan(*args, **kw)), "sgd") for args, kw in BLOCK]
     return ckpt, run_ranks(_worker, 4, runs, ckpt, _resume_plans(), timeout_s=400,
                            dist_timeout_s=120)
 
@@ -302,6 +322,53 @@ def test_composed_runs_train_like_their_unsharded_pipeline(world4):
             worst = max(float(np.abs(v - sgd_params[n].numpy()).max())
                         for n, v in params.items() if n in sgd_params)
             assert worst < param_tol, (args, worst)
+
+
+@pytest.mark.distributed
+def test_per_block_gathering_trains_like_one_process(world4):
+    """Parameters gathered per block in every forward and backward, gradients reduce-scattered
+    per micro-batch: SGD's losses and final parameters within the single-process bounds."""
+    _, results = world4
+    ref_losses, ref_params, (loss_tol, param_tol) = _reference("sgd")
+    first = len(EXACT) + len(COMPOSED)
+    for j, (args, kw) in enumerate(BLOCK):
+        for r in results:
+            worst = max(abs(a - b) for a, b in zip(r[first + j]["losses"], ref_losses))
+            assert worst < loss_tol, (args, kw, r[first + j]["losses"], ref_losses)
+        params = _params_of(r[first + j] for r in results)
+        worst = max(float(np.abs(v - ref_params[n].numpy()).max()) for n, v in params.items()
+                    if n in ref_params)
+        assert worst < param_tol, (args, kw, worst, param_tol)
+
+
+@pytest.mark.distributed
+def test_per_block_gathering_holds_a_pair_of_blocks_not_the_stage(world4):
+    """Exact storage bytes the per-block buffers held at the last step's fullest, per rank:
+    gathered parameters = the largest pair of adjacent groups of a local stage (one gathered,
+    the next prefetched), gradient reduce buffers = the largest pair of consecutive
+    reduce-scatters (fxpipe.runtime.block_gather's formula), against every local stage's
+    whole parameters under ``param_gather: stage``."""
+    from fxpipe.plans.param_blocks import param_groups
+    from fxpipe.runtime.block_gather import predicted_gathered_peak, predicted_reducing_peak
+
+    _, results = world4
+    first = len(EXACT) + len(COMPOSED)
+    for j, (args, kw) in enumerate(BLOCK[:3]):  # (tensor parallel: shapes are the shards')
+        plan = Plan.from_dict(_plan(*args, **kw))
+        n = plan.dp
+        for r in results:
+            row = r[first + j]
+            padded = [[-(-sum(math.prod(plan.param_shapes[f]) for f in fs) // n) * n * 4
+                       for _, fs in param_groups([f for f in plan.stages[s].params
+                                                  if f not in plan.shared_params])]
+                      for s in row["stages"]]
+            assert row["gathered"]["gathered"] == predicted_gathered_peak(padded, True), (
+                args, row["stages"], row["gathered"], padded)
+            assert row["gathered"]["reducing"] == predicted_reducing_peak(padded, n), (
+                args, row["stages"], row["gathered"], padded)
+            whole = sum(math.prod(plan.param_shapes[f]) * 4 for s in row["stages"]
+                        for f in plan.stages[s].params if f not in plan.shared_params)
+            assert row["gathered"]["gathered"] < whole, (args, row["gathered"], whole)
 
 
 @pytest.mark.distributed

@@ -341,7 +341,9 @@ def test_recomputation_is_chosen_per_stage():
     assert all(st.recompute for st in every.stages)
     assert every.stages[1].bwd_input_time_s > last.bwd_input_time_s
     assert plan.predicted.step_time_s < every.predicted.step_time_s
-    assert any("activation recomputation on stage 0:" in line for line in plan.explain)
+    assert first.recompute_mode in ("full", "partial")  # (the fewest first blocks that fit)
+    assert any(f"{'partial' if first.recompute_mode == 'partial' else 'activation'} "
+               "recomputation on stage 0:" in line for line in plan.explain)
     # a roomier device: no stage recomputes
     roomy = fxpipe.plan(model, {**spec, "cluster": {"devices_per_node": 2, "memory_gb": 1}}, x)
     assert not any(st.recompute for st in roomy.stages)

@@ -11,7 +11,9 @@ batch: losses and final parameters within the float32 bounds of their reordered 
 own loss from ``labels``; the loss is the mean over the tokens that count in the whole batch.
 BatchNorm statistics are per micro-batch (as in GPipe), so the ResNet's reference runs
 micro-batch by micro-batch; everything else is the same. GPT-2 and Llama also run their cuts
-with the memory levers: full and selective recomputation, activation offload.
+with the memory levers: full, selective and partial recomputation, activation offload, and sharded
+data parallelism gathering the parameters per block (``data_sharding: full``,
+``param_gather: block``; GPT-2 under 1F1B, Llama under ZB-H1).
 """
 
 from __future__ import annotations
@@ -108,6 +110,8 @@ def _worker(rank: int, cases: list[tuple[str, dict, dict[str, dict]]]):
         loss_fn = resolve_loss(spec.train.loss, spec.train.ignore_index)
         built: dict[int, dict] = {}  # pipeline rank -> its stage modules (of the one cut)
         for label, change in variants.items():
+            change = dict(change)
+            level = change.pop("data_sharding", "none")  # (runs after the unsharded ones)
             plan = _variant(base, **change)
             mesh = meshes[plan.placement]
             schedule = schedule_for_plan(plan)
@@ -121,7 +125,13 @@ def _worker(rank: int, cases: list[tuple[str, dict, dict[str, dict]]]):
             params = list({id(p): p for m in stages.values() for p in m.parameters()}.values())
             opt = torch.optim.SGD(params, lr=spec.train.lr)
             ex = PipelineExecutor(plan, schedule, stages, mesh, loss_fn, opt,
-                                  timeout_s=120, needs_target=spec.train.loss != MODEL_LOSS)
+                                  timeout_s=120, needs_target=spec.train.loss != MODEL_LOSS,
+                                  data_sharding=level)
+            if ex.sharding is not None:  # the replica's slices (ZeRO)
+                from fxpipe.runtime.data_sharding import ShardedOptimizer
+
+                names = {id(p): n for m in stages.values() for n, p in m.named_parameters()}
+                ex.optimizer = ShardedOptimizer(opt, ex.sharding, names, 120)
             losses = []
             for step in range(STEPS):
                 b = _batch(name, step)
@@ -129,6 +139,8 @@ def _worker(rank: int, cases: list[tuple[str, dict, dict[str, dict]]]):
                 mine = b.slice(mesh.dp_rank * M * MBS, (mesh.dp_rank + 1) * M * MBS)
                 losses.append(ex.step(mine.named(plan.model_inputs, plan.input_kwargs),
                                       mine.target, w))
+            if ex.sharding is not None:  # whole parameters again (collective)
+                ex.sharding.ensure_gathered(120)
             params = {n: p.detach().numpy().copy() for m in stages.values()  # by value
                       for n, p in m.named_parameters()}
             out[(name, label)] = (losses, params)
@@ -196,6 +208,18 @@ def trained():
                                 "keep_ridge": SELECTIVE_RIDGE},
             "1f1b offload": {"offload_bytes": 1},
             "zb-h1 offload": {"schedule": "zb-h1", "offload_bytes": 1}})
+    # partial recomputation (each stage's first block recomputes, the rest keep theirs):
+    # GPT-2 under a whole backward, Llama under a split one
+    cases[zoo.NAMES.index("gpt2")][2]["1f1b partial"] = {"recompute": [True] * PIPE,
+                                                         "recompute_blocks": 1}
+    cases[zoo.NAMES.index("llama")][2]["zb-h1 partial"] = {
+        "schedule": "zb-h1", "recompute": [True] * PIPE, "recompute_blocks": 1}
+    # issue 36: data_sharding full gathered per block (param_gather: block), a whole backward
+    # and a split one; last, since they leave the parameters views of the gathered buffers
+    cases[zoo.NAMES.index("gpt2")][2]["1f1b block"] = {"param_gather": "block",
+                                                       "data_sharding": "full"}
+    cases[zoo.NAMES.index("llama")][2]["zb-h1 block"] = {
+        "schedule": "zb-h1", "param_gather": "block", "data_sharding": "full"}
     results: dict = {}
     for per_rank in run_ranks(_worker, PIPE * DP, cases, timeout_s=600, dist_timeout_s=120):
         for key, (losses, params) in per_rank.items():
@@ -220,7 +244,9 @@ def test_plans_into_two_and_four_stages(name):
                          + [("gpt2", "1f1b data-inner"), ("llama", "1f1b recompute"),
                             ("llama", "zb-h1 recompute")]
                          + [(n, f"{s} {lever}") for n in ("gpt2", "llama")
-                            for s in ("1f1b", "zb-h1") for lever in ("selective", "offload")])
+                            for s in ("1f1b", "zb-h1") for lever in ("selective", "offload")]
+                         + [("gpt2", "1f1b block"), ("llama", "zb-h1 block")]
+                         + [("gpt2", "1f1b partial"), ("llama", "zb-h1 partial")])
 def test_trains_like_single_process(trained, name, schedule):
     ref_losses, ref_model, (loss_tol, param_tol) = _reference(name)
     got = trained[(name, schedule)]

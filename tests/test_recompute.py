@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import fxpipe
 from fxpipe.errors import PlanError
 from fxpipe.execution.selective import keeps_op, ridge_of
 from fxpipe.plans.plan import StagePlan
@@ -385,3 +386,147 @@ def test_offload_bad_input_says_what_is_missing():
     with pytest.raises(PlanError, match="activation offload: rank 0 holds .* host memory") as e:
         _offload_plan("off", "on", 16.0, host_memory_gb=0.001)
     assert "more host memory for the offloaded activations" in str(e.value)
+
+
+# ----------------------------------------------------------------------------- partial
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln, self.a, self.b = nn.LayerNorm(D), nn.Linear(D, D), nn.Linear(D, D)
+
+    def forward(self, x):
+        return x + self.b(F.dropout(F.gelu(self.a(self.ln(x))), 0.2, training=True))
+
+
+class _Blocks(nn.Module):
+    """A linear layer, three blocks (dropout in each), a final linear layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.out = nn.Linear(D, D), nn.Linear(D, D)
+        self.h = nn.ModuleList(_Block() for _ in range(3))
+
+    def forward(self, x):
+        x = self.inp(x)
+        for blk in self.h:
+            x = blk(x)
+        return self.out(x)
+
+
+def _run_blocks(blocks: int | None, split: bool, loss: bool):
+    """Three micro-batches through the traced :class:`_Blocks` as one stage, keeping
+    everything (``blocks`` None) or recomputing its first ``blocks`` blocks."""
+    from fxpipe.partitioner.trace import trace
+
+    torch.manual_seed(0)
+    gm = trace(_Blocks(), (torch.zeros(B, D),)).gm
+    inputs = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    sp = StagePlan(index=0, nodes=[], params=[], buffers=[], inputs=inputs, outputs=["y"],
+                   fwd_flops=0, bwd_flops=0, bwd_weight_flops=0, param_bytes=0,
+                   activation_bytes=0, recv_bytes=0, send_bytes=0, compute_time_s=0,
+                   comm_time_s=0, time_s=0, memory_bytes=0, recompute=blocks is not None,
+                   recompute_blocks=blocks or 0)
+    values = {"y": ValueInfo("y", 0, [] if loss else [1], [B, D], "float32", B * D * 4)}
+    work = StageWork(sp, gm, values, {} if loss else {"y": [1]}, split,
+                     contextlib.nullcontext, lambda i: f"micro-batch {i}",
+                     loss_input="y" if loss else None)
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(B, D, generator=g).requires_grad_() for _ in range(3)]
+    target = torch.randn(B, D, generator=g)
+    torch.manual_seed(7)
+    for i, x in enumerate(xs):
+        work.forward(i, [x], F.mse_loss if loss else None, target if loss else None)
+    in_grads = []
+    for i in range(3):
+        if not loss:
+            work.add_output_grad(i, "y", torch.full((B, D), 0.1 * (i + 1)))
+        in_grads.append(work.backward(i)[0][1])
+        if split:
+            work.weight(i)
+    return dict(in_grads=in_grads, grads={n: p.grad.clone() for n, p in gm.named_parameters()},
+                rng=torch.get_rng_state(), work=work, gm=gm)
+
+
+@pytest.mark.parametrize("loss", [False, True], ids=["sends", "loss"])
+@pytest.mark.parametrize("split", [False, True], ids=["whole", "b-w"])
+def test_partial_recomputation_equals_keeping_everything(split, loss):
+    """The first block (with the layer before it) recomputes, the other two keep their
+    activations: the head runs again once before B from the first forward's random-number
+    state (its dropout masks repeat), the tail's backward feeds the head's; the gradients
+    are a stage's that keeps everything, to the last bit (the same ops on the same values);
+    the two halves hold the stage's own Parameter objects under the stage's names. With 3
+    or more blocks the head runs through the last block (the final layer kept)."""
+    ref = _run_blocks(None, split, loss)
+    for blocks in (1, 3):
+        got = _run_blocks(blocks, split, loss)
+        for a, b in zip(ref["in_grads"], got["in_grads"]):
+            assert torch.equal(a, b)
+        assert ref["grads"].keys() == got["grads"].keys()
+        for n, a in ref["grads"].items():
+            assert torch.equal(a, got["grads"][n]), n
+        assert torch.equal(ref["rng"], got["rng"])
+        part = got["work"].partial
+        head = dict(part.head.named_parameters())
+        tail = dict(part.tail.named_parameters())
+        mine = dict(got["gm"].named_parameters())
+        assert not head.keys() & tail.keys() and head.keys() | tail.keys() == mine.keys()
+        assert all(p is mine[n] for n, p in [*head.items(), *tail.items()])
+        assert ("h.1.a.weight" in head) == (blocks == 3) and "out.weight" in tail
+
+
+def _gpt_spec(**train) -> dict:
+    return {"model": {"factory": "fxpipe.examples.gpt:CharGPT",
+                      "args": {"n_layer": 4, "n_embd": 32, "n_head": 2, "block_size": 16}},
+            "data": {"batch_size": 8, "seq_len": 16},
+            "parallel": {"pipeline": 2, "data": 1, "microbatches": 4, "schedule": "1f1b"},
+            "cluster": {"nodes": 1, "devices_per_node": 2}, "train": train}
+
+
+def test_recompute_layers_plans_partial_stages_and_keeps_them_in_the_plan(tmp_path):
+    """``recompute_layers: 1`` under full recomputation: each stage (CharGPT's 4 blocks,
+    h.2 shared by the cut) recomputes its first block: less activation memory than keeping everything, more than
+    full recomputation; B runs the head's forward again (more than none, less than full);
+    the plan says so and its JSON keeps ``recompute_blocks``."""
+    from fxpipe.examples.gpt import CharGPT
+    from fxpipe.plans.param_blocks import block_of
+    from fxpipe.plans.plan import Plan
+
+    plans = {}
+    for label, train in (("off", {"activation_recompute": "off"}),
+                         ("full", {"activation_recompute": "full"}),
+                         ("partial", {"activation_recompute": "full", "recompute_layers": 1}),
+                         ("more", {"activation_recompute": "full", "recompute_layers": 2})):
+        torch.manual_seed(0)
+        model = CharGPT(n_layer=4, n_embd=32, n_head=2, block_size=16)
+        plans[label] = fxpipe.plan(model, _gpt_spec(**train), torch.zeros(2, 16, dtype=torch.long))
+    off, full, part, more = (plans[k] for k in ("off", "full", "partial", "more"))
+    assert [st.recompute_mode for st in part.stages] == ["partial"] * 2
+    assert [st.recompute_blocks for st in part.stages] == [1, 1]
+    # a stage with N blocks or fewer recomputes whole (the cut shares block h.2)
+    held = [len({block_of(p) for p in st.params} - {None}) for st in more.stages]
+    assert [st.recompute_blocks for st in more.stages] == [2 if n > 2 else 0 for n in held]
+    assert 0 in [st.recompute_blocks for st in more.stages]
+    for a, b, c in zip(off.stages, part.stages, full.stages):
+        assert c.activation_bytes < b.activation_bytes < a.activation_bytes
+        assert a.bwd_input_time_s < b.bwd_input_time_s < c.bwd_input_time_s
+        assert b.fwd_time_s == a.fwd_time_s
+    assert any("partial recomputation on every stage" in e and "stage 0: 1 of 3" in e
+               for e in part.explain), part.explain
+    part.save(tmp_path / "p.json")
+    assert [st.recompute_blocks for st in Plan.load(tmp_path / "p.json").stages] == [1, 1]
+
+
+def test_recompute_layers_bad_input_is_one_clear_line():
+    """recompute_layers with recomputation off or selective is a spec error naming the key;
+    on a model without blocks a plan error saying so."""
+    from fxpipe.errors import SpecError
+    from fxpipe.specs.loader import load_spec
+
+    for mode in ("off", "selective"):
+        with pytest.raises(SpecError, match=rf"recompute_layers.*activation_recompute is {mode}"):
+            load_spec(_gpt_spec(activation_recompute=mode, recompute_layers=1))
+    spec = _gpt_spec(activation_recompute="full", recompute_layers=1)
+    spec["model"] = {"factory": "x:y"}
+    spec["parallel"]["pipeline"], spec["cluster"]["devices_per_node"] = 1, 1
+    with pytest.raises(PlanError, match="recompute_layers: 1 counts blocks.*has none"):
+        fxpipe.plan(Noisy(), spec, torch.zeros(2, D))

@@ -35,6 +35,7 @@ from fxpipe.execution.dtypes import autocast_dtype, message_dtype
 from fxpipe.execution.losses import cross_entropy
 from fxpipe.partitioner.driver import plan_with_graph
 from fxpipe.partitioner.split import materialize_stages
+from fxpipe.plans.param_blocks import block_of
 from fxpipe.plans.plan import Plan
 from fxpipe.runtime.executor import PipelineExecutor
 from fxpipe.runtime.local_ranks import run_ranks
@@ -155,15 +156,18 @@ def reference(name: str, global_batch: int, steps: int = STEPS):
 
 
 def recomputing(plan: Plan, mode: str) -> Plan:
-    """A copy of ``plan`` whose every stage recomputes its activations, ``full`` or
-    ``selective`` (at the CPU default's ridge: linear layers and attention kept), or offloads
-    them to host memory (``offload``)."""
+    """A copy of ``plan`` whose every stage recomputes its activations, ``full``,
+    ``selective`` (at the CPU default's ridge: linear layers and attention kept) or
+    ``partial`` (its first block; the whole stage where it holds none), or offloads them to
+    host memory (``offload``)."""
     plan = copy.deepcopy(plan)
     for st in plan.stages:
         if mode == "offload":
             st.offload_bytes = 1  # (the runtime reads whether, the planner prices how many)
         else:
             st.recompute, st.keep_ridge = True, (CPU_RIDGE if mode == "selective" else None)
+        if mode == "partial" and any(block_of(p) for p in st.params):
+            st.recompute_blocks = 1  # (where the stage holds a block)
     return plan
 
 
@@ -292,7 +296,7 @@ def _world2_runs():
     runs += [run_spec("skip4", 2, 1, s) for s in ("interleaved", "zb-v")]
     runs += [run_spec("gpt", 2, 1, s) for s in V_NEW] + [run_spec("skip4", 2, 1, "dualpipev")]
     runs += [run_spec("gpt", 2, 1, s, recompute=r) for s in RECOMPUTE_SCHEDULES
-             for r in ("selective", "full", "offload")]
+             for r in ("selective", "full", "offload", "partial")]
     runs += [run_spec("gpt", 2, 1, "interleaved", v=3), run_spec("skip8", 2, 1, "interleaved", v=4)]
     return runs
 
@@ -307,7 +311,7 @@ def _world4_runs():
     runs += [run_spec("cnn", 2, 2, s) for s in V_NEW]
     runs += [run_spec("skip8", 4, 1, s, m=_m_for(s, 4)) for s in V_NEW]
     runs += [run_spec(n, 2, 2, "zb-v", recompute="selective") for n in ("gpt", "cnn")]
-    runs += [run_spec("gpt", 2, 2, "zb-v", recompute="offload")]
+    runs += [run_spec("gpt", 2, 2, "zb-v", recompute=r) for r in ("offload", "partial")]
     return runs
 
 
@@ -615,20 +619,25 @@ if __name__ == "__main__":  # print the measured figures
 
 # ----------------------------------------------------------------------------- issue 36
 @pytest.mark.distributed
-@pytest.mark.parametrize("mode", ["selective", "full", "offload"])
+@pytest.mark.parametrize("mode", ["selective", "full", "offload", "partial"])
 @pytest.mark.parametrize("schedule", RECOMPUTE_SCHEDULES)
 def test_recomputing_stages_are_exact(world2, world4, schedule, mode):
-    """Every stage recomputing its activations, fully or selectively (the linear layers'
-    and attention's outputs kept), or offloading them to host memory, trains like one
-    process: interleaved (one whole backward per stage), ZB-H1 and ZB-V (B then W: the
-    forward runs again once, before B; offloaded tensors come back for B and for W) at p=2;
-    selective under ZB-V with data parallel 2 on CharGPT and SkipCNN (a skip from stage 0 to
-    stage 3), offload on CharGPT."""
+    """Every stage recomputing its activations, fully, selectively (the linear layers'
+    and attention's outputs kept) or partially (its first block: the tail's backward, then
+    the head's forward again and its backward; split into B and W under the zero-bubble
+    schedules), or offloading them to host memory, trains like one process: interleaved (one
+    whole backward per stage), ZB-H1 and ZB-V (B then W: the forward runs again once, before
+    B; offloaded tensors come back for B and for W) at p=2; selective under ZB-V with data
+    parallel 2 on CharGPT and SkipCNN (a skip from stage 0 to stage 3), offload and partial
+    on CharGPT."""
     rows = _rows(world2, model="gpt", schedule=schedule, recompute=mode)
     assert len(rows) == 2
     _assert_exact(rows)
+    if mode == "partial":  # stages that hold a block recompute it only
+        assert any(st.recompute_blocks for st in recomputing(
+            make_plan("gpt", 2, 1, schedule, M, 2), mode).stages)
     if schedule == "zb-v" and mode != "full":
-        for model in ("gpt", "cnn") if mode == "selective" else ("gpt",):
+        for model in ("gpt", "cnn") if mode == "selective" else ("gpt",):  # (partial too)
             rows = _rows(world4, model=model, schedule=schedule, recompute=mode, p=2, dp=2)
             assert len(rows) == 4
             _assert_exact(rows)

@@ -71,7 +71,8 @@ def _batch(name: str, step: int):
 #: ``lever`` of a case -> the train (and cluster) settings that turn it on (issue 36)
 LEVERS = {"": ({}, {}), "selective": ({"activation_recompute": "selective"}, {}),
           "offload": ({"activation_recompute": "off", "activation_offload": "on"},
-                      {"host_memory_gb": 8})}
+                      {"host_memory_gb": 8}),
+          "partial": ({"activation_recompute": "full", "recompute_layers": 1}, {})}
 
 
 def _spec(name: str, p: int, d: int, t: int, schedule: str, sp: bool = False,
@@ -280,10 +281,12 @@ CASES4 = [("gpt", 2, 1, 2, "1f1b", False), ("gpt", 2, 1, 2, "zb-h1", True),
           ("llama", 2, 1, 2, "gpipe", False), ("llama", 1, 2, 2, "1f1b", True),
           ("bert", 2, 1, 2, "zb-h1", False), ("bert", 1, 2, 2, "gpipe", False),
           # the memory levers (issue 36) under tensor 2: selective recomputation (ZB-V: B
-          # then W; data 2), activation offload
+          # then W; data 2), activation offload, partial recomputation (the first block of
+          # each stage's two recomputes; ZB-H1: B then W)
           ("gpt", 2, 1, 2, "zb-v", False, "fp32", "selective"),
           ("gpt2", 1, 2, 2, "1f1b", False, "fp32", "selective"),
-          ("llama", 2, 1, 2, "1f1b", False, "fp32", "offload")]
+          ("llama", 2, 1, 2, "1f1b", False, "fp32", "offload"),
+          ("gpt", 2, 1, 2, "zb-h1", False, "fp32", "partial")]
 CASES2 = [("gpt", 1, 1, 2, "1f1b", False), ("gpt2", 1, 1, 2, "gpipe", True),
           ("llama", 1, 1, 2, "zb-h1", False), ("bert", 1, 1, 2, "1f1b", True)]
 
@@ -408,6 +411,8 @@ def test_tensor_2_with_pipeline_or_data_2_trains_like_one_process(world4):
         lever = case[7] if len(case) > 7 else ""
         assert all(st.recompute_mode == "selective" for st in stages) == (lever == "selective")
         assert all(st.offload_bytes > 0 for st in stages) == (lever == "offload")
+        assert all(st.recompute_mode == "partial" and st.recompute_blocks == 1
+                   for st in stages) == (lever == "partial")
 
 
 @pytest.mark.distributed

@@ -26,6 +26,7 @@ from fxpipe.partitioner.servers import assign_servers
 from fxpipe.partitioner.tensor_costs import expand_blocks
 from fxpipe.plans.placement import (global_rank, grid_slots_per_node, node_of, pair_crosses_nodes,
                                     ring_crosses_nodes, stage_to_rank)
+from fxpipe.plans.param_blocks import block_of
 from fxpipe.plans.plan import Plan, StagePlan
 from fxpipe.schedule.plan_price import predict
 from fxpipe.schedule.step_price import StageStep
@@ -138,9 +139,11 @@ def _stage_plan(j: int, step: StageStep, result: PartitionResult, rc: Recompute,
         fwd_time_s=step.fwd_s, bwd_input_time_s=step.bwd_input_s,
         bwd_weight_time_s=step.bwd_weight_s, send_time_s=step.send_s,
         grad_send_time_s=step.grad_send_s, recompute=recompute in (SELECTIVE, FULL),
-        keep_ridge=ridge if recompute == SELECTIVE else None,
+        keep_ridge=ridge if recompute == SELECTIVE else None, recompute_blocks=rc.blocks(j),
         offload_bytes=int(rc.host_bytes(j)), loss_time_s=float(loss_s),
-        shared_bytes=int(step.shared_bytes))
+        shared_bytes=int(step.shared_bytes),
+        param_gather="block" if step.gather_rows else "stage",
+        gather_groups=[[float(x) for x in r] for r in step.gather_rows])
 
 def _selective_keeps_nothing(rc: Recompute, ridge: float) -> list[str]:
     """Stages recomputing selectively whose ops keep nothing (none reaches the ridge point):
@@ -166,7 +169,12 @@ def recompute_notes(plan: Plan, asked: str) -> list[str]:
                         "byte of output) per "
                         "micro-batch in flight, and runs its other ops (element-wise, norms, "
                         "softmax, low-intensity matmuls) again in the backward"
-                        if "selective" in modes else "")):
+                        if "selective" in modes else ""),
+                       ("partial", "each recomputes its first blocks "
+                        f"({_partial_blocks(plan)}): keeps its inputs, the values its later "
+                        "blocks read from them and its later blocks' activations per micro-batch "
+                        "in flight, and runs its first blocks' forward again in the backward"
+                        if "partial" in modes else "")):
         idx = [j for j, m in enumerate(modes) if m == mode]
         if not idx:
             continue
@@ -176,9 +184,31 @@ def recompute_notes(plan: Plan, asked: str) -> list[str]:
                + ("" if every else "; the other stages recompute less"))
         where = ("every stage" if every else
                  f"stage{'s' if len(idx) > 1 else ''} {', '.join(map(str, idx))}")
-        name = "activation recomputation" if mode == "full" else "selective recomputation"
+        name = {"full": "activation recomputation", "selective": "selective recomputation",
+                "partial": "partial recomputation"}[mode]
+        if mode == "partial" and asked == "auto" and plan.spec.train.recompute_layers is None:
+            why = ("the activations of the micro-batches in flight would not fit "
+                   "cluster.memory_gb; the fewest first blocks that fit, the rest kept")
+        elif mode == "partial":
+            why = (f"train.recompute_layers: {plan.spec.train.recompute_layers}; stages with "
+                   "that many blocks or fewer recompute whole")
         out.append(f"{name} on {where}: {what} ({why})")
     return out
+
+def _partial_blocks(plan: Plan) -> str:
+    """``N of M blocks`` per partially recomputing stage (M: the stage's blocks)."""
+    out = []
+    for j, st in enumerate(plan.stages):
+        if st.recompute_mode == "partial":
+            out.append(f"stage {j}: {st.recompute_blocks} of {_stage_blocks(plan, j)}")
+    return ", ".join(out[:4]) + (" ..." if len(out) > 4 else "")
+
+def _stage_blocks(plan: Plan, j: int) -> int:
+    """How many blocks stage ``j`` holds (by its parameters' module paths; a plan made of
+    folded blocks: by its record)."""
+    if plan.folded:
+        return sum(1 for s in plan.folded["blocks"] if s == j)
+    return len({b for b in map(block_of, plan.stages[j].params) if b is not None})
 
 def offload_notes(plan: Plan) -> list[str]:
     """Which stages offload their activations to host memory, what crosses the host link and

@@ -40,6 +40,7 @@ from fxpipe.partitioner.annotations import STAGE_ATTR
 from fxpipe.partitioner.graph import PricedGraph
 from fxpipe.partitioner.problem import Value
 from fxpipe.partitioner.trace import COMPUTE_OPS, TracedModel, _stack_paths
+from fxpipe.plans.param_blocks import block_of
 from fxpipe.plans.values import needs_grad
 
 __all__ = ["MIN_BLOCKS", "KEEP", "BlockRun", "Folding", "UnitTable", "find_block_run", "reduced",
@@ -270,6 +271,12 @@ class UnitTable:
         folding: how the units map onto a reduced trace's, when folded (else None).
         selective: per unit, under selective recomputation, ``(seconds of its forward that
             run again, bytes it keeps per micro-batch)``.
+        blocks: per unit, the block it lies in (:func:`fxpipe.plans.param_blocks.block_of`
+            of its module path; a folded block unit: its block), None outside every block
+            (what partial recomputation counts blocks by); empty when not worked out.
+        value_saved_at: per value (as ``values``), the unit whose ``saved`` bytes count it
+            (:attr:`~fxpipe.partitioner.cost.NodeCost.saved_by`), -1 when none; empty when
+            not worked out.
     """
 
     names: list[str]
@@ -282,10 +289,28 @@ class UnitTable:
     pins: dict[int, int]
     folding: "Folding | None" = None
     selective: list[tuple[float, float]] = field(default_factory=list)
+    blocks: list[str | None] = field(default_factory=list)
+    value_saved_at: list[int] = field(default_factory=list)
+
+
+def saver_positions(pg: PricedGraph, costs: dict | None) -> dict[str, int]:
+    """Value (FX node) name -> position of the unit that saves it first (see
+    :attr:`UnitTable.value_saved_at`), for the values some unit saves."""
+    if not costs:
+        return {}
+    g = pg.graph
+    pos = {m: i for i, u in enumerate(pg.order) for m in g.nodes[u]["members"]}
+    out = {}
+    for name, c in costs.items():
+        p = pos.get(getattr(c, "saved_by", ""))
+        if p is not None:
+            out[name] = p
+    return out
 
 
 def fold(pg: PricedGraph, run: BlockRun, unit_times: list[tuple[float, float, float]],
-         cheap: set[str], unit_selective: list[tuple[float, float]]) -> UnitTable | None:
+         cheap: set[str], unit_selective: list[tuple[float, float]],
+         costs: dict | None = None) -> UnitTable | None:
     """The folded cut problem (see the module doc), or None when the reduced graph does not
     fold.
 
@@ -293,6 +318,7 @@ def fold(pg: PricedGraph, run: BlockRun, unit_times: list[tuple[float, float, fl
         unit_times: ``(fwd, B, W)`` seconds of every unit of the reduced graph.
         unit_selective: its :attr:`UnitTable.selective` figures.
         cheap: values rebuilt in each stage (they cross cuts for free).
+        costs: the nodes' costs (where each value is saved: :attr:`UnitTable.value_saved_at`).
     """
     fo = _groups(pg, run)
     if fo is None or pg.forced_cuts or pg.pins:
@@ -329,6 +355,20 @@ def fold(pg: PricedGraph, run: BlockRun, unit_times: list[tuple[float, float, fl
     n_total = len(pg.order)
     values: list[Value] = []
     first_block, last_block = n_pro, n_pro + L - 1
+    saver = saver_positions(pg, costs)
+    saved_at: list[int] = []
+
+    def at(row, src: int, dst: list[int]) -> int:  # where the folded value is saved
+        sp = saver.get(row.name)
+        if sp is None:
+            return -1
+        if sp == row.producer_pos:
+            return src
+        if sp in fo._block:
+            return min((d for d in dst if first_block <= d <= last_block), default=-1)
+        fp = fo.folded_pos(sp)
+        return fp if fp is not None else -1
+
     for row in pg.values:
         if row.name in cheap:
             continue
@@ -348,10 +388,12 @@ def fold(pg: PricedGraph, run: BlockRun, unit_times: list[tuple[float, float, fl
             dst = sorted(set(other + (to_blocks or [])))
             if dst:
                 values.append(Value(src, tuple(dst), row.nbytes, grad, row.name))
+                saved_at.append(at(row, src, dst))
         elif pb == 0:  # a value of the first kept block
             if ub - {0} == {1} and not other:  # block -> next block: along the whole chain
                 for j in range(first_block, last_block):
                     values.append(Value(j, (j + 1,), row.nbytes, grad, row.name))
+                    saved_at.append(at(row, j, [j + 1]))
             elif ub - {0} or other:
                 return None
         else:  # a value of the last kept block
@@ -360,7 +402,12 @@ def fold(pg: PricedGraph, run: BlockRun, unit_times: list[tuple[float, float, fl
             if other:
                 values.append(Value(last_block, tuple(sorted(other)), row.nbytes, grad,
                                     row.name))
-    return UnitTable(names, times, flops, params, saved, values, [], {}, fo, selective)
+                saved_at.append(at(row, last_block, sorted(other)))
+    blocks = ([block_of(g.nodes[pg.order[p]].get("module") or "") for p in fo.prologue]
+              + [run.block(run.start + b) for b in range(L)]
+              + [block_of(g.nodes[pg.order[p]].get("module") or "") for p in fo.epilogue])
+    return UnitTable(names, times, flops, params, saved, values, [], {}, fo, selective, blocks,
+                     saved_at if costs else [])
 
 
 def node_groups(traced: TracedModel, run: BlockRun) -> tuple[list[str], dict[int, list[str]],

@@ -85,6 +85,9 @@ class NodeCost:
         ops: ``(FLOPs, output bytes)`` of each matmul-like ATen op the node runs (those with a
             FLOP formula, :mod:`fxpipe.execution.op_flops`): what selective recomputation
             keeps or recomputes (:func:`selective`); every other op it recomputes.
+        saved_by: the node whose ``saved_bytes`` count this node's output (the first node
+            that saves its storage for backward), ``""`` when none saves it (what partial
+            recomputation reads: a value its kept part saves is counted there already).
     """
 
     fwd_flops: int = 0
@@ -102,6 +105,7 @@ class NodeCost:
     attn_scores: int = 0
     attn_causal: bool = False
     ops: tuple[tuple[float, float], ...] = ()
+    saved_by: str = ""
 
     def selective(self, ridge: float) -> tuple[float, bool]:
         """Under selective recomputation at ``ridge`` (:mod:`fxpipe.execution.selective`):
@@ -202,7 +206,10 @@ class _Pricer(FakeInterpreter):
         self._param_storages: set[int] = set()
         self._seen_storages: set[int] = set()
         self._current: NodeCost | None = None
+        self._current_name = ""
         self._saved_keep: list[torch.Tensor] = []
+        self._saver: dict[int, str] = {}  # storage -> the node that saved it first
+        self._out_keys: dict[str, list[int]] = {}  # node -> its output's storages
 
     # fake copies of parameters/buffers: remember their storages so they are not "saved bytes"
     def to_fake(self, t: Any) -> Any:
@@ -231,6 +238,7 @@ class _Pricer(FakeInterpreter):
             key = _storage_key(t)
             if key not in self._param_storages and key not in self._seen_storages:
                 self._seen_storages.add(key)
+                self._saver[key] = self._current_name
                 self._current.saved_bytes += _storage_nbytes(t)
                 self._saved_keep.append(t)  # keep the storage alive: keys stay unique
         return t
@@ -251,11 +259,14 @@ class _Pricer(FakeInterpreter):
                 acts.append(v)
 
         before = self.counter.get_total_flops()
-        self._current = cost
+        self._current, self._current_name = cost, n.name
         try:
             out = getattr(self, n.op)(n.target, args, kwargs)
         finally:
             self._current = None
+        outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        self._out_keys[n.name] = [_storage_key(t) for t in outs]
+        self._saved_keep.extend(outs)  # alive: storage keys stay unique
         cost.fwd_flops = self.counter.get_total_flops() - before
         val = n.meta.get("val", None)
         cost.out_bytes = value_bytes(val if val is not None else out)
@@ -408,6 +419,9 @@ def price(traced: TracedModel, *, backward_ratio: float = 2.0) -> dict[str, Node
                 f"an operator may lack a fake/meta kernel (register one with "
                 f"torch.library.register_fake) or depend on tensor values") from e
 
+    for name, keys in pricer._out_keys.items():
+        pricer.costs[name].saved_by = next(
+            (pricer._saver[k] for k in keys if k in pricer._saver), "")
     # parameters and buffers: charge each (canonical FQN) once, to its first user
     charged: set[str] = set()
     for n in traced.gm.graph.nodes:

@@ -15,6 +15,7 @@ from fxpipe.partitioner.cut_tables import (rebuilt_seconds, stage_params, stage_
                                            unit_params)
 from fxpipe.partitioner.cutting import (FULL, OFFLOAD, SELECTIVE, Recompute, offload_moves,
                                         recompute_stages, selective_prefix)
+from fxpipe.partitioner.gathering import is_block, with_gather_rows
 from fxpipe.partitioner.pricing import Priced
 from fxpipe.partitioner.problem import CutProblem, PartitionResult
 from fxpipe.partitioner.profile import SendCost
@@ -106,7 +107,18 @@ def cut_steps(pr: Priced, prefix: np.ndarray, problem: CutProblem, result: Parti
         sp = selective_prefix(pr)
         again = [(sp[b] - sp[a] + extra[j][0]) * scale * problem.slow[j]
                  for j, (a, b) in enumerate(zip(cuts[:-1], cuts[1:]))]
-    per = [np.array([x[0], x[0] + x[1], x[2]]) if r == FULL else
+    if rc.partial is not None:  # the head's forward again (its first blocks', what they
+        rebuilt = rebuilt_seconds(pr, stage_of, k)  # rebuild; their share of collectives)
+        for j, p in enumerate(rc.partial):
+            if p is None or flags[j] != FULL:
+                continue
+            a, b = cuts[j], cuts[j + 1]
+            units = prefix[0, b] - prefix[0, a]
+            coll = extra[j][0] - rebuilt[j][0]
+            head = p.head_s + rebuilt[j][0] + (coll * p.head_s / units if units > 0 else 0.0)
+            per[j] = np.array([per[j][0], head * scale * problem.slow[j] + per[j][1], per[j][2]])
+    per = [np.array([x[0], x[0] + x[1], x[2]]) if r == FULL and not rc.blocks(j) else x
+           if r == FULL else
            np.array([x[0], again[j] + x[1], x[2]]) if r == SELECTIVE else x
            for j, (x, r) in enumerate(zip(per, flags))]
     if OFFLOAD in flags:  # out after F, back before B (and again before W: offload_moves)
@@ -139,6 +151,13 @@ def cut_steps(pr: Priced, prefix: np.ndarray, problem: CutProblem, result: Parti
         float(result.param_bytes[j]), float(shared[j]),
         [shapes[f] for f in names[j] if f in shapes] if names is not None else [],
         send_s[j], grad_send_s[j]) for j, x in enumerate(per)]
+    if is_block(cand):  # parameters gathered block by block: the rows their gathers price
+        replay = [s.bwd_input_s - float((prefix[1, b] - prefix[1, a] + extra[j][1]) * scale
+                                        * problem.slow[j])
+                  if flags[j] in (FULL, SELECTIVE) else 0.0
+                  for j, (s, a, b) in enumerate(zip(stages, cuts[:-1], cuts[1:]))]
+        heads = [rc.partial[j].h if rc.blocks(j) else None for j in range(k)]
+        stages = with_gather_rows(pr, stages, list(result.cuts), replay, flags, heads)
     return CutSteps(stages, fwd, grad, rc, tensor[0] if tensor is not None else None)
 
 

@@ -11,12 +11,14 @@ import numpy as np
 
 from fxpipe.errors import PlanError
 from fxpipe.partitioner.bounds import SPLIT_BACKWARD
+from fxpipe.partitioner.partial import explicit, partial_options, scaled
+from fxpipe.partitioner.gathering import factor, gathered_bound, static_fixed
 from fxpipe.partitioner.pricing import Priced
 from fxpipe.partitioner.problem import CutProblem, PartitionResult, Value, evaluate
 from fxpipe.partitioner.search import Candidate, rank_inflight, stage_inflight
 from fxpipe.partitioner.solvers import optimal_partition
 from fxpipe.plans.placement import grid_slots_per_node, nodes_of_stage_rank, pair_crosses_nodes
-from fxpipe.specs.schema import ParallelSpec, state_factor
+from fxpipe.specs.schema import ParallelSpec
 from fxpipe.units import human_bytes
 
 
@@ -174,6 +176,12 @@ def cut_problem(pr: Priced, spec: ParallelSpec, cand: Candidate, scale: float,
     inflight = list(peaks) if inflight is None else list(inflight)
     k = cand.num_stages
     capacity: float | list[float] = spec.cluster.memory_gb * 1e9 / share
+    gathered = gathered_bound(pr, spec, cand)  # parameters gathered block by block
+    if gathered >= capacity:
+        raise PlanError(f"gathering parameters block by block, a stage holds up to "
+                        f"{human_bytes(gathered, True)} of gathered blocks (and shared "
+                        f"parameters' whole state), the device's {human_bytes(capacity, True)}")
+    capacity -= gathered
     # each stage's outputs, held until B: the largest value (or ``sent``, a stage's outputs
     # found larger in a first cut)
     out = max(recompute_held(values), sent or 0.0)
@@ -205,7 +213,7 @@ def cut_problem(pr: Priced, spec: ParallelSpec, cand: Candidate, scale: float,
         bandwidth_Bps=_boundary_bandwidths(spec, cand, stage_to_rank) if k > 1 else 1.0,
         latency_s=spec.cluster.links.latency_s,
         capacity_bytes=capacity,
-        param_multiplier=state_factor(spec.train.optimizer, cand.sharding, cand.dp),
+        param_multiplier=factor(spec, cand),
         inflight=inflight,
         forced_cuts=tb.forced_cuts,
         pins=tb.pins,
@@ -229,6 +237,13 @@ class Recompute(NamedTuple):
             (:func:`stage_inputs`; the cut was solved with :func:`recompute_held`'s bound).
         sent: per stage, the bytes of its outputs per micro-batch, held until its backward
             (:func:`stage_outputs`; solved with the same bound).
+        partial: per stage, under :data:`FULL`, its partial recomputation
+            (:class:`~fxpipe.partitioner.partial.StagePartial`, at ``scale``: the first
+            blocks recompute, the rest keep their activations), None where the whole stage
+            recomputes; None: no stage recomputes partially.
+        fixed: per stage, the bytes of training state it holds beyond the cut problem's
+            ``param_multiplier x`` its parameter bytes (parameters gathered block by block:
+            :func:`~fxpipe.partitioner.gathering.static_fixed`; in ``memory``); None: none.
     """
 
     flags: list[str]
@@ -236,6 +251,14 @@ class Recompute(NamedTuple):
     memory: list[float] | None
     held: list[float] | None = None
     sent: list[float] | None = None
+    partial: list | None = None
+    fixed: list[float] | None = None
+
+    def blocks(self, j: int) -> int:
+        """Blocks stage ``j`` recomputes under partial recomputation (0: none, or the whole
+        stage)."""
+        p = self.partial[j] if self.partial is not None else None
+        return p.n if p is not None and self.flags[j] == FULL else 0
 
     def result(self, j: int) -> PartitionResult:
         """The cut as evaluated under stage ``j``'s recomputation."""
@@ -252,6 +275,8 @@ class Recompute(NamedTuple):
         """Bytes stage ``j`` holds per micro-batch in flight: what its ops keep for the
         backward, and a recomputing stage's inputs."""
         kept = float(self.result(j).saved_bytes[j])
+        if self.blocks(j):  # the head's values the tail reads, the tail's activations
+            kept = self.partial[j].kept
         return (kept + (self.held[j] if self.flags[j] and self.held else 0.0)
                 + (self.sent[j] if self.sent else 0.0))
 
@@ -274,18 +299,29 @@ def recompute_stages(pr: Priced, spec: ParallelSpec, cand: Candidate, cuts: Sequ
     inflight, _ = stage_inflight(cand)
     sent = stage_outputs(pr, cuts, scale)
     mine = results[mode]
+    fixed = static_fixed(pr, spec, cand, cuts, mine.param_bytes)  # gathered block by block
+    add = fixed or [0.0] * k
     if not mode:
         return Recompute([OFF] * k, results, [float(mine.memory_bytes[j]) + inflight[j] * sent[j]
-                                              for j in range(k)], None, sent)
+                                              + add[j] for j in range(k)], None, sent,
+                         fixed=fixed)
     if mode == OFFLOAD:  # what goes to the host: the activations kept without it
         results[OFF] = at(OFF)
     held = stage_inputs(pr, cuts, scale)
-    static = [float(mine.memory_bytes[j]) - inflight[j] * float(mine.saved_bytes[j])
+    static = [float(mine.memory_bytes[j]) - inflight[j] * float(mine.saved_bytes[j]) + add[j]
               for j in range(k)]
-    memory = [float(mine.memory_bytes[j]) + inflight[j] * (held[j] + sent[j]) for j in range(k)]
+    memory = [float(mine.memory_bytes[j]) + inflight[j] * (held[j] + sent[j]) + add[j]
+              for j in range(k)]
     chosen = spec.train.activation_offload if mode == OFFLOAD else spec.train.activation_recompute
+    layers = spec.train.recompute_layers if mode == FULL else None
     if chosen != "auto":
-        return Recompute([mode] * k, results, memory, held, sent)
+        partial = None
+        if layers is not None:  # train.recompute_layers: the first N blocks of each stage
+            partial = [scaled(p, scale) for p in explicit(pr, cuts, layers)]
+            for j, p in enumerate(partial):
+                if p is not None:
+                    memory[j] = static[j] + inflight[j] * (p.kept + held[j] + sent[j])
+        return Recompute([mode] * k, results, memory, held, sent, partial, fixed=fixed)
     device = spec.cluster.memory_gb * 1e9
     flags = [mode] * k
     per_mb = [float(mine.saved_bytes[j]) + held[j] + sent[j] for j in range(k)]
@@ -301,8 +337,50 @@ def recompute_stages(pr: Priced, spec: ParallelSpec, cand: Candidate, cuts: Sequ
                     flags[j], memory[j] = lower, static[j] + inflight[j] * per_mb[j]
                 else:
                     per_mb[j] = was
+    partial = (_weigh_partial(pr, cand, cuts, scale, flags, static, per_mb, memory, held,
+                              sent, device, layers) if mode == FULL else None)
     keep = set(flags) | {mode} | ({OFF} if OFFLOAD in flags else set())
-    return Recompute(flags, {m: r for m, r in results.items() if m in keep}, memory, held, sent)
+    return Recompute(flags, {m: r for m, r in results.items() if m in keep}, memory, held, sent,
+                     partial, fixed=fixed)
+
+def _weigh_partial(pr: Priced, cand: Candidate, cuts: Sequence[int], scale: float,
+                   flags: list[str], static: list[float], per_mb: list[float],
+                   memory: list[float], held: list[float], sent: list[float], device: float,
+                   layers: int | None) -> list | None:
+    """Partial recomputation (:mod:`fxpipe.partitioner.partial`) where ``auto`` left a stage
+    recomputing: each full stage (then each selective one) takes the fewest first blocks to
+    recompute with which its rank still holds its stages (``layers``: exactly that many, from
+    ``train.recompute_layers``), where that runs less forward again than the stage does now
+    (a full stage: its whole forward; a selective one: its recomputed ops). Updates ``flags``
+    (a selective stage going partial becomes full), ``per_mb`` and ``memory`` in place;
+    returns per stage its :class:`~fxpipe.partitioner.partial.StagePartial` or None (None
+    when no stage takes one)."""
+    if not pr.table.blocks or not any(f in (FULL, SELECTIVE) for f in flags):
+        return None
+    ends = list(cuts[1:]) + [len(pr.table.names)]
+    again = selective_prefix(pr) if SELECTIVE in flags else None
+    fwd = np.concatenate([[0.0], np.cumsum([t[0] for t in pr.table.times])])
+    inflight = stage_inflight(cand)[0]
+    out: list = [None] * len(flags)
+    for st, tops in rank_inflight(cand):
+        for j in sorted(st, key=lambda j: (flags[j] != FULL, j)):
+            if flags[j] not in (FULL, SELECTIVE):
+                continue
+            a, b = cuts[j], ends[j]
+            now = fwd[b] - fwd[a] if flags[j] == FULL else again[b] - again[a]
+            was = per_mb[j]
+            for p in partial_options(pr, a, b, layers):
+                if p.head_s >= now:
+                    break
+                if layers is not None and p.n != layers:
+                    continue
+                per_mb[j] = p.kept * scale + held[j] + sent[j]
+                if _rank_peak(st, tops, static, per_mb) <= device:
+                    out[j], flags[j] = scaled(p, scale), FULL
+                    memory[j] = static[j] + inflight[j] * per_mb[j]
+                    break
+                per_mb[j] = was
+    return out if any(p is not None for p in out) else None
 
 def _rank_peak(stages: Sequence[int], tops: Sequence[Sequence[int]], static: Sequence[float],
                per_mb: Sequence[float]) -> float:
@@ -319,8 +397,9 @@ def _stage_bytes(spec: ParallelSpec, cand: Candidate, result: PartitionResult,
     recomputing stage keeps)."""
     peaks = stage_inflight(cand)[0]
     mem = rc.memory if rc.memory is not None else [float(b) for b in result.memory_bytes]
-    mult = state_factor(spec.train.optimizer, cand.sharding, cand.dp)
-    static = [mult * float(b) for b in result.param_bytes]
+    mult = factor(spec, cand)
+    static = [mult * float(b) + (rc.fixed[j] if rc.fixed else 0.0)
+              for j, b in enumerate(result.param_bytes)]
     return static, [max(0.0, (mem[j] - static[j]) / peaks[j]) for j in range(len(static))]
 
 def _shared_inflight(cand: Candidate) -> list[float]:
@@ -466,9 +545,9 @@ def fits_recomputing(pr: Priced, spec: ParallelSpec, cand: Candidate, scale: flo
     holds it) is optimal for this question, and ignoring that a rank may hold several stages
     only makes it say yes more often. False: no cut fits (no solve needed to know)."""
     tb = pr.table
-    mult = state_factor(spec.train.optimizer, cand.sharding, cand.dp)
+    mult = factor(spec, cand)
     inflight, _ = stage_inflight(cand)
-    cap = spec.cluster.memory_gb * 1e9
+    cap = spec.cluster.memory_gb * 1e9 - gathered_bound(pr, spec, cand)
     key = ("fits", mode)
     if key not in pr.cache:  # prefix sums of parameters and of bytes kept per micro-batch
         if mode == OFF:
@@ -501,5 +580,4 @@ def fits_recomputing(pr: Priced, spec: ParallelSpec, cand: Candidate, scale: flo
 def static_share(pr: Priced, spec: ParallelSpec, cand: Candidate) -> float:
     """Bytes of parameters, gradients and optimizer state the fullest rank of the candidate
     holds at least: every parameter is on some rank, so some rank holds the average share."""
-    return (sum(pr.table.params) * state_factor(spec.train.optimizer, cand.sharding, cand.dp)
-            / cand.pipeline)
+    return sum(pr.table.params) * factor(spec, cand) / cand.pipeline

@@ -30,6 +30,7 @@ from fxpipe.partitioner.assemble import assemble, assemble_folded, finish_plan, 
 from fxpipe.partitioner.cutting import cut_problem, solve_fitting
 from fxpipe.partitioner.layout_search import search_layouts
 from fxpipe.partitioner.measured import refine_by_stages
+from fxpipe.partitioner.partial import check_has_blocks
 from fxpipe.partitioner.pricing import Priced
 from fxpipe.partitioner.problem import PartitionResult, evaluate
 from fxpipe.partitioner.search import Candidate, candidates, tensor_degrees
@@ -150,6 +151,7 @@ def _plan_with_graph(model: nn.Module, spec: ParallelSpec, example_inputs: Any,
     args, kwargs, size = _example_inputs(spec, example_inputs, example_kwargs)
     units = PricedUnits(model, args, kwargs, spec)
     pr = units.at(size)
+    check_has_blocks(pr, spec.train.recompute_layers)
     if units_only:
         return pr, None
     if cuts is not None:

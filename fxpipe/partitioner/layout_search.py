@@ -21,6 +21,8 @@ from fxpipe.partitioner.cutting import (FULL, OFF, OFFLOAD, SELECTIVE, Recompute
                                         fits_without_recompute, held_note,
                                         recompute_held, recompute_modes, recompute_stages,
                                         selective_prefix, solve_fitting, static_share)
+from fxpipe.partitioner.gathering import (comm_floor, drop_block_candidates, factor,
+                                          is_block, static_fixed)
 from fxpipe.partitioner.pricing import Priced, unit_prefix
 from fxpipe.partitioner.problem import PartitionResult, evaluate
 from fxpipe.partitioner.search import (DEEP_VIRTUAL_STAGES, Candidate, candidates,
@@ -71,7 +73,8 @@ def search_layouts(pr_at: Callable[[int], Priced], spec: ParallelSpec, prune: bo
     for t in degrees:
         try:
             pr = priced[t] = pr_at(t)
-            cands = candidates(spec, max_stages=len(pr.table.names), tensor=t)
+            cands = drop_block_candidates(pr, spec, candidates(
+                spec, max_stages=len(pr.table.names), tensor=t))
         except (DegreeError, PlanError) as e:
             left_out.append(f"tensor {t}: {e}")
             first_error = first_error or e
@@ -117,6 +120,9 @@ def search_layouts(pr_at: Callable[[int], Priced], spec: ParallelSpec, prune: bo
                         prefix, np.diff(again[way]) if way else None, split)
                 lbs[way] = candidate_bound(cand, scale, spec, total, total_params, biggest,
                                            fastest, floor, shares[(way, split)])
+            if cand.gather == "block":  # its gathers every micro-batch, at least
+                floor_b = comm_floor(pr, spec, cand)
+                lbs = {w: max(x, floor_b) for w, x in lbs.items()}
             lb, lb_off = lbs[least], lbs.get(OFFLOAD)  # (offloading, at least)
             if offload == "on":
                 lb = lb_off
@@ -141,7 +147,7 @@ def search_layouts(pr_at: Callable[[int], Priced], spec: ParallelSpec, prune: bo
     # on, only where those do not fit at all. One met before those waits for them (twice: V-Min
     # for V-Half, which may wait for ZB-V).
     enough = "fits only with recomputation" if every_stage_forced(spec) else "fits"
-    queue, waited, skipped, deeper = list(bounds), Counter(), 0, 0
+    queue, waited, skipped, deeper, block_skipped = list(bounds), Counter(), 0, 0, 0
     depth: dict[tuple, float] = {}  # (layout, stages per rank) -> interleaved's best step
     depths = {(_layout_key(b[2]), b[2].virtual_stages) for b in bounds
               if b[2].schedule == "interleaved"}  # the depths searched
@@ -185,6 +191,19 @@ def search_layouts(pr_at: Callable[[int], Priced], spec: ParallelSpec, prune: bo
                 skipped += 1
                 continue
             rc_only = every_stage_forced(spec)
+        if cand.gather == "block" and spec.parallel.param_gather == "auto":
+            # gathering block by block only where gathering whole stages does not fit without
+            # recomputation (elsewhere it only adds gathers per micro-batch); one met before
+            # the whole-stage candidate of its layout waits for it (twice)
+            whole = fit.get((_layout_key(_whole_gather(spec, cand)), fkey[1]))
+            if whole in ("fits", enough):
+                block_skipped += 1
+                fit[fkey] = whole  # as gathering whole stages (v-half / v-min ask)
+                continue
+            if whole is None and waited[label] < 2:
+                waited[label] += 1
+                queue.append(queue[i])
+                continue
         if static_share(pr, spec, cand) > capacity:  # cannot fit, whatever the cut
             failed.append((lb, cand, scale, pr))
             fit[fkey] = "does not fit"
@@ -253,6 +272,7 @@ def search_layouts(pr_at: Callable[[int], Priced], spec: ParallelSpec, prune: bo
     explain += _sharding_notes(priced[best.cand.tensor], spec, best.cand, ranked, failed)
     explain += _memory_schedule_notes(best.cand, fit)
     explain += _lever_notes(priced[best.cand.tensor], spec, best)
+    explain += _gather_notes(priced[best.cand.tensor], spec, best, ranked, fit, block_skipped)
     if best.cand.schedule == "interleaved":
         tried = sorted((v, t) for (k, v), t in depth.items() if k == _layout_key(best.cand))
         if len(tried) > 1:
@@ -273,8 +293,8 @@ def search_layouts(pr_at: Callable[[int], Priced], spec: ParallelSpec, prune: bo
 
 def _lever_notes(pr: Priced, spec: ParallelSpec, best: _Ranked) -> list[str]:
     """Where ``auto`` chose selective recomputation or activation offload on some stages, what
-    the same cut would cost with those stages recomputing fully (simulated alike): what the
-    lever bought."""
+    the same cut would cost with those stages recomputing fully (simulated alike), and where
+    stages recompute partially, what recomputing them whole would: what the lever bought."""
     if not best.cand.recompute:
         return []
     scale = best.mbs / pr.batch
@@ -306,6 +326,20 @@ def _lever_notes(pr: Priced, spec: ParallelSpec, best: _Ranked) -> list[str]:
         out.append(f"{name} chosen on {where}: {mine.step_time_s * 1e3:.2f} ms/step; the same "
                    f"cut recomputing fully there would take {full.step_time_s * 1e3:.2f} ms/step "
                    f"({(full.step_time_s / mine.step_time_s - 1) * 100:+.1f}%: {why})")
+    n = sum(1 for j in range(len(rc.flags)) if rc.blocks(j))
+    if n and (spec.train.activation_recompute == "auto" or spec.train.recompute_layers):
+        problem = cut_problem(pr, spec, best.cand, scale)
+        prefix = unit_prefix(pr)
+        mine = simulate_cut(pr, prefix, problem, best.result, best.cand, spec, scale, rc)
+        whole = simulate_cut(pr, prefix, problem, best.result, best.cand, spec, scale,
+                             rc._replace(partial=None))
+        k = len(rc.flags)
+        where = "every stage" if n == k else f"{n} of {k} stages"
+        out.append(f"partial recomputation chosen on {where}: {mine.step_time_s * 1e3:.2f} "
+                   f"ms/step; the same cut recomputing those stages whole would take "
+                   f"{whole.step_time_s * 1e3:.2f} ms/step "
+                   f"({(whole.step_time_s / mine.step_time_s - 1) * 100:+.1f}%: only their first "
+                   "blocks run their forward again, the later blocks keep their activations)")
     return out
 
 #: schedules that trade bubble for activation memory, and the ones they are weighed against
@@ -325,7 +359,51 @@ def _fit_name(cand: Candidate) -> str:
 
 def _layout_key(cand: Candidate) -> tuple:
     """A candidate's layout without its schedule (and recomputation)."""
-    return (cand.pipeline, cand.dp, cand.microbatches, cand.tensor, cand.sharding, cand.layout)
+    return (cand.pipeline, cand.dp, cand.microbatches, cand.tensor, cand.sharding, cand.layout,
+            cand.gather)
+
+def _whole_gather(spec: ParallelSpec, cand: Candidate) -> Candidate:
+    """The candidate gathering whole stages that a block-gathering one is weighed against:
+    ``full`` when the spec fixes it, else ``optimizer`` (which holds as much during a step as
+    ``full`` gathering whole stages, less the master slice, and moves the same bytes)."""
+    level = "full" if spec.parallel.data_sharding == "full" else "optimizer"
+    return dataclasses.replace(cand, sharding=level, gather="stage", recompute=OFF)
+
+def _gather_notes(pr: Priced, spec: ParallelSpec, best: _Ranked, ranked: list[_Ranked],
+                  fit: dict[tuple, str], skipped: int) -> list[str]:
+    """What ``parallel.param_gather: block`` bought the chosen layout: the training state its
+    fullest stage holds gathering block by block against gathering whole stages, how the
+    layout fares gathering whole stages (does not fit, fits only recomputing: the fastest such
+    candidate simulated) and, where block gathering was weighed and not chosen, why."""
+    cand = best.cand
+    if not is_block(cand):
+        if skipped and spec.parallel.param_gather == "auto":
+            return [f"param_gather: block not tried at {plural(skipped, 'candidate layout')}: "
+                    "gathering parameters block by block is tried only where gathering whole "
+                    "stages needs recomputation or does not fit (elsewhere it only adds the "
+                    "gathers of every micro-batch)"]
+        return []
+    cuts = list(best.result.cuts)
+    mult = factor(spec, cand)
+    fixed = static_fixed(pr, spec, cand, cuts, best.result.param_bytes) or []
+    held = max(mult * float(p) + x for p, x in zip(best.result.param_bytes, fixed))
+    whole_cand = _whole_gather(spec, cand)
+    whole = max(float(p) for p in best.result.param_bytes) * state_factor(
+        spec.train.optimizer, "full", cand.dp)
+    line = (f"param_gather: block (parameters gathered block by block over {cand.dp} replicas, "
+            f"the next block's all-gather overlapping the current one's compute, gradients "
+            f"reduce-scattered per block): the fullest stage holds "
+            f"{human_bytes(held, True)} of parameters, gradients and optimizer state instead of "
+            f"{human_bytes(whole, True)} gathering whole stages")
+    state = fit.get((_layout_key(whole_cand), _fit_name(cand)))
+    other = next((r for r in ranked if r.cand.gather != "block"), None)
+    if state is not None:
+        line += f"; gathering whole stages, {whole_cand.label()} {state}"
+    if other is not None:
+        line += (f"; the fastest layout gathering whole stages the search simulated, "
+                 f"{other.label}, is {other.step_s * 1e3:.2f} ms/step "
+                 f"({(other.step_s / best.step_s - 1) * 100:+.1f}%)")
+    return [line]
 
 def _memory_schedule_notes(best: Candidate, fit: dict[tuple, str]) -> list[str]:
     """Where the search picked a memory-capped V schedule (V-Half, V-Min) without
@@ -357,9 +435,11 @@ def _sharding_notes(pr: Priced, spec: ParallelSpec, cand: Candidate,
                 "data_sharding: none)"]
     opt = spec.train.optimizer
     total = sum(pr.table.params) / cand.pipeline
-    with_, without = total * state_factor(opt, cand.sharding, cand.dp), total * state_factor(opt)
-    line = (f"data sharding {cand.sharding} over {cand.dp} replicas: parameters, gradients and "
-            f"optimizer state {human_bytes(with_, True)} per rank on average instead of "
+    with_, without = total * factor(spec, cand), total * state_factor(opt)
+    line = (f"data sharding {cand.sharding}{' (gathered block by block)' if is_block(cand) else ''}"
+            f" over {cand.dp} replicas: parameters, gradients and "
+            f"optimizer state {human_bytes(with_, True)} per rank on average"
+            f"{' (and the gathered blocks)' if is_block(cand) else ''} instead of "
             f"{human_bytes(without, True)}")
     if ranked is not None and spec.parallel.data_sharding == "auto":
         best = ranked[0] if ranked else None
@@ -417,9 +497,9 @@ def _nothing_fits(spec: ParallelSpec, failed: list) -> PlanError:
         # a pin, a pipe_split() marker or the number of units: memory is not what failed
         return PlanError("no feasible plan:\n  " + "\n  ".join(lines))
     pr = failed[0][3] if failed else None
-    factor = min((state_factor(spec.train.optimizer, c.sharding, c.dp) for _, c, _, _ in failed),
-                 default=state_factor(spec.train.optimizer))
-    need = sum(pr.table.params) * factor if pr else 0.0
+    least = min((factor(spec, c) for _, c, _, _ in failed),
+                default=state_factor(spec.train.optimizer))
+    need = sum(pr.table.params) * least if pr else 0.0
     cap = spec.cluster.memory_gb * 1e9
     stages = int(np.ceil(need / cap))
     tried = max((c.pipeline for _, c, _, _ in failed), default=0)
@@ -447,6 +527,10 @@ def _nothing_fits(spec: ParallelSpec, failed: list) -> PlanError:
                    "stage's inputs, auto recomputes selectively where that fits and fully "
                    "elsewhere); " + fix)
             break
+    if spec.parallel.param_gather == "stage" and any(
+            c.dp > 1 for _, c, _, _ in failed) and spec.train.updates == "sync":
+        fix += ("; parallel.param_gather: block (with data_sharding: full) gathers a stage's "
+                "parameters one block at a time instead of holding them whole through the step")
     if spec.parallel.tensor == 1 and spec.cluster.devices_per_node > 1:
         fix += ("; tensor parallelism (parallel.tensor: auto, or a divisor of "
                 f"cluster.devices_per_node={spec.cluster.devices_per_node}) splits every "

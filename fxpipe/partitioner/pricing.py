@@ -17,7 +17,7 @@ from fxpipe.data.batches import example_microbatch
 from fxpipe.errors import PlanError
 from fxpipe.execution.losses import MODEL_LOSS
 from fxpipe.execution.selective import ridge_of
-from fxpipe.partitioner.blocks import UnitTable, fold
+from fxpipe.partitioner.blocks import UnitTable, fold, saver_positions
 from fxpipe.partitioner.cost import NodeCost
 from fxpipe.partitioner.gpu_model import GpuRates, gpu_rates, gpu_times
 from fxpipe.partitioner.gpu_model import profile as gpu_profile
@@ -32,6 +32,7 @@ from fxpipe.partitioner.tensor_costs import (TensorPricing, scaled_costs, scaled
                                              tensor_pricing, with_comm)
 from fxpipe.partitioner.timing import NodeTimes, analytic_times, sum_times
 from fxpipe.partitioner.trace import TracedModel, trace
+from fxpipe.plans.param_blocks import block_of
 from fxpipe.plans.values import needs_grad
 from fxpipe.specs.schema import ParallelSpec
 
@@ -131,19 +132,22 @@ def _node_table(pr: "Priced") -> UnitTable:
         t = sum_times(pr.times, g.nodes[u]["members"])
         times.append((t.fwd_s, t.bwd_input_s, t.bwd_weight_s))
     n = len(pg.order)
-    values = []
+    values, saver, saved_at = [], saver_positions(pg, pr.costs), []
     for row in pg.values:
         users = tuple(u for u in row.user_positions if u < n)  # n = the loss, on the last stage
         if users and row.name not in pr.cheap:
             grad = needs_grad(pg.value_info(row.name)[1])
             values.append(Value(row.producer_pos, users, row.nbytes, grad, row.name))
+            saved_at.append(saver.get(row.name, -1))
     return UnitTable(
         list(pg.order), times,
         [(g.nodes[u]["fwd_flops"], g.nodes[u]["bwd_flops"], g.nodes[u]["bwd_weight_flops"])
          for u in pg.order],
         [g.nodes[u]["param_bytes"] for u in pg.order],
         [g.nodes[u]["saved_bytes"] for u in pg.order], values, list(pg.forced_cuts),
-        dict(pg.pins), selective=selective_units(pr, [g.nodes[u]["members"] for u in pg.order]))
+        dict(pg.pins), selective=selective_units(pr, [g.nodes[u]["members"] for u in pg.order]),
+        blocks=[block_of(g.nodes[u].get("module") or "") for u in pg.order],
+        value_saved_at=saved_at)
 
 def send_cost_of(spec: ParallelSpec) -> SendCost:
     """What a send costs, charged to the sending rank: with ``cluster.costs: measured`` what
@@ -278,14 +282,15 @@ def at_degree(pr: Priced, spec: ParallelSpec, t: int) -> Priced:
                  loss_at=pr.loss_at, tensor=tp, ridge=pr.ridge)
     if pr.table.folding is not None:
         folded = fold(pg, pr.table.folding.run, out.table.times, pr.cheap,
-                      out.table.selective)
+                      out.table.selective, costs)
         if folded is None:  # pragma: no cover - the degree-1 graph folded
             raise PlanError("the model's blocks fold at tensor degree 1 but not at "
                             f"{t}; plan it with parallel.tensor: 1")
         out.table = folded
     # values cross a cut whole (a stage's outputs are gathered: the runtime sends whole
     # tensors), so they keep the degree-1 bytes; only the work and memory inside are shared
-    out.table = dataclasses.replace(out.table, values=list(pr.table.values))
+    out.table = dataclasses.replace(out.table, values=list(pr.table.values),
+                                    value_saved_at=list(pr.table.value_saved_at))
     return out
 
 def tensor_inputs(args: tuple, kwargs: dict) -> list[torch.Tensor]:

@@ -42,6 +42,7 @@ class Candidate:
     layout: str = "pipeline-inner"
     tensor: int = 1
     sharding: str = "none"
+    gather: str = "stage"  # under sharding full: "stage" or "block" (parallel.param_gather)
 
     @property
     def num_stages(self) -> int:
@@ -57,6 +58,7 @@ class Candidate:
         lay = " data-inner" if self.layout == "data-inner" else ""
         tp = f"tp={self.tensor} " if self.tensor > 1 else ""
         zero = f" shard={self.sharding}" if self.sharding != "none" else ""
+        zero += "/block" if self.gather == "block" else ""
         return (f"{tp}pp={self.pipeline} dp={self.dp} m={self.microbatches} {self.schedule}{v}"
                 f"{r}{zero}{lay}")
 
@@ -148,6 +150,22 @@ def _sharding_levels(spec: ParallelSpec, dp: int) -> tuple[str, ...]:
     return ("none", "optimizer") if dp > 1 and spec.train.updates == "sync" else ("none",)
 
 
+def _levels_and_gathers(spec: ParallelSpec, dp: int) -> list[tuple[str, str]]:
+    """The ``(data_sharding, param_gather)`` pairs a layout of ``dp`` replicas is tried with:
+    :func:`_sharding_levels` gathering whole stages, and, where ``parallel.param_gather`` is
+    ``block`` or ``auto`` and ``full`` can shard (several replicas, sync updates), ``full``
+    gathering block by block (``block``: only that; the search drops these for a model without
+    blocks, :func:`fxpipe.partitioner.gathering.drop_block_candidates`)."""
+    gather = spec.parallel.param_gather
+    level = spec.parallel.data_sharding
+    block = (dp > 1 and spec.train.updates == "sync" and level in ("full", "auto")
+             and gather in ("block", "auto"))
+    if gather == "block":
+        return [("full", "block")] if block else []
+    out = [(z, "stage") for z in _sharding_levels(spec, dp)]
+    return out + [("full", "block")] if block else out
+
+
 def candidates(spec: ParallelSpec, max_stages: int | None = None,
                tensor: int = 1) -> list[Candidate]:
     """The search space for the spec: every ``auto`` field expanded, fixed fields kept.
@@ -202,11 +220,12 @@ def candidates(spec: ParallelSpec, max_stages: int | None = None,
                         if par.schedule != "auto" and par.microbatches != "auto":
                             compute_schedule(s, pp, m, v)  # raises, explaining the rule
                         continue
-                    for z in _sharding_levels(spec, dp):
-                        out.append(Candidate(pp, dp, m, s, v, tensor=tensor, sharding=z))
+                    for z, gather in _levels_and_gathers(spec, dp):
+                        out.append(Candidate(pp, dp, m, s, v, tensor=tensor, sharding=z,
+                                             gather=gather))
                         if spread and pp > 1 and dp > 1:  # several nodes: the other way too
                             out.append(Candidate(pp, dp, m, s, v, layout="data-inner",
-                                                 tensor=tensor, sharding=z))
+                                                 tensor=tensor, sharding=z, gather=gather))
     if not out and too_many is not None and max_stages is not None:
         fits = [d for d in _divisors(world) if spec.data.batch_size % d == 0]  # 1 always
         if par.pipeline == "auto" and par.data == "auto" and world // max(fits) > max_stages:
@@ -222,6 +241,12 @@ def candidates(spec: ParallelSpec, max_stages: int | None = None,
                 f"{' x '.join(fixed)} x tensor {tensor} = {product} ranks, which "
                 f"{'is not' if both else 'does not divide'} the {world * tensor} devices; "
                 f"choose degrees whose product {'is' if both else 'divides'} them")
+    if not out and par.param_gather == "block":
+        where = spec_location(spec, "parallel.param_gather")
+        raise PlanError(f"{where + ': ' if where else ''}parallel.param_gather: block needs "
+                        "data_sharding: full over more than one replica, and every layout here "
+                        "has one replica per stage; give parallel.data 2 or more, or "
+                        "param_gather: stage")
     if not out:
         raise PlanError(
             f"no pipeline x data x micro-batch x schedule combination fits {world} devices and "

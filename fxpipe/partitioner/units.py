@@ -128,7 +128,8 @@ class PricedUnits:
                     loss_at=loss_node(traced, costs) if loss.total_s > 0 else None,
                     ridge=spec_ridge(spec))
         if short:
-            pr.table = fold(pg, self.run, pr.table.times, pr.cheap, pr.table.selective)
+            pr.table = fold(pg, self.run, pr.table.times, pr.cheap, pr.table.selective,
+                            pr.costs)
             self._held_back[:] = held  # said only where the fold stands (see _priced)
         else:
             warn_again(held)

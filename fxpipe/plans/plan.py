@@ -71,6 +71,22 @@ class StagePlan:
         keep_ridge: under recomputation, selective: the ops whose FLOPs per output byte reach
             this many keep their outputs, the others are recomputed
             (:mod:`fxpipe.execution.selective`); None: full recomputation (nothing kept).
+        recompute_blocks: under full recomputation (``recompute`` and no ``keep_ridge``), the
+            stage recomputes only its first this many blocks (:mod:`fxpipe.plans.param_blocks`)
+            and keeps the activations of the rest; 0: the whole stage recomputes.
+        param_gather: under ``data_sharding: full`` with more than one replica, how the stage's
+            sharded parameters come back: ``stage`` (whole, once per step, held through its
+            micro-batches) or ``block`` (one block at a time, just before it runs and freed right
+            after, in every forward and backward, the next block's all-gather prefetched;
+            gradients reduce-scattered per block).
+        gather_groups: under ``param_gather: block``, per group of the stage's unshared
+            parameters (:func:`fxpipe.plans.param_blocks.param_groups`) in the order its forward
+            gathers them, ``[bytes, F, B, W, replay]``: the group's bytes on one rank and the
+            seconds of the stage's forward, input gradients (its replayed forward aside),
+            weight gradients and replayed forward per micro-batch that run while it is the
+            last group gathered, as the planner priced them
+            (:func:`fxpipe.schedule.step_price.gather_exposure` prices the gathers from them);
+            empty otherwise.
         offload_bytes: activation offload: bytes per micro-batch the stage moves to host
             memory after its forward and fetches back for its backward (the tensors autograd
             saves, parameters and the stage's inputs aside; priced in ``fwd_time_s`` and the
@@ -107,6 +123,9 @@ class StagePlan:
     send_time_s: float = 0.0
     recompute: bool = False
     keep_ridge: float | None = None
+    recompute_blocks: int = 0
+    param_gather: str = "stage"
+    gather_groups: list[list[float]] = field(default_factory=list)
     offload_bytes: int = 0
     grad_send_time_s: float | None = None
     loss_time_s: float = 0.0
@@ -116,10 +135,13 @@ class StagePlan:
 
     @property
     def recompute_mode(self) -> str:
-        """``off``, ``full`` or ``selective`` (:attr:`recompute`, :attr:`keep_ridge`)."""
+        """``off``, ``full``, ``partial`` (full, of the first :attr:`recompute_blocks` blocks)
+        or ``selective`` (:attr:`recompute`, :attr:`keep_ridge`)."""
         if not self.recompute:
             return "off"
-        return "full" if self.keep_ridge is None else "selective"
+        if self.keep_ridge is not None:
+            return "selective"
+        return "partial" if self.recompute_blocks > 0 else "full"
 
 
 @dataclass

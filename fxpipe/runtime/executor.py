@@ -52,16 +52,18 @@ import torch.nn as nn
 from fxpipe.errors import FxpipeError, PlanError, RuntimeFailure, ScheduleError
 from fxpipe.execution.dtypes import autocast_dtype
 from fxpipe.execution.grad_fusion import fuse_weight_grads
+from fxpipe.plans.param_blocks import has_blocks
 from fxpipe.plans.plan import Plan
 from fxpipe.plans.values import MODEL_INPUT, needs_grad
 from fxpipe.runtime import p2p
+from fxpipe.runtime.block_gather import BlockGather
 from fxpipe.runtime.checks import check_actions, check_fits, loss_stage, split_batch
 from fxpipe.runtime.compression import Compression, as_compression
 from fxpipe.runtime.data_sharding import DataSharding
 from fxpipe.runtime.grad_reducer import make_grad_reducer, shared_param_map, sharding_of
 from fxpipe.runtime.mesh import Mesh
 from fxpipe.runtime.precision import LossScaler
-from fxpipe.runtime.stage import StageWork
+from fxpipe.runtime.stage import StageWork, trainable_parameters
 from fxpipe.runtime.step_grads import StepGrads
 from fxpipe.runtime.step_state import ActionList, BytesSent, Event, StepState
 from fxpipe.runtime.transfers import Transfers
@@ -188,25 +190,42 @@ class PipelineExecutor:
         self._split = bool(schedule.split_backward)
         # the modules the training steps run: copies whose weight gradients accumulate in place
         # (runtime.grad_fusion), fp32 and a full backward only; self.modules stay as given
+        blocks = self._block_stages(data_sharding, sync_gradients)  # per-block gathering
         run = {s: (fuse_weight_grads(self.modules[s]) if fuse_grad_accumulation
-                   and not self._split and self._amp_dtype is None else (self.modules[s], 0))
+                   and not self._split and self._amp_dtype is None and s not in blocks
+                   else (self.modules[s], 0))
                for s in self.local_stages}
         #: stage -> nodes whose weight gradients accumulate in place
         self.fused_nodes = {s: n for s, (_, n) in run.items()}
         check_actions(schedule, mesh.pipe_rank, self.local_stages, self.edges,
                       self.links.dtypes)
-        self.work = self._stage_work({s: run[s][0] for s in self.local_stages}, self._split)
-        self._stage_params = {s: w.params for s, w in self.work.items()}
         shared = (shared_param_map(plan, self.modules, self._stage_rank, mesh)
                   if sync_gradients else {})
+        #: stage -> its per-block gathering (``StagePlan.param_gather: block``), which runs a
+        #: rewritten copy of the stage module (:mod:`fxpipe.runtime.block_gather`)
+        self.block_gathers = {s: BlockGather(run[s][0], [
+            p for p in trainable_parameters(run[s][0]) if id(p) not in shared], s)
+            for s in blocks}
+        self.work = self._stage_work({s: (self.block_gathers[s].module if s in blocks
+                                          else run[s][0]) for s in self.local_stages},
+                                     self._split)
+        self._stage_params = {s: w.params for s, w in self.work.items()}
         #: parameter object id -> (pipeline ranks holding it, canonical FQN), for the tied /
         #: shared parameters of this rank's stages (their gradient is summed over those ranks)
         self.shared_param_ranks = dict(shared)
         self.compression = as_compression(grad_compression)
         # all-reduce, sharded (tied parameters all-reduced), or none (sync_gradients=False)
+        groups = {id(p): (gi, g) for bg in self.block_gathers.values()
+                  for gi, (g, ps) in enumerate(bg.groups) for p in ps}
         self.grad_reducer = make_grad_reducer(self._stage_params, shared, mesh,
-                                              self.compression, data_sharding, sync_gradients)
+                                              self.compression, data_sharding, sync_gradients,
+                                              groups or None)
         self.sharding: DataSharding | None = sharding_of(self.grad_reducer)
+        if self.block_gathers:
+            buckets = self.sharding.group_buckets()
+            for s, bg in self.block_gathers.items():
+                bg.attach(buckets, self.timeout_s)
+                self.work[s].gather = bg
         # loss-scale unscaling, the inf/NaN verdict, earlier steps' gradients set aside
         self.grads = StepGrads(self._stage_params, self.loss_scaler, shared,
                                self.compression.exact)
@@ -237,6 +256,29 @@ class PipelineExecutor:
         # the tensor group's collectives report to the mesh's recorder (timeline: _run_actions)
         self._tp_recorder = (getattr(mesh, "tp_recorder", None)
                              if getattr(mesh, "tensor", 1) > 1 else None)
+
+    def _block_stages(self, data_sharding: str, sync_gradients: bool) -> set[int]:
+        """The local stages whose plan gathers their parameters per block (with more than
+        one replica to gather from).
+
+        Raises:
+            PlanError: per-block gathering without ``data_sharding: full``, or of a model
+                without repeated blocks.
+        """
+        wanted = {s for s in self.local_stages
+                  if getattr(self.stage_plans[s], "param_gather", "stage") == "block"}
+        if not wanted:
+            return set()
+        if data_sharding != "full":
+            raise PlanError(f"stage {min(wanted)} gathers its parameters per block "
+                            f"(param_gather: block), which needs parallel.data_sharding: full, "
+                            f"not {data_sharding!r}; re-plan with data_sharding: full")
+        if not has_blocks(list(self.plan.param_shapes)):
+            raise PlanError("parallel.param_gather: block gathers one block of the model at a "
+                            "time, but the model has no repeated blocks (no parameter path "
+                            "through a module list, such as transformer.h.3): use "
+                            "param_gather: stage")
+        return wanted if self.mesh.dp > 1 and sync_gradients else set()
 
     def _stage_work(self, modules: dict[int, nn.Module], split: bool) -> dict[int, StageWork]:
         return {s: StageWork(self.stage_plans[s], modules[s], self.plan.values, self._consumers,
@@ -270,7 +312,10 @@ class PipelineExecutor:
         """
         t0 = time.perf_counter()
         self.step_starts_s.append(self._clock0 + t0)
-        self.grad_reducer.ensure_gathered(self.timeout_s)  # sharded ``full``: they come back
+        if self.block_gathers:  # per block: each group comes back when its forward reads it
+            self.sharding.start_step(self.timeout_s)
+        else:
+            self.grad_reducer.ensure_gathered(self.timeout_s)  # sharded ``full``: they come back
         st = self._prepare(inputs, target, loss_weights, "step")
         self.grads.begin()
         self._run_actions(self._train_actions, st)
@@ -549,6 +594,8 @@ class PipelineExecutor:
         red = self.grad_reducer
         try:
             red.finish(self.timeout_s)
+            if self.loss_scaler is not None and self.block_gathers:  # reduced still scaled
+                self.loss_scaler.unscale_(self.sharding.scaled_pending())
             # loss scaling: inf/NaN on any rank (sharded: this replica's slices, not committed)
             skip = self.grads.skip_step(red.pending(), self.device, self.mesh.world_size,
                                         self.timeout_s)

@@ -156,7 +156,8 @@ def sharding_of(reducer: GradReducer) -> DataSharding | None:
 
 def make_grad_reducer(stage_params: dict[int, list[nn.Parameter]], shared: SharedParams, mesh,
                       compression: "str | Compression" = "none", data_sharding: str = "none",
-                      sync_gradients: bool = True) -> GradReducer:
+                      sync_gradients: bool = True,
+                      groups: dict[int, tuple[int, str]] | None = None) -> GradReducer:
     """The reducer of this rank's stages.
 
     Args:
@@ -167,6 +168,8 @@ def make_grad_reducer(stage_params: dict[int, list[nn.Parameter]], shared: Share
         data_sharding: ``none`` or a level of :mod:`fxpipe.runtime.data_sharding`
             (``parallel.data_sharding``); shards only with more than one replica.
         sync_gradients: False: :class:`NoGradSync` (``train.updates: async``).
+        groups: per-block parameter gathering: parameter id -> (place, name) of its group
+            (:class:`~fxpipe.runtime.data_sharding.DataSharding`).
 
     Raises:
         RuntimeFailure: sharding with a compression a reduce-scatter cannot send.
@@ -181,7 +184,7 @@ def make_grad_reducer(stage_params: dict[int, list[nn.Parameter]], shared: Share
                              f"gradient compression {compression.method!r} does not "
                              f"fit it (use one of {sorted(WIRE_DTYPES)})")
     sharded = DataSharding(data_sharding, stage_params, set(shared), mesh.dp_group, mesh.dp,
-                           mesh.dp_rank, WIRE_DTYPES[compression.method])
+                           mesh.dp_rank, WIRE_DTYPES[compression.method], groups)
     whole = {s: [p for p in ps if not sharded.owns(p)] for s, ps in stage_params.items()}
     return CompositeReducer([GradSynchronizer(whole, shared, mesh, compression), sharded])
 

@@ -46,6 +46,12 @@ class Offload:
     def saving(self, args: list[Any]) -> Iterator[None]:
         """The forward of one micro-batch on ``args``: what autograd saves goes to the host,
         except the parameters, buffers and ``args``."""
+        with torch.autograd.graph.saved_tensors_hooks(*self.hooks(args)):
+            yield
+
+    def hooks(self, args: list[Any]) -> tuple[Any, Any]:
+        """``(pack, unpack)`` of :meth:`saving` (to compose with other saved-tensor hooks:
+        only the innermost ``saved_tensors_hooks`` run)."""
         held = [*self.module.parameters(), *self.module.buffers(),
                 *(a for a in args if isinstance(a, torch.Tensor))]
         keep = {_storage(t) for t in held}  # (as they are now: a gathered parameter of data
@@ -82,5 +88,4 @@ class Offload:
             self.in_bytes += host.numel() * host.element_size()
             return host.to(device, non_blocking=device.type == "cuda")
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-            yield
+        return pack, unpack

@@ -10,7 +10,7 @@ executor (:mod:`fxpipe.runtime.executor`) feeds it inputs and routes what it ret
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Callable
 
@@ -22,6 +22,7 @@ from fxpipe.plans.plan import StagePlan
 from fxpipe.plans.values import ValueInfo, needs_grad
 from fxpipe.runtime.backward_split import WeightWork, backward_input, backward_weight
 from fxpipe.runtime.offload import Offload
+from fxpipe.runtime.partial_recompute import Partial, PartialReplay, backward_weights
 from fxpipe.runtime.recompute import Replay, forward_keeping_inputs, replay
 
 
@@ -34,8 +35,8 @@ class _Microbatch:
     loss: torch.Tensor | None
     grads: dict[str, torch.Tensor]  # gradient of each output, summed over its consumers
     grad_counts: dict[str, int]
-    pending_w: WeightWork | None = None  # after a split B: what W needs
-    replay: Replay | None = None  # a recomputing stage: what its second forward needs
+    pending_w: WeightWork | list[WeightWork] | None = None  # after a split B: what W needs
+    replay: Replay | PartialReplay | None = None  # a recomputing stage: its second forward's
     loss_leaf: torch.Tensor | None = None  # ... and the output its loss read (a leaf)
 
 
@@ -77,6 +78,13 @@ class StageWork:
         self._mb: dict[int, _Microbatch] = {}
         self.peak = 0  # micro-batches held at once this step
         self.offload = Offload(module) if plan_stage.offload_bytes else None
+        #: per-block parameter gathering (:class:`~fxpipe.runtime.block_gather.BlockGather`,
+        #: whose rewritten module this is), set by the executor; None: parameters stay whole
+        self.gather = None
+        # partial recomputation: the stage's first recompute_blocks blocks recompute
+        self.partial = (Partial(module, plan_stage.recompute_blocks, plan_stage.index)
+                        if plan_stage.recompute and plan_stage.keep_ridge is None
+                        and plan_stage.recompute_blocks > 0 else None)
 
     # ------------------------------------------------------------------ bookkeeping
     @property
@@ -112,11 +120,13 @@ class StageWork:
         sp = self.plan_stage
         leaves = [(n, t) for n, t in zip(sp.inputs, args) if t.requires_grad and t.is_leaf]
         rep = None
-        with self._autocast():
-            if sp.recompute and torch.is_grad_enabled():  # keep the inputs, recompute before B
+        with self._autocast(), self._gathering(args):
+            if self.partial is not None and torch.is_grad_enabled():  # the head's inputs
+                out, rep = self.partial.forward(args)
+            elif sp.recompute and torch.is_grad_enabled():  # keep the inputs, recompute in B
                 out, rep = forward_keeping_inputs(self.module, args, sp.keep_ridge)
-            elif self.offload is not None and torch.is_grad_enabled():
-                with self.offload.saving(args):
+            elif self.offload is not None and torch.is_grad_enabled() and self.gather is None:
+                with self.offload.saving(args):  # (with gathering: composed in _gathering)
                     out = self.module(*args)
             else:
                 out = self.module(*args)
@@ -124,7 +134,8 @@ class StageWork:
         loss = shown = leaf = None
         if self.loss_input is not None:
             read = outs[self.loss_input]
-            if rep is not None and read.dtype.is_floating_point:  # the loss's own graph is kept
+            if (isinstance(rep, Replay)  # the loss's own graph is kept
+                    and read.dtype.is_floating_point):
                 read = leaf = read.detach().requires_grad_()
             with self._autocast():
                 loss = loss_fn(read, target)
@@ -135,6 +146,23 @@ class StageWork:
         self._mb[i] = _Microbatch(leaves, outs, loss, {}, {}, replay=rep, loss_leaf=leaf)
         self.peak = max(self.peak, len(self._mb))
         return outs, shown
+
+    def _gathering(self, args: list[torch.Tensor]):
+        """Per-block gathering: the forward's saved-tensor hooks (activation offload's inside
+        them), so the backward gathers a group again when it reads its parameters."""
+        if self.gather is None or not torch.is_grad_enabled():
+            return nullcontext()
+        return self.gather.saving(self.offload.hooks(args) if self.offload is not None else None)
+
+    @contextmanager
+    def _gathered_backward(self, weights: bool):
+        """Per-block gathering around one backward call (``weights``: it computes weight
+        gradients): replays tokenise what they save, groups are reduce-scattered and freed."""
+        if self.gather is None:
+            yield
+            return
+        with self.gather.saving(), self.gather.backward(weights):
+            yield
 
     def _outputs(self, i: int, out) -> dict[str, torch.Tensor]:
         """The stage module's return value by output name, cast to the plan dtypes and checked
@@ -203,7 +231,8 @@ class StageWork:
         outputs, the loss's gradient arriving at the output it read."""
         outs, loss_grad = mb.outs, None
         tensors, grads = [], []
-        if mb.replay is not None:
+        full = isinstance(mb.replay, Replay)  # (a partial one keeps the tail's graph)
+        if full:
             if mb.loss is not None and mb.loss_leaf is not None:
                 loss_grad = torch.autograd.grad(mb.loss, [mb.loss_leaf], allow_unused=True)[0]
         elif mb.loss is not None:
@@ -220,7 +249,7 @@ class StageWork:
                     f"{len(consumers)} gradients of {name!r} (consumers: stages {consumers}); a "
                     "RECV_B or a consumer's B must come before this B")
             wanted.append(name)
-        if mb.replay is not None:
+        if full:
             with self._autocast():
                 outs = self._outputs(i, replay(self.module, mb.replay))
             mb.replay = None
@@ -234,6 +263,10 @@ class StageWork:
         if loss_grad is not None and outs[self.loss_input].requires_grad:
             tensors.append(outs[self.loss_input])
             grads.append(loss_grad)
+        if not tensors and self.gather is not None and self.loss_input in outs and \
+                outs[self.loss_input].requires_grad:  # a loss of weight 0: the backward runs
+            tensors.append(outs[self.loss_input])     # on zeros, so every replica gathers
+            grads.append(torch.zeros_like(outs[self.loss_input]))  # and reduces alike
         return tensors, grads
 
     # ------------------------------------------------------------------ B and W
@@ -248,10 +281,22 @@ class StageWork:
         mb = self._mb.get(i)
         if mb is None or mb.pending_w is not None:
             raise ScheduleError(f"{self._ctx(i)}: backward before forward (or twice)")
+        with self._gathered_backward(not self._split):
+            return self._backward(i, mb)
+
+    def _backward(self, i: int, mb: _Microbatch) -> list[tuple[str, torch.Tensor]]:
         tensors, grads = self._outputs_and_grads(i, mb)
         names = [n for n, _ in mb.leaves]
         leaves = [t for _, t in mb.leaves]
-        if not self._split:
+        if isinstance(mb.replay, PartialReplay):  # the tail's backward, the head again, its
+            rep, mb.replay = mb.replay, None      # backward
+            in_grads, mb.pending_w = self.partial.backward(
+                rep, tensors, grads, leaves, self.params, self._split, self._autocast)
+            if not self._split:
+                del self._mb[i]
+            else:
+                mb.leaves = []
+        elif not self._split:
             if tensors:
                 torch.autograd.backward(tensors, grads)
             in_grads = [t.grad for t in leaves]
@@ -271,5 +316,9 @@ class StageWork:
         mb = self._mb.get(i)
         if mb is None or mb.pending_w is None:
             raise ScheduleError(f"{self._ctx(i)}: W before its B")
-        backward_weight(mb.pending_w)
+        with self._gathered_backward(True):
+            if isinstance(mb.pending_w, list):  # partial recomputation: the tail's, the head's
+                backward_weights(mb.pending_w)
+            else:
+                backward_weight(mb.pending_w)
         del self._mb[i]

@@ -18,7 +18,8 @@ def stage_steps(plan: Plan) -> list[StageStep]:
     """The plan's stages as the pricing rule reads them: F/B/W seconds (when a stage has no
     split times but ``compute_time_s > 0``: a third forward, the backward split by
     ``bwd_weight_flops / bwd_flops``), activation and parameter bytes, the bytes of parameters
-    other stages share, its trained matrices' shapes (``plan.param_shapes``) and send seconds."""
+    other stages share, its trained matrices' shapes (``plan.param_shapes``), send seconds and,
+    gathered block by block (``param_gather: block``), its groups' rows (``gather_groups``)."""
     out = []
     shapes = plan.param_shapes
     for st in plan.stages:
@@ -33,7 +34,9 @@ def stage_steps(plan: Plan) -> list[StageStep]:
             ff, b1, b2, int(st.activation_bytes), float(st.param_bytes), float(st.shared_bytes),
             [tuple(shapes[f]) for f in st.params if f in shapes],
             st.send_time_s, st.send_time_s if st.grad_send_time_s is None
-            else st.grad_send_time_s))
+            else st.grad_send_time_s,
+            [list(r) for r in st.gather_groups] if st.param_gather == "block" else [],
+            st.param_gather == "block" and st.recompute))
     return out
 
 

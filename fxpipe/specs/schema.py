@@ -47,7 +47,8 @@ OPTIMIZER_STATE_FACTOR = {"sgd": 2.0, "adamw": 4.0}
 DATA_SHARDING = ("none", "optimizer", "gradients", "full", "auto")
 
 
-def state_factor(optimizer: str, sharding: str = "none", dp: int = 1) -> float:
+def state_factor(optimizer: str, sharding: str = "none", dp: int = 1, gather: str = "stage",
+                 split: bool = False) -> float:
     """Peak bytes of training state per parameter byte on a rank during a step.
 
     Unsharded: weights, gradients and the optimizer's state (``k`` bytes per parameter byte:
@@ -56,10 +57,19 @@ def state_factor(optimizer: str, sharding: str = "none", dp: int = 1) -> float:
     micro-batches run, at every level; the optimizer state and the accumulated gradient slice
     are ``1/dp`` of the whole, and ``full`` adds its separate master slice:
     ``2 + (1 + k) / dp`` (``optimizer``, ``gradients``) or ``2 + (2 + k) / dp`` (``full``).
-    ``auto`` and a single replica shard nothing."""
+    ``auto`` and a single replica shard nothing.
+
+    ``gather="block"`` (``full`` only, ``parallel.param_gather``): the parameters come back one
+    block at a time (:mod:`fxpipe.runtime.block_gather`), so only the shards are held per
+    parameter byte, ``(3 + k) / dp`` (the master slice, the float32 gradient slice kept across
+    steps and this step's, the optimizer state), plus, under a split backward (``split``: W
+    computes all the stage's weight gradients at once), its whole gradients, 1; the gathered
+    blocks are a per-stage amount on top, not a factor."""
     extra = OPTIMIZER_STATE_FACTOR[optimizer] - 2.0
     if sharding in ("none", "auto") or dp <= 1:
         return 2.0 + extra
+    if gather == "block" and sharding == "full":
+        return (extra + 3.0) / dp + (1.0 if split else 0.0)
     return 2.0 + (extra + (2.0 if sharding == "full" else 1.0)) / dp
 
 
@@ -263,7 +273,13 @@ class ParallelSpec_(_Section):
     ``data_sharding``: what each stage's data-parallel replicas split among themselves instead
     of each holding it whole (ZeRO style, :mod:`fxpipe.runtime.data_sharding`): ``none``,
     ``optimizer`` (the optimizer state), ``gradients`` (and the gradients between steps),
-    ``full`` (and the parameters between steps), or ``auto`` (the planner chooses)."""
+    ``full`` (and the parameters between steps), or ``auto`` (the planner chooses).
+    ``param_gather``: under ``data_sharding: full``, how a stage's sharded parameters come back
+    for its micro-batches: ``stage`` (gathered whole once per step and held through it),
+    ``block`` (FSDP / ZeRO-3 style: one block of the model at a time, gathered just before it
+    runs and freed right after, in every forward and backward, the next block's all-gather
+    overlapping the current block's compute, gradients reduce-scattered per block) or ``auto``
+    (default: the planner weighs both)."""
 
     pipeline: Union[PositiveInt, Auto] = 1
     data: Union[PositiveInt, Auto] = 1
@@ -273,6 +289,7 @@ class ParallelSpec_(_Section):
     virtual_stages: Union[PositiveInt, Auto] = 1
     sequence_parallel: bool = False
     data_sharding: Literal[DATA_SHARDING] = "none"  # type: ignore[valid-type]
+    param_gather: Literal["auto", "stage", "block"] = "auto"
 
 
 class LinksSpec(_Section):
@@ -482,6 +499,11 @@ class TrainSpec(_Section):
     as attention scores; :mod:`fxpipe.execution.selective`); every stage so, never (``off``),
     or per stage where the activations would not fit otherwise, the least recomputation that
     fits (``auto``, default: none, then selective, then full); exact either way.
+    ``recompute_layers``: with full recomputation (``full`` / ``on``, or a stage ``auto``
+    recomputes fully), each recomputing stage recomputes only its first N blocks (the model's
+    repeated layers on that stage) and keeps the activations of the others (Megatron-LM's
+    ``--recompute-num-layers``); unset (default): the whole stage, or under ``auto`` the
+    planner weighs partial recomputation per stage.
     ``activation_offload``: a stage moves the tensors its backward reads to host memory after
     the forward and back before its backward (priced at ``cluster.links.host_GBps``, held in
     ``cluster.host_memory_gb``): ``off`` (default), ``on`` (every stage), ``auto`` (weighed
@@ -505,6 +527,7 @@ class TrainSpec(_Section):
     ignore_index: int = -100
     activation_recompute: Literal["auto", "on", "off", "full", "selective"] = "auto"
     activation_offload: Literal["off", "on", "auto"] = "off"
+    recompute_layers: PositiveInt | None = None
     updates: Literal["sync", "async"] = "sync"
     max_staleness: int | None = None
     log_every: PositiveInt = 10
@@ -690,6 +713,15 @@ def cross_section_problems(spec: ParallelSpec) -> list[tuple[tuple[str, ...], st
 def _offload_problems(spec: ParallelSpec) -> list[tuple[tuple[str, ...], str]]:
     """``train.activation_offload`` against host memory and ``activation_recompute``."""
     t, out = spec.train, []
+    if t.recompute_layers is not None and (t.activation_recompute in ("off", "selective")
+                                           or t.activation_offload == "on"):
+        why = (f"activation_recompute is {t.activation_recompute}"
+               if t.activation_recompute in ("off", "selective")
+               else "activation_offload: on offloads every stage instead")
+        out.append((("train", "recompute_layers"),
+                    f"{t.recompute_layers} recomputes the first blocks of stages that recompute "
+                    f"fully, but {why}; set activation_recompute: full (or auto), or drop "
+                    "recompute_layers"))
     if t.activation_offload == "off":
         return out
     if spec.cluster.host_memory_gb is None:
@@ -748,9 +780,20 @@ def compression_rank_problems(spec: ParallelSpec, shapes: dict[str, tuple[int, .
 def _sharding_problems(spec: ParallelSpec) -> list[tuple[tuple[str, ...], str]]:
     """``parallel.data_sharding`` with what it cannot combine with, named as pairs."""
     level, t = spec.parallel.data_sharding, spec.train
-    if level == "none":
-        return []
     out: list[tuple[tuple[str, ...], str]] = []
+    if spec.parallel.param_gather == "block":
+        if level not in ("full", "auto"):
+            out.append((("parallel", "param_gather"),
+                        f"block gathers sharded parameters, which only data_sharding: full "
+                        f"shards (it is {level}); set data_sharding: full (or auto), or "
+                        "param_gather: stage"))
+        elif spec.parallel.data == 1:
+            out.append((("parallel", "param_gather"),
+                        "block needs data_sharding: full over more than one replica, but "
+                        "parallel.data is 1 (nothing to shard); give data: 2 or more (or auto), "
+                        "or param_gather: stage"))
+    if level == "none":
+        return out
     if t.updates == "async":
         out.append((("parallel", "data_sharding"),
                     f"data_sharding: {level} with train.updates: async: the parameter servers "
