@@ -8,9 +8,14 @@ Each stage of each plan runs its forward on 4 micro-batches in one process, as a
 (:class:`fxpipe.runtime.stage.StageWork`, no backward), and the live heap bytes (glibc's
 ``mallinfo2``: bytes in use, freed memory kept in the process as the ranks keep it) grow by
 what the stage holds per micro-batch in flight until its backward: set beside the plan's
-``activation_bytes`` (which count the outputs the stage sends: the runtime holds them until
-B). The model's output, on the loss stage, is listed apart: the runtime holds it until B too,
-and the plan does not count it. Offload on a
+``activation_bytes``. Each micro-batch's outputs are sent as the executor sends them: the
+stage lets go of their data (``StageWork.sent``) and the send's alias holds it; on CPU (gloo)
+until the consumer's gradient arrives, before B, so the plan counts them per micro-batch in
+flight. Then the sends finish (the aliases dropped, as NCCL's completed sends are reaped
+during the step) and the heap is read again: set beside the plan's figure under the CUDA rule
+(``fxpipe.partitioner.cutting.sends_released``: the outputs only other ranks read left out).
+The model's output, on the loss stage, is listed apart: the runtime holds it until B, and
+the plan does not count it. Offload on a
 CPU moves the bytes within the same memory, so there the bytes the hooks moved are set beside
 the plan's ``offload_bytes`` instead.
 
@@ -96,6 +101,8 @@ def measure(recompute: str, offload: str, live, layers: int | None = None) -> li
         last = j == plan.num_stages - 1
         work = StageWork(st, mods[j], plan.values, consumers, False, contextlib.nullcontext,
                          str, loss_input=plan.model_output if last else None)
+        # pipeline 2, one stage a rank: every reader of a stage's output is on the other rank
+        work.release_after = {o: len(set(consumers[o])) for o in st.outputs if consumers.get(o)}
         g = torch.Generator().manual_seed(j)
         ins = [torch.randint(0, 256, tuple(plan.values[n].shape), generator=g)
                if plan.values[n].dtype == "int64"
@@ -113,19 +120,28 @@ def measure(recompute: str, offload: str, live, layers: int | None = None) -> li
             work.forward(i, fresh(), loss_fn if last else None, target if last else None)
         work.reset()
         inputs = [fresh() for _ in range(IN_FLIGHT)]
+        sends = []  # what the sends hold (p2p.isend's detached alias) until they finish
         before = live()
         moved0 = work.offload.out_bytes if work.offload else 0
         for i in range(IN_FLIGHT):
             work.forward(i, inputs[i], loss_fn if last else None, target if last else None)
+            for o, n in work.release_after.items():
+                for _ in range(n):
+                    sends.append(work.output(i, o).detach())
+                    work.sent(i, o)
         held = (live() - before) / IN_FLIGHT
+        sends.clear()  # the sends finished
+        reaped = (live() - before) / IN_FLIGHT
         moved = ((work.offload.out_bytes - moved0) / IN_FLIGHT) if work.offload else 0.0
         work.reset()
         outs = sum(plan.values[o].nbytes for o in st.outputs  # the model's output: B starts
                    if o in plan.values and not plan.values[o].consumers)  # from it
+        sent = sum(plan.values[o].nbytes for o in work.release_after)
         mode = offload == "on" and "offload" or recompute
         rows.append(dict(mode=f"{mode}, recompute_layers {layers}" if layers else mode, stage=j,
                          how=("offload" if st.offload_bytes else st.recompute_mode),
                          predicted=st.activation_bytes, measured=held, outputs=outs,
+                         cuda_pred=st.activation_bytes - sent, reaped=reaped,
                          offload_pred=st.offload_bytes, offload_moved=moved))
     return rows
 
@@ -139,13 +155,19 @@ def report(rows: list[dict], note: str) -> str:
         ["asked", "stage", "stage does", "plan: activation MB / micro-batch",
          "measured MB / micro-batch", "measured / plan",
          "model output held MB (not in the plan)",
-         "plan + model output / measured", "offload: plan MB", "offload: moved MB"],
+         "plan + model output / measured",
+         "CUDA rule: plan MB (sent outputs left out)", "measured, sends finished MB",
+         "CUDA rule: plan + model output / measured",
+         "offload: plan MB", "offload: moved MB"],
         [[r["mode"], str(r["stage"]), r["how"], _mb(r["predicted"]), _mb(r["measured"]),
           f"{r['measured'] / r['predicted']:.2f}"
           if r["predicted"] >= 0.01 * r["measured"] and not r["offload_pred"] else "-",
           _mb(r["outputs"]),
           f"{(r['predicted'] + r['outputs']) / r['measured']:.2f}"
           if r["measured"] and not r["offload_pred"] else "-",
+          _mb(r["cuda_pred"]), _mb(r["reaped"]),
+          f"{(r['cuda_pred'] + r['outputs']) / r['reaped']:.2f}"
+          if r["reaped"] >= 0.1e6 and not r["offload_pred"] else "-",
           _mb(r["offload_pred"]) if r["offload_pred"] else "-",
           _mb(r["offload_moved"]) if r["offload_pred"] else "-"] for r in rows])
     return (f"Written by `benchmarks/bench_activation_memory.py` ({note}).\n\n"
@@ -153,8 +175,14 @@ def report(rows: list[dict], note: str) -> str:
             f"CharGPT {SHAPE['n_layer']} x {SHAPE['n_embd']}, sequence {SEQ}, micro-batch {MBS}, "
             "fp32, pipeline 2, 1F1B on 2 CPU devices; each stage runs its forward on "
             f"{IN_FLIGHT} micro-batches as a rank does, and the live heap (glibc `mallinfo2`) "
-            "grows by what it holds until their backward (the plan counts the outputs a stage sends, "
-            "held until B; the model's output on the loss stage is listed apart). On a CPU offload moves bytes within "
+            "grows by what it holds until their backward. Each micro-batch's outputs are "
+            "sent as the executor sends them: the stage lets go of their data and the send "
+            "holds it, on CPU (gloo) until the consumer's gradient arrives, before B (the plan "
+            "on CPU counts them per micro-batch in flight); with the sends finished, as NCCL's "
+            "are during the step, the heap is read again and set beside the plan under the "
+            "CUDA rule, which leaves the outputs only other ranks read out "
+            "(`cutting.sends_released`). The model's output on the loss stage is listed apart. "
+            "On a CPU offload moves bytes within "
             "the same memory (so its heap growth includes the host copies); its row sets the "
             "bytes the hooks moved beside the plan's instead.\n\n" + table + "\n")
 

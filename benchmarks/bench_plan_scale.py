@@ -234,8 +234,8 @@ def _layout(plan) -> str:
             f"micro-batch {plan.microbatch_size}, {plan.placement}")
 
 
-_SEARCH = re.compile(r"auto search: (\d+) candidates, (\d+) simulated, (\d+) pruned by a lower "
-                     r"bound, (\d+) infeasible")
+_SEARCH = re.compile(r"auto search: (\d+) candidate layouts?, (\d+) simulated(?: \([^)]*\))?, "
+                     r"(\d+) pruned by a lower bound, (\d+) infeasible")
 
 
 def _search_counts(t: Timed) -> str:

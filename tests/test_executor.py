@@ -202,7 +202,10 @@ def _equivalence_worker(rank: int, meshes, models, schedules):
                 out.append(dict(model=name, schedule=sched, p=p, dp=dp, rank=rank,
                                 pipe_rank=mesh.pipe_rank, losses=losses, loss_err=loss_err,
                                 param_err=param_err, tol=case.reference(MBS * M * dp)[2],
-                                peak=ex.peak_inflight,
+                                peak=ex.peak_inflight, open_sends=ex.open_forward_sends,
+                                released={s: w.released for s, w in ex.work.items()},
+                                outputs={s: len(plan.stages[s].outputs)
+                                         for s in ex.work},
                                 n_events=len(ex.events), fused=sum(ex.fused_nodes.values()),
                                 n_actions=len(schedule.actions[mesh.pipe_rank]),
                                 shared=sorted(plan.shared_params),
@@ -243,6 +246,10 @@ def test_equivalence_with_single_process(world):
         assert r["n_events"] == STEPS * r["n_actions"], tag
         (stage, peak), = r["peak"].items()
         assert stage == r["pipe_rank"]
+        # every output of a stage but the last is sent to other ranks only: its data let go
+        # once sent, each micro-batch of each step; the sends finished as gradients came back
+        sent = 0 if stage == r["p"] - 1 else r["outputs"][stage] * STEPS * M
+        assert r["released"] == {stage: sent} and r["open_sends"] == 0, tag
         want = min(r["p"] - stage, M) if r["schedule"] == "1f1b" else M  # W deferred: all m
         assert peak == want, tag
         if r["model"] == "gpt":

@@ -177,3 +177,26 @@ def test_bench_published_runs_tiny(tmp_path):
         spec = fxpipe.load_spec(bpr.spec_of(run))
         assert spec.parallel.tensor * spec.parallel.pipeline * spec.parallel.data == run.gpus
         assert run.published_step_s() > 0
+
+
+def test_bench_published_levers_tiny(tmp_path):
+    """The published-levers benchmark (issue 36) plans its smoke runs with the levers asked
+    (selective recomputation under interleaving and sequence parallelism; per-block gathering
+    of fully sharded parameters), and every published run's spec is its paper's layout."""
+    pytest.importorskip("transformers")
+    from benchmarks import bench_published_levers as bpl
+
+    out = tmp_path / "B.md"
+    rows = bpl.main(["--tiny", "--out", str(out)])
+    assert [r["name"] for r in rows] == [r.name for r in bpl.TINY_RUNS]
+    for r in rows:
+        assert r["pub"]["step"] > 0 and r["auto"]["step"] > 0, r
+    gpt, llama = rows
+    assert gpt["pub"]["chosen"].startswith("selective") and "v=2" in gpt["pub"]["chosen"]
+    assert "gather block" in llama["pub"]["chosen"]
+    assert "<!-- published-levers -->" in out.read_text()
+    for run in bpl.RUNS:
+        spec = fxpipe.load_spec(bpl.spec_of(run))
+        assert spec.parallel.tensor * spec.parallel.pipeline * spec.parallel.data == run.gpus
+        assert spec.parallel.data * spec.parallel.microbatches * run.microbatch_size == run.batch
+        assert run.published_s > 0

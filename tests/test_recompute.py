@@ -7,6 +7,7 @@ the stage that computes the loss."""
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fxpipe
-from fxpipe.errors import PlanError
+from fxpipe.errors import PlanError, RuntimeFailure, ScheduleError
 from fxpipe.execution.selective import keeps_op, ridge_of
 from fxpipe.plans.plan import StagePlan
 from fxpipe.plans.values import ValueInfo
@@ -73,15 +74,35 @@ def _stage(mode: str, split: bool, loss: bool, make=Noisy) -> tuple[StageWork, n
     return work, mod
 
 
-def _run(mode: str, split: bool, loss: bool, make=Noisy):
+def _send(work: StageWork, i: int, name: str = "y") -> weakref.ref:
+    """Send output ``name`` of micro-batch ``i`` as the executor does (the send keeps a
+    detached alias, here dropped at once: a send completed and reaped) and let the stage
+    release it; a weak reference to the output's storage."""
+    alias = work.output(i, name).detach()
+    storage = weakref.ref(alias.untyped_storage())
+    work.sent(i, name)
+    with pytest.raises(ScheduleError, match="sent to each of its 1 consumer stages already"):
+        work.output(i, name)
+    return storage
+
+
+def _run(mode: str, split: bool, loss: bool, make=Noisy, release: bool = False):
+    """Three micro-batches through one stage; ``release``: its output is sent after each
+    forward and the stage keeps only its graph (``StageWork.sent``)."""
     work, mod = _stage(mode, split, loss, make)
+    if release:
+        work.release_after = {"y": 1}
     g = torch.Generator().manual_seed(1)
     xs = [torch.randn(B, D, generator=g).requires_grad_() for _ in range(3)]
     target = torch.randn(B, D, generator=g)
     torch.manual_seed(7)
+    storages = []
     for i, x in enumerate(xs):
         work.forward(i, [x], F.mse_loss if loss else None, target if loss else None)
+        if release:
+            storages.append(_send(work, i))
     after_forwards = mod.calls
+    held = [r() is not None for r in storages]  # after the sends, before the backward
     in_grads = []
     for i in range(3):
         if not loss:
@@ -90,7 +111,7 @@ def _run(mode: str, split: bool, loss: bool, make=Noisy):
         if split:
             work.weight(i)
     moved = (work.offload.out_bytes, work.offload.in_bytes) if work.offload else (0, 0)
-    return dict(calls=(after_forwards, mod.calls), in_grads=in_grads, moved=moved,
+    return dict(calls=(after_forwards, mod.calls), in_grads=in_grads, moved=moved, held=held,
                 grads=[p.grad.clone() for p in mod.parameters()],
                 buffers=[b.clone() for b in mod.buffers()], rng=torch.get_rng_state())
 
@@ -99,7 +120,7 @@ def _run(mode: str, split: bool, loss: bool, make=Noisy):
 @pytest.mark.parametrize("split", [False, True], ids=["whole", "b-w"])
 @pytest.mark.parametrize("mode", ["full", "selective"])
 def test_recomputing_stage_equals_keeping_everything(mode, split, loss):
-    ref, got = _run("off", split, loss), _run(mode, split, loss)
+    ref, got = _run("off", split, loss), _run(mode, split, loss, release=not loss)
     assert ref["calls"] == (3, 3)
     assert got["calls"] == (3, 6), "one forward again per micro-batch, B and W included"
     # the same ops on the same values in the same order: equal to the last bit
@@ -116,13 +137,36 @@ def test_offloading_stage_equals_keeping_everything(split, loss):
     """Activation offload: what autograd saves goes to host memory and comes back for the
     backward, unchanged (bit-equal), the forward run once; under a split backward W fetches
     what it reads again."""
-    ref, got = _run("off", split, loss), _run("offload", split, loss)
+    ref, got = _run("off", split, loss), _run("offload", split, loss, release=not loss)
     assert got["calls"] == (3, 3)
+    assert not any(got["held"]), "the sent output's storage is freed once the send is done"
     for a, b in zip(ref["in_grads"] + ref["grads"] + ref["buffers"],
                     got["in_grads"] + got["grads"] + got["buffers"]):
         assert torch.equal(a, b)
     out, back = got["moved"]
     assert out > 0 and (back == out if not split else out < back <= 2 * out)
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["whole", "b-w"])
+@pytest.mark.parametrize("mode", ["off", "full", "selective"])
+def test_a_sent_output_is_released_and_b_runs_from_its_graph(mode, split):
+    """Once sent, the stage holds no reference to its output's data (Megatron-LM's
+    deallocate_output_tensor): with the send's alias gone the storage is freed, except under
+    selective recomputation, whose cache keeps the last linear layer's output (the plan counts
+    it among the kept bytes). B starts from the output's graph edge: bit-equal gradients,
+    whole and split; a gradient of another shape than the plan's is refused by name."""
+    ref, got = _run("off", split, False), _run(mode, split, False, release=True)
+    assert got["held"] == [mode == "selective"] * 3
+    for a, b in zip(ref["in_grads"] + ref["grads"] + ref["buffers"],
+                    got["in_grads"] + got["grads"] + got["buffers"]):
+        assert torch.equal(a, b)
+    work, _ = _stage(mode, split, False)
+    work.release_after = {"y": 1}
+    work.forward(0, [torch.randn(B, D).requires_grad_()])
+    _send(work, 0)
+    with pytest.raises(RuntimeFailure, match=r"the gradient of 'y' is \(8, 8\) torch.float32 "
+                                             r"but the plan says \(8, 16\) float32"):
+        work.add_output_grad(0, "y", torch.ones(B, B))
 
 
 class WritesSavedOutput(nn.Module):
@@ -157,6 +201,23 @@ def test_selective_keeps_what_an_op_wrote_over_in_place_as_it_was(split):
     assert got["calls"] == (3, 6)
     for a, b in zip(ref["in_grads"] + ref["grads"], got["in_grads"] + got["grads"]):
         assert torch.equal(a, b)
+
+
+def test_the_rule_reads_autocast_outputs_at_the_width_the_plan_priced():
+    """Under bf16 autocast a matmul's output is half the bytes of the float32 trace the planner
+    priced: the rule counts it at float32 width, so a matmul just under the ridge in fp32
+    bytes (FLOPs per byte K/2 = 32) is recomputed at run time too, and one over it kept."""
+    k = 64
+    a, b = torch.randn(8, k), torch.randn(k, 16)
+    mm = torch.ops.aten.mm.default
+    for ridge, kept in ((0.75 * k, False), (0.25 * k, True)):
+        assert keeps_op(mm, (a, b), {}, mm(a, b), ridge) is kept
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = torch.mm(a, b)
+            assert out.dtype == torch.bfloat16
+            assert keeps_op(mm, (a.bfloat16(), b.bfloat16()), {}, out, ridge) is kept
+        # a model in bf16 itself (no autocast) is traced in bf16: its own bytes
+        assert keeps_op(mm, (a.bfloat16(), b.bfloat16()), {}, out, 0.75 * k) is True
 
 
 def test_selective_rule_keeps_matmuls_and_recomputes_the_rest():
@@ -413,7 +474,7 @@ class _Blocks(nn.Module):
         return self.out(x)
 
 
-def _run_blocks(blocks: int | None, split: bool, loss: bool):
+def _run_blocks(blocks: int | None, split: bool, loss: bool, release: bool = False):
     """Three micro-batches through the traced :class:`_Blocks` as one stage, keeping
     everything (``blocks`` None) or recomputing its first ``blocks`` blocks."""
     from fxpipe.partitioner.trace import trace
@@ -430,12 +491,16 @@ def _run_blocks(blocks: int | None, split: bool, loss: bool):
     work = StageWork(sp, gm, values, {} if loss else {"y": [1]}, split,
                      contextlib.nullcontext, lambda i: f"micro-batch {i}",
                      loss_input="y" if loss else None)
+    if release:
+        work.release_after = {"y": 1}
     g = torch.Generator().manual_seed(1)
     xs = [torch.randn(B, D, generator=g).requires_grad_() for _ in range(3)]
     target = torch.randn(B, D, generator=g)
     torch.manual_seed(7)
     for i, x in enumerate(xs):
         work.forward(i, [x], F.mse_loss if loss else None, target if loss else None)
+        if release:  # the send done: nothing else holds the output's storage
+            assert _send(work, i)() is None
     in_grads = []
     for i in range(3):
         if not loss:
@@ -458,7 +523,7 @@ def test_partial_recomputation_equals_keeping_everything(split, loss):
     or more blocks the head runs through the last block (the final layer kept)."""
     ref = _run_blocks(None, split, loss)
     for blocks in (1, 3):
-        got = _run_blocks(blocks, split, loss)
+        got = _run_blocks(blocks, split, loss, release=not loss)
         for a, b in zip(ref["in_grads"], got["in_grads"]):
             assert torch.equal(a, b)
         assert ref["grads"].keys() == got["grads"].keys()
@@ -518,7 +583,8 @@ def test_recompute_layers_plans_partial_stages_and_keeps_them_in_the_plan(tmp_pa
 
 def test_recompute_layers_bad_input_is_one_clear_line():
     """recompute_layers with recomputation off or selective is a spec error naming the key;
-    on a model without blocks a plan error saying so."""
+    on a model without blocks a spec error saying so (file:line where the spec has one:
+    tests/test_lever_explanations.py)."""
     from fxpipe.errors import SpecError
     from fxpipe.specs.loader import load_spec
 
@@ -528,5 +594,5 @@ def test_recompute_layers_bad_input_is_one_clear_line():
     spec = _gpt_spec(activation_recompute="full", recompute_layers=1)
     spec["model"] = {"factory": "x:y"}
     spec["parallel"]["pipeline"], spec["cluster"]["devices_per_node"] = 1, 1
-    with pytest.raises(PlanError, match="recompute_layers: 1 counts blocks.*has none"):
+    with pytest.raises(SpecError, match="recompute_layers: 1 counts blocks.*has none"):
         fxpipe.plan(Noisy(), spec, torch.zeros(2, D))

@@ -11,7 +11,7 @@ import torch
 import fxpipe.partitioner.driver as D
 from fxpipe.examples.gpt import CharGPT
 from fxpipe.partitioner import bounds, cut_price, cutting, layout_search, pricing
-from fxpipe.partitioner.search import candidates
+from fxpipe.partitioner.search import candidates, stage_inflight
 from fxpipe.partitioner.solvers import optimal_partition
 from fxpipe.plans.placement import (global_rank, node_of, pair_crosses_nodes, ring_crosses_nodes,
                                     server_link_crosses_nodes, stage_to_rank)
@@ -157,3 +157,37 @@ def test_recomputation_that_does_not_fit_names_the_device_memory():
     text = str(e.value)
     assert "the device has 1 B" not in text
     assert "keeps its input for every micro-batch in flight" in text and "80 GB" in text
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-v"])
+def test_sent_outputs_count_until_b_on_cpu_and_only_where_handed_over_on_cuda(priced,
+                                                                               schedule):
+    """A stage's outputs that only other ranks read: the runtime lets go of their data once
+    sent (StageWork.sent). On CUDA (NCCL reaps a completed send during the step) they leave
+    its bytes per micro-batch in flight; on CPU (gloo: held by the send until the consumer's
+    gradient arrives, before B) they stay. The value a V schedule's turn hands over in memory
+    (stage p-1 to stage p, one rank) stays on both."""
+    from fxpipe.partitioner.search import Candidate
+
+    cand = Candidate(pipeline=4, dp=1, microbatches=8, schedule=schedule, virtual_stages=1)
+    on = {dev: load_spec({**_spec(1, 4, 32).model_dump(mode="json"),
+                          "cluster": {"nodes": 1, "devices_per_node": 4, "device": dev,
+                                      "memory_gb": 80, "device_tflops": 1}})
+          for dev in ("cpu", "cuda")}
+    scale = 32 / 8 / priced.batch
+    result = optimal_partition(cutting.cut_problem(priced, on["cuda"], cand, scale),
+                               explain=False)
+    crossing = cutting.stage_outputs(priced, result.cuts, scale)
+    rc = {dev: cutting.recompute_stages(priced, spec, cand, result.cuts, scale)
+          for dev, spec in on.items()}
+    k = cand.num_stages
+    assert all(x > 0 for x in crossing[:-1]) and crossing[-1] == 0
+    turn = cand.pipeline - 1 if schedule == "zb-v" else None
+    assert rc["cpu"].sent == crossing
+    assert rc["cuda"].sent == [crossing[j] if j == turn else 0.0 for j in range(k)]
+    for j in range(k):
+        gone = crossing[j] if j != turn else 0.0
+        assert rc["cuda"].activation_bytes(j) == pytest.approx(
+            rc["cpu"].activation_bytes(j) - gone, rel=1e-12, abs=1e-6)
+        assert rc["cuda"].memory[j] == pytest.approx(
+            rc["cpu"].memory[j] - stage_inflight(cand)[0][j] * gone, rel=1e-12)

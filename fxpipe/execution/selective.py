@@ -28,7 +28,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from fxpipe.execution.op_flops import has_flops, op_flops
 
-__all__ = ["keeps_op", "out_bytes", "ridge_of", "selective_contexts"]
+__all__ = ["keeps_op", "out_bytes", "ridge_of", "rule_bytes", "selective_contexts"]
 
 
 def ridge_of(device_flops: float, memory_Bps: float) -> float:  # noqa: N803
@@ -46,12 +46,29 @@ def out_bytes(out: Any) -> int:
                if isinstance(t, torch.Tensor))
 
 
+def rule_bytes(out: Any) -> int:
+    """The output bytes the rule divides by: :func:`out_bytes`, except that a floating-point
+    output narrowed by autocast (bf16 / fp16 under ``torch.autocast`` for its device) counts
+    at float32 width, as the planner, which traces the model in float32, priced it; so a
+    stage keeps at run time exactly the ops its plan kept (a matmul whose FLOPs per fp32
+    byte are just under the ridge is over it in bf16 bytes)."""
+    total = 0
+    for t in pytree.tree_leaves(out):
+        if not isinstance(t, torch.Tensor):
+            continue
+        size = t.element_size()
+        if t.is_floating_point() and size < 4 and torch.is_autocast_enabled(t.device.type):
+            size = 4
+        total += int(t.numel()) * size
+    return total
+
+
 def keeps_op(func, args: tuple, kwargs: dict, out: Any, ridge: float) -> bool:
     """Whether selective recomputation keeps the outputs of ``func(*args, **kwargs) -> out``:
-    its FLOPs reach ``ridge`` per byte of output (the module doc)."""
+    its FLOPs reach ``ridge`` per byte of output (:func:`rule_bytes`; the module doc)."""
     if not has_flops(func):
         return False
-    nbytes = out_bytes(out)
+    nbytes = rule_bytes(out)
     return nbytes > 0 and op_flops(func, args, kwargs or {}, out) >= ridge * nbytes
 
 

@@ -17,7 +17,7 @@ from fxpipe.partitioner.bounds import SPLIT_BACKWARD
 from fxpipe.partitioner.cut_price import cut_steps
 from fxpipe.partitioner.cutting import (FULL, OFF, OFFLOAD, SELECTIVE, Recompute, cut_problem,
                                         slowdowns)
-from fxpipe.partitioner.pricing import Priced, unit_prefix
+from fxpipe.partitioner.pricing import Priced, spec_ridge, unit_prefix
 from fxpipe.partitioner.problem import PartitionResult
 from fxpipe.partitioner.profile import send_cost_path
 from fxpipe.partitioner.recompute import apply_recompute, is_clone
@@ -44,9 +44,9 @@ def _lower_bound(result: PartitionResult, rc: Recompute) -> float:
     """Total compute per micro-batch over the stages (no cut can beat it), with the stages'
     recomputation as planned (the solver's figure counts every stage recomputing as the
     candidate does; :func:`recompute_stages` may have lowered some stages' since)."""
-    mode = next(m for m in (FULL, SELECTIVE, OFFLOAD, OFF) if m in rc.results)
+    mode = rc.solved or next(m for m in (FULL, SELECTIVE, OFFLOAD, OFF) if m in rc.results)
     solved = rc.results[mode]
-    if all(f == mode for f in rc.flags):
+    if all(rc.key(j) == mode for j in range(len(rc.flags))):
         return result.lower_bound_s
     was = float(sum(solved.compute_s))
     now = float(sum(rc.result(j).compute_s[j] for j in range(len(rc.flags))))
@@ -126,7 +126,8 @@ def _stage_plan(j: int, step: StageStep, result: PartitionResult, rc: Recompute,
                 loss_s: float, **fields) -> StagePlan:
     """Stage ``j`` of a cut: its times, shared bytes, activation bytes and sends as ``step``
     priced them, its parameter and message bytes from the solved cut, its peak bytes and
-    recomputation (off, selective at ``ridge``, full) from ``rc``."""
+    recomputation (off, selective at ``ridge`` or at the stage's higher keep threshold, full)
+    from ``rc``."""
     recompute = rc.flags[j]
     memory = rc.memory[j] if rc.memory is not None else rc.result(j).memory_bytes[j]
     compute = step.fwd_s + step.bwd_input_s + step.bwd_weight_s
@@ -139,51 +140,70 @@ def _stage_plan(j: int, step: StageStep, result: PartitionResult, rc: Recompute,
         fwd_time_s=step.fwd_s, bwd_input_time_s=step.bwd_input_s,
         bwd_weight_time_s=step.bwd_weight_s, send_time_s=step.send_s,
         grad_send_time_s=step.grad_send_s, recompute=recompute in (SELECTIVE, FULL),
-        keep_ridge=ridge if recompute == SELECTIVE else None, recompute_blocks=rc.blocks(j),
+        keep_ridge=(rc.ridge(j) or ridge) if recompute == SELECTIVE else None,
+        recompute_blocks=rc.blocks(j),
         offload_bytes=int(rc.host_bytes(j)), loss_time_s=float(loss_s),
-        shared_bytes=int(step.shared_bytes),
+        shared_bytes=int(step.shared_bytes), tied_bytes=int(step.tied_bytes),
         param_gather="block" if step.gather_rows else "stage",
         gather_groups=[[float(x) for x in r] for r in step.gather_rows])
 
 def _selective_keeps_nothing(rc: Recompute, ridge: float) -> list[str]:
     """Stages recomputing selectively whose ops keep nothing (none reaches the ridge point):
     they recompute their whole forward, as full recomputation does."""
-    idx = [j for j, f in enumerate(rc.flags)
-           if f == SELECTIVE and float(rc.result(j).saved_bytes[j]) == 0.0]
+    idx = [j for j, f in enumerate(rc.flags)  # (at the ridge point: above it, its own note)
+           if f == SELECTIVE and not rc.ridge(j) and float(rc.result(j).saved_bytes[j]) == 0.0]
     if not idx:
         return []
     return [f"selective recomputation keeps no op's outputs on stage"
             f"{'s' if len(idx) > 1 else ''} {', '.join(map(str, idx))}: no matmul-like op there "
-            f"reaches the ridge point ({ridge:.3g} FLOP per byte of output), so each runs its "
+            f"reaches the ridge point ({ridge:.3g} FLOP per byte of output), so "
+            f"{'each' if len(idx) > 1 else 'it'} runs its "
             "whole forward again, as full recomputation does"]
 
 def recompute_notes(plan: Plan, asked: str) -> list[str]:
     """What the plan's stages recompute and why (``asked``: ``train.activation_recompute``)."""
     out = []
     modes = [st.recompute_mode for st in plan.stages]
-    for mode, what in (("full", "each keeps only its inputs per micro-batch in flight and "
-                        "runs its forward again in the backward"),
-                       ("selective", "each keeps its inputs and the outputs of its matmul-like "
-                        "ops whose FLOPs per output byte reach the device's ridge point "
-                        f"({plan.stages[modes.index('selective')].keep_ridge:.3g} FLOP per "
-                        "byte of output) per "
-                        "micro-batch in flight, and runs its other ops (element-wise, norms, "
-                        "softmax, low-intensity matmuls) again in the backward"
-                        if "selective" in modes else ""),
-                       ("partial", "each recomputes its first blocks "
-                        f"({_partial_blocks(plan)}): keeps its inputs, the values its later "
-                        "blocks read from them and its later blocks' activations per micro-batch "
-                        "in flight, and runs its first blocks' forward again in the backward"
-                        if "partial" in modes else "")):
-        idx = [j for j, m in enumerate(modes) if m == mode]
+    ridge = spec_ridge(plan.spec) if plan.spec is not None else None
+    # one line per keep threshold of the selective stages: the ridge point's first
+    thresholds = sorted({st.keep_ridge for st in plan.stages if st.recompute_mode == "selective"},
+                        key=lambda t: (ridge is None or not _above(t, ridge), t))
+    groups = [("full", None, "each keeps only its inputs per micro-batch in flight and "
+               "runs its forward again in the backward")]
+    for t in thresholds:
+        above = ridge is not None and _above(t, ridge)
+        groups.append(("selective", t, "each keeps its inputs and the outputs of its matmul-like "
+                       "ops whose FLOPs per output byte reach "
+                       + (f"{t:.3g} FLOP per byte of output ({t / ridge:.3g}x the device's "
+                          f"ridge point, {ridge:.3g})" if above else
+                          f"the device's ridge point ({t:.3g} FLOP per byte of output)")
+                       + " per micro-batch in flight, and runs its other ops (element-wise, "
+                       "norms, softmax, " + ("matmuls below that threshold, such as an "
+                                             "unfused attention's scores" if above else
+                                             "low-intensity matmuls")
+                       + ") again in the backward"))
+    groups.append(("partial", None, "each recomputes its first blocks "
+                   f"({_partial_blocks(plan)}): keeps its inputs, the values its later "
+                   "blocks read from them and its later blocks' activations per micro-batch "
+                   "in flight, and runs its first blocks' forward again in the backward"
+                   if "partial" in modes else ""))
+    for mode, t, what in groups:
+        idx = [j for j, m in enumerate(modes) if m == mode
+               and (t is None or plan.stages[j].keep_ridge == t)]
         if not idx:
             continue
         every = len(idx) == plan.num_stages
         why = (f"train.activation_recompute: {asked}" if asked != "auto" else
                "the activations of the micro-batches in flight would not fit cluster.memory_gb"
                + ("" if every else "; the other stages recompute less"))
-        where = ("every stage" if every else
+        if t is not None and ridge is not None and _above(t, ridge):
+            why += ("; what the ops reaching the ridge point keep would not fit "
+                    "cluster.memory_gb on the rank, so the ops with the least FLOPs per byte "
+                    "kept are recomputed too")
+        where = ("every stage" if every and len(idx) > 1 else
                  f"stage{'s' if len(idx) > 1 else ''} {', '.join(map(str, idx))}")
+        if len(idx) == 1 and what.startswith("each "):  # one stage: "it", not "each"
+            what = "it " + what[len("each "):]
         name = {"full": "activation recomputation", "selective": "selective recomputation",
                 "partial": "partial recomputation"}[mode]
         if mode == "partial" and asked == "auto" and plan.spec.train.recompute_layers is None:
@@ -193,7 +213,50 @@ def recompute_notes(plan: Plan, asked: str) -> list[str]:
             why = (f"train.recompute_layers: {plan.spec.train.recompute_layers}; stages with "
                    "that many blocks or fewer recompute whole")
         out.append(f"{name} on {where}: {what} ({why})")
-    return out
+    return out + _unused_layers_note(plan, asked)
+
+def _unused_layers_note(plan: Plan, asked: str) -> list[str]:
+    """Where ``train.recompute_layers`` is set but no stage recomputes partially, why it went
+    unused: no stage recomputes fully, or every stage that does has that many blocks or fewer
+    (it recomputes whole), or (under ``auto``) recomputing only its first blocks would not
+    fit or would not run less again."""
+    n = plan.spec.train.recompute_layers if plan.spec is not None else None
+    modes = [st.recompute_mode for st in plan.stages]
+    if n is None or "partial" in modes:
+        return []
+    head = f"train.recompute_layers: {n} unused: "
+    full = [j for j, m in enumerate(modes) if m == "full"]
+    if not full:
+        if any(m == "selective" for m in modes):
+            return [head + "the stages that recompute do so selectively, and recompute_layers "
+                    "counts the blocks of stages that recompute fully"]
+        why = ("the activations of the micro-batches in flight fit cluster.memory_gb"
+               if asked == "auto" else f"train.activation_recompute: {asked}")
+        return [head + f"no stage recomputes ({why})"]
+    counts = {j: _stage_blocks(plan, j) for j in full}
+    small = [j for j in full if counts[j] <= n]
+    out = []
+    if small:
+        most = max(counts[j] for j in small)
+        where = ("every stage" if len(small) == plan.num_stages else
+                 "every stage that recomputes fully" if len(small) == len(full) else
+                 f"stage{'s' if len(small) > 1 else ''} {', '.join(map(str, small))}")
+        one = len(small) == 1 or where.startswith("every")
+        out.append(f"{where} {'has' if one else 'have'} {n} "
+                   f"block{'s' if n != 1 else ''} or fewer (the most: {most}), so "
+                   f"{'it recomputes' if len(small) == 1 else 'each recomputes'} whole")
+    rest = [j for j in full if counts[j] > n]
+    if rest:
+        out.append(f"stage{'s' if len(rest) > 1 else ''} {', '.join(map(str, rest))} "
+                   f"recompute{'s' if len(rest) == 1 else ''} whole: recomputing only the "
+                   f"first {n} blocks would not fit cluster.memory_gb or would not run less "
+                   "forward again")
+    return [head + "; ".join(out)]
+
+def _above(threshold: float, ridge: float) -> bool:
+    """Whether a stage's keep threshold is above the device's ridge point (not the ridge
+    itself, as recorded: the same float, or within its printing)."""
+    return threshold > ridge * (1 + 1e-9)
 
 def _partial_blocks(plan: Plan) -> str:
     """``N of M blocks`` per partially recomputing stage (M: the stage's blocks)."""
@@ -201,7 +264,11 @@ def _partial_blocks(plan: Plan) -> str:
     for j, st in enumerate(plan.stages):
         if st.recompute_mode == "partial":
             out.append(f"stage {j}: {st.recompute_blocks} of {_stage_blocks(plan, j)}")
-    return ", ".join(out[:4]) + (" ..." if len(out) > 4 else "")
+    text = ", ".join(out[:4]) + (" ..." if len(out) > 4 else "")
+    if not plan.folded and sum(_stage_blocks(plan, j) for j in range(plan.num_stages)) > len(
+            {b for st in plan.stages for b in map(block_of, st.params) if b is not None}):
+        text += " blocks; a block split by a cut counts on both of its stages"
+    return text
 
 def _stage_blocks(plan: Plan, j: int) -> int:
     """How many blocks stage ``j`` holds (by its parameters' module paths; a plan made of
@@ -215,6 +282,13 @@ def offload_notes(plan: Plan) -> list[str]:
     why (``train.activation_offload``)."""
     idx = [j for j, st in enumerate(plan.stages) if st.offload_bytes]
     if not idx:
+        t = plan.spec.train if plan.spec is not None else None
+        if t is not None and t.activation_offload == "auto" and t.activation_recompute in (
+                "on", "full", "selective"):
+            return [f"train.activation_offload: auto unused: train.activation_recompute: "
+                    f"{t.activation_recompute} has every stage recompute its activations, so "
+                    "offloading them was not weighed (activation_recompute: auto weighs "
+                    "offloading against recomputing, stage by stage)"]
         return []
     cl, asked = plan.spec.cluster, plan.spec.train.activation_offload
     every = len(idx) == plan.num_stages

@@ -44,7 +44,7 @@ from fxpipe.plans.param_blocks import block_of
 from fxpipe.plans.values import needs_grad
 
 __all__ = ["MIN_BLOCKS", "KEEP", "BlockRun", "Folding", "UnitTable", "find_block_run", "reduced",
-           "fold", "check_run", "node_groups", "resolve_folded"]
+           "fold", "fold_rows", "check_run", "node_groups", "resolve_folded"]
 
 #: fewest identical blocks worth folding
 MIN_BLOCKS = 8
@@ -308,6 +308,17 @@ def saver_positions(pg: PricedGraph, costs: dict | None) -> dict[str, int]:
     return out
 
 
+def fold_rows(fo: Folding, rows: list[tuple[float, ...]]) -> list[tuple[float, ...]]:
+    """Per-unit figures of the reduced graph (``rows``, one tuple per unit) as the folded
+    units': the prologue's and epilogue's as they are, each block's the sum over the last kept
+    block's units (as :func:`fold` folds times, FLOPs and bytes)."""
+    rep = fo.block_units[-1]
+    width = len(rows[rep[0]]) if rep else 0
+    block = tuple(sum(rows[p][i] for p in rep) for i in range(width))
+    return ([rows[p] for p in fo.prologue] + [block] * fo.run.count
+            + [rows[p] for p in fo.epilogue])
+
+
 def fold(pg: PricedGraph, run: BlockRun, unit_times: list[tuple[float, float, float]],
          cheap: set[str], unit_selective: list[tuple[float, float]],
          costs: dict | None = None) -> UnitTable | None:
@@ -345,9 +356,7 @@ def fold(pg: PricedGraph, run: BlockRun, unit_times: list[tuple[float, float, fl
     saved = ([unit(p, "saved_bytes") for p in fo.prologue]
              + [sum(unit(p, "saved_bytes") for p in rep)] * L
              + [unit(p, "saved_bytes") for p in fo.epilogue])
-    block_sel = tuple(sum(unit_selective[p][i] for p in rep) for i in range(2))
-    selective = ([unit_selective[p] for p in fo.prologue] + [block_sel] * L
-                 + [unit_selective[p] for p in fo.epilogue])
+    selective = fold_rows(fo, unit_selective)
     prefix = run.prefix
     names = ([pg.order[p] for p in fo.prologue]
              + [f"{prefix}{run.start + b}" for b in range(L)]

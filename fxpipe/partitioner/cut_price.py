@@ -103,9 +103,10 @@ def cut_steps(pr: Priced, prefix: np.ndarray, problem: CutProblem, result: Parti
         extra = [x + y for x, y in zip(extra, tensor[1])]
     per = [((prefix[:, b] - prefix[:, a]) + extra[j]) * scale * problem.slow[j]
            for j, (a, b) in enumerate(zip(cuts[:-1], cuts[1:]))]
-    if SELECTIVE in flags:  # its recomputed nodes' forward again, and what the stage adds
-        sp = selective_prefix(pr)
-        again = [(sp[b] - sp[a] + extra[j][0]) * scale * problem.slow[j]
+    if SELECTIVE in flags:  # its recomputed nodes' forward again (at the stage's keep
+        # threshold), and what the stage adds
+        sp = [selective_prefix(pr, rc.ridge(j)) for j in range(k)]
+        again = [(sp[j][b] - sp[j][a] + extra[j][0]) * scale * problem.slow[j]
                  for j, (a, b) in enumerate(zip(cuts[:-1], cuts[1:]))]
     if rc.partial is not None:  # the head's forward again (its first blocks', what they
         rebuilt = rebuilt_seconds(pr, stage_of, k)  # rebuild; their share of collectives)
@@ -157,7 +158,8 @@ def cut_steps(pr: Priced, prefix: np.ndarray, problem: CutProblem, result: Parti
                   if flags[j] in (FULL, SELECTIVE) else 0.0
                   for j, (s, a, b) in enumerate(zip(stages, cuts[:-1], cuts[1:]))]
         heads = [rc.partial[j].h if rc.blocks(j) else None for j in range(k)]
-        stages = with_gather_rows(pr, stages, list(result.cuts), replay, flags, heads)
+        stages = with_gather_rows(pr, stages, list(result.cuts), replay, flags, heads,
+                                  [rc.ridge(j) for j in range(k)])
     return CutSteps(stages, fwd, grad, rc, tensor[0] if tensor is not None else None)
 
 

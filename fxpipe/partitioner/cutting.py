@@ -5,6 +5,7 @@ recomputation decided stage by stage."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import NamedTuple, Sequence
 
 import numpy as np
@@ -13,7 +14,7 @@ from fxpipe.errors import PlanError
 from fxpipe.partitioner.bounds import SPLIT_BACKWARD
 from fxpipe.partitioner.partial import explicit, partial_options, scaled
 from fxpipe.partitioner.gathering import factor, gathered_bound, static_fixed
-from fxpipe.partitioner.pricing import Priced
+from fxpipe.partitioner.pricing import Priced, selective_at, selective_levels
 from fxpipe.partitioner.problem import CutProblem, PartitionResult, Value, evaluate
 from fxpipe.partitioner.search import Candidate, rank_inflight, stage_inflight
 from fxpipe.partitioner.solvers import optimal_partition
@@ -84,10 +85,31 @@ def stage_inputs(pr: Priced, cuts: Sequence[int], scale: float) -> list[float]:
             out[j] += nbytes
     return out
 
-def stage_outputs(pr: Priced, cuts: Sequence[int], scale: float) -> list[float]:
+def sends_released(spec: ParallelSpec) -> bool:
+    """Whether a stage's outputs that only other ranks read stop counting per micro-batch in
+    flight. The runtime lets go of such an output's data once it is sent
+    (:meth:`~fxpipe.runtime.stage.StageWork.sent`: B starts from its graph), so only the send
+    holds it, until finished. On CUDA (NCCL) a completed send is finished at the rank's next
+    send, during the step: counted as gone, assuming a send completes before the stage's next
+    micro-batch's forward ends (one micro-batch's outputs in transit, not counted). On CPU
+    (gloo) a send reports completion only once waited: it is finished when the consumer's
+    gradient for that micro-batch arrives, before the stage's B, so there the outputs count
+    per micro-batch in flight, as if held until B."""
+    return spec.cluster.device == "cuda"
+
+def output_ranks(spec: ParallelSpec, cand: Candidate) -> list[int] | None:
+    """The ``stage_to_rank`` that :func:`stage_outputs` takes where sent outputs are released
+    (:func:`sends_released`), else None (every output held until B)."""
+    return stage_inflight(cand)[1] if sends_released(spec) else None
+
+def stage_outputs(pr: Priced, cuts: Sequence[int], scale: float,
+                  stage_to_rank: Sequence[int] | None = None) -> list[float]:
     """Per stage of a cut, the bytes per micro-batch of the values it makes that other stages
-    read: the runtime holds a stage's outputs from its forward until its backward (they are
-    sent, and B starts from them), at ``scale`` x the traced micro-batch."""
+    read, at ``scale`` x the traced micro-batch: the runtime holds a stage's outputs from its
+    forward until its backward (B starts from them). ``stage_to_rank`` (where sent outputs are
+    released, :func:`sends_released`): only the values some stage of the producer's own rank
+    reads (handed over in memory, they are that stage's input) count; those only other ranks
+    read are let go once sent."""
     ends = list(cuts[1:]) + [len(pr.table.names)]
     stage_of = np.zeros(len(pr.table.names), dtype=np.int64)
     for j, (a, b) in enumerate(zip(cuts, ends)):
@@ -97,9 +119,25 @@ def stage_outputs(pr: Priced, cuts: Sequence[int], scale: float) -> list[float]:
         if v.producer < 0:
             continue
         src = int(stage_of[v.producer])
-        if any(int(stage_of[u]) != src for u in v.users):
+        readers = {int(stage_of[u]) for u in v.users} - {src}
+        if readers and (stage_to_rank is None
+                        or any(stage_to_rank[t] == stage_to_rank[src] for t in readers)):
             out[src] += v.nbytes * scale
     return out
+
+def _output_bounds(spec: ParallelSpec, stage_to_rank: Sequence[int], out: float,
+                   anywhere: bool) -> list[float]:
+    """Per stage, the bound on its outputs held until B that the solver uses: ``out`` on
+    every stage, or where sent outputs are released (:func:`sends_released`) only on the
+    stages that hand a value over to a stage of their own rank: where the next stage is on
+    the same rank (``anywhere``: any later stage), 0 elsewhere. The last stage hands nothing
+    over (no stage comes after it): 0 there."""
+    k = len(stage_to_rank)
+    if not sends_released(spec):
+        return [out] * (k - 1) + [0.0]
+    return [out if any(stage_to_rank[t] == stage_to_rank[j]
+                       for t in (range(j + 1, k) if anywhere else range(j + 1, min(j + 2, k))))
+            else 0.0 for j in range(k)]
 
 def held_note(capacity: float, inflight: float, held: float, mbs: float, whole: bool) -> str:
     """Why recomputation leaves less (or no) device memory: the stage inputs it keeps."""
@@ -151,13 +189,20 @@ def offload_moves(cand: Candidate) -> int:
     matmuls' inputs, most of the bytes)."""
     return 3 if cand.schedule in SPLIT_BACKWARD else 2
 
-def selective_prefix(pr: Priced) -> np.ndarray:
+def selective_prefix(pr: Priced, ridge: float = 0.0) -> np.ndarray:
     """``(n+1,)`` prefix sums of the units' forward seconds selective recomputation runs
-    again (:attr:`~fxpipe.partitioner.blocks.UnitTable.selective`)."""
-    if "selective_prefix" not in pr.cache:
-        again = [a for a, _ in pr.table.selective] or [0.0] * len(pr.table.names)
-        pr.cache["selective_prefix"] = np.concatenate([[0.0], np.cumsum(again)])
-    return pr.cache["selective_prefix"]
+    again (:attr:`~fxpipe.partitioner.blocks.UnitTable.selective`), at keep threshold
+    ``ridge`` (0: the device's ridge point; :func:`~fxpipe.partitioner.pricing.selective_at`)."""
+    key = "selective_prefix" if not ridge else ("selective_prefix", float(ridge))
+    if key not in pr.cache:
+        again = [a for a, _ in selective_at(pr, ridge)] or [0.0] * len(pr.table.names)
+        pr.cache[key] = np.concatenate([[0.0], np.cumsum(again)])
+    return pr.cache[key]
+
+def mode_key(flag: str, ridge: float = 0.0) -> str:
+    """What :attr:`Recompute.results` keys a stage's evaluation by: its flag, and a selective
+    stage's keep threshold when it is above the ridge point (``selective@<threshold>``)."""
+    return f"{SELECTIVE}@{float(ridge)!r}" if flag == SELECTIVE and ridge else flag
 
 def cut_problem(pr: Priced, spec: ParallelSpec, cand: Candidate, scale: float,
                  share: int = 1, inflight: Sequence[float] | None = None,
@@ -183,21 +228,44 @@ def cut_problem(pr: Priced, spec: ParallelSpec, cand: Candidate, scale: float,
                         f"parameters' whole state), the device's {human_bytes(capacity, True)}")
     capacity -= gathered
     # each stage's outputs, held until B: the largest value (or ``sent``, a stage's outputs
-    # found larger in a first cut)
-    out = max(recompute_held(values), sent or 0.0)
+    # found larger in a first cut); where sent outputs are released, only those handed over
+    out_bound = max(recompute_held(values), sent or 0.0)
+    outs = _output_bounds(spec, stage_to_rank, out_bound, sent is not None)
+    # what each stage's capacity leaves out, said where no cut fits
+    device = spec.cluster.memory_gb * 1e9
+    reserved: list[list[tuple[str, float]]] = [[] for _ in range(k)]
+    for j in range(k):
+        if share > 1:
+            reserved[j].append((f"the other stages of its rank (each stage held to 1/{share} "
+                                f"of the device)", device - device / share))
+        if gathered:
+            reserved[j].append(("gathered blocks and shared parameters' whole state (block "
+                                "by block gathering, a bound over every cut)", gathered))
+        if outs[j]:
+            reserved[j].append((f"outputs held until B ({_in_flight(inflight[j])} x at most "
+                                f"{human_bytes(outs[j], True)}, "
+                                + ("the outputs found in a first cut)" if sent is not None
+                                   and sent > recompute_held(values)
+                                   else "the largest value between units)"),
+                                inflight[j] * outs[j]))
     if cand.recompute:  # keep each stage's input per micro-batch, run the forward again
         held = recompute_held(values)
-        if max(inflight) * (held + out) >= capacity:
-            raise PlanError(held_note(capacity, max(inflight), held + out, scale * pr.batch,
-                                      True))
-        capacity = [capacity - n * (held + out) for n in inflight]
+        n, out = max(zip(inflight, outs), key=lambda x: x[0] * (held + x[1]))
+        if n * (held + out) >= capacity:
+            raise PlanError(held_note(capacity, n, held + out, scale * pr.batch, True))
+        capacity = [capacity - n * (held + out) for n, out in zip(inflight, outs)]
+        for j in range(k):
+            reserved[j].append((f"stage inputs kept for recomputation "
+                                f"({_in_flight(inflight[j])} x at most "
+                                f"{human_bytes(held, True)}, the largest value between units)",
+                                inflight[j] * held))
         if cand.recompute == OFFLOAD:  # the saved bytes cross the host link instead
             per_byte = offload_moves(cand) / spec.cluster.host_Bps
             compute = [(f + bi + bw + kept * per_byte) * scale
                        for (f, bi, bw), kept in zip(tb.times, tb.saved)]
             saved = [0.0] * len(tb.saved)
         elif cand.recompute == SELECTIVE:
-            sel = tb.selective or [(0.0, 0.0)] * len(tb.times)
+            sel = selective_at(pr, cand.keep_ridge) or [(0.0, 0.0)] * len(tb.times)
             compute = [(f + again + bi + bw) * scale
                        for (f, bi, bw), (again, _) in zip(tb.times, sel)]
             saved = [kept * scale for _, kept in sel]
@@ -207,7 +275,7 @@ def cut_problem(pr: Priced, spec: ParallelSpec, cand: Candidate, scale: float,
     else:
         compute = [sum(x) * scale for x in tb.times]
         saved = [s * scale for s in tb.saved]
-        capacity = [capacity - n * out for n in inflight]
+        capacity = [capacity - n * out for n, out in zip(inflight, outs)]
     return CutProblem(
         compute, tb.params, saved, values, k,
         bandwidth_Bps=_boundary_bandwidths(spec, cand, stage_to_rank) if k > 1 else 1.0,
@@ -219,7 +287,12 @@ def cut_problem(pr: Priced, spec: ParallelSpec, cand: Candidate, scale: float,
         pins=tb.pins,
         unit_names=tb.names,
         slowdown=slowdowns(spec, cand, stage_to_rank),
+        reserved=reserved,
     )
+
+def _in_flight(n: float) -> str:
+    """``2 micro-batches in flight``."""
+    return f"{n:g} micro-batch{'' if n == 1 else 'es'} in flight"
 
 class Recompute(NamedTuple):
     """Activation recomputation of one cut, stage by stage (:func:`recompute_stages`).
@@ -236,7 +309,8 @@ class Recompute(NamedTuple):
         held: per stage, the bytes of the inputs it keeps per micro-batch when it recomputes
             (:func:`stage_inputs`; the cut was solved with :func:`recompute_held`'s bound).
         sent: per stage, the bytes of its outputs per micro-batch, held until its backward
-            (:func:`stage_outputs`; solved with the same bound).
+            (:func:`stage_outputs`: on CUDA only those handed over on its rank,
+            :func:`sends_released`; solved with the same bound).
         partial: per stage, under :data:`FULL`, its partial recomputation
             (:class:`~fxpipe.partitioner.partial.StagePartial`, at ``scale``: the first
             blocks recompute, the rest keep their activations), None where the whole stage
@@ -244,6 +318,11 @@ class Recompute(NamedTuple):
         fixed: per stage, the bytes of training state it holds beyond the cut problem's
             ``param_multiplier x`` its parameter bytes (parameters gathered block by block:
             :func:`~fxpipe.partitioner.gathering.static_fixed`; in ``memory``); None: none.
+        ridges: per stage, a selective stage's keep threshold in FLOPs per output byte when
+            it is above the device's ridge point (0: the ridge point; :func:`~fxpipe.
+            partitioner.pricing.selective_levels`); None: every selective stage at the ridge.
+        solved: the :func:`mode_key` the cut was solved under (the candidate's); "": the
+            most recomputing one in ``results``.
     """
 
     flags: list[str]
@@ -253,6 +332,17 @@ class Recompute(NamedTuple):
     sent: list[float] | None = None
     partial: list | None = None
     fixed: list[float] | None = None
+    ridges: list[float] | None = None
+    solved: str = ""
+
+    def ridge(self, j: int) -> float:
+        """Stage ``j``'s keep threshold above the ridge point under selective recomputation
+        (0: the ridge point, or the stage does not recompute selectively)."""
+        return self.ridges[j] if self.ridges is not None and self.flags[j] == SELECTIVE else 0.0
+
+    def key(self, j: int) -> str:
+        """What :attr:`results` holds stage ``j``'s evaluation under (:func:`mode_key`)."""
+        return mode_key(self.flags[j], self.ridge(j))
 
     def blocks(self, j: int) -> int:
         """Blocks stage ``j`` recomputes under partial recomputation (0: none, or the whole
@@ -262,7 +352,7 @@ class Recompute(NamedTuple):
 
     def result(self, j: int) -> PartitionResult:
         """The cut as evaluated under stage ``j``'s recomputation."""
-        return self.results[self.flags[j]]
+        return self.results[self.key(j)]
 
     def host_bytes(self, j: int) -> float:
         """Bytes stage ``j`` moves to host memory per micro-batch in flight (an offloading
@@ -287,18 +377,24 @@ def recompute_stages(pr: Priced, spec: ParallelSpec, cand: Candidate, cuts: Sequ
     ``train.activation_recompute`` names it; with ``auto`` a stage recomputes less where its
     rank's device still holds all the rank's stages: the cut was solved with every stage
     recomputing as the candidate does, and stages drop it rank by rank, the one saving the
-    most time first (to none; then, a full candidate's stages still full, to selective)."""
+    most time first (to none; then, a full candidate's stages still full, to selective at the
+    ridge point and then at each higher keep threshold of :func:`~fxpipe.partitioner.pricing.
+    selective_levels`, which recompute more ops). A candidate recomputing selectively above
+    the ridge point (``cand.keep_ridge``) lowers its stages alike, to none (under ``auto``) and
+    to the lower thresholds (also under ``selective``: still selective recomputation)."""
     k = cand.num_stages
     mode = cand.recompute or OFF
+    level = cand.keep_ridge if mode == SELECTIVE else 0.0
+    top = mode_key(mode, level)
 
-    def at(m: str) -> PartitionResult:
-        return evaluate(cut_problem(pr, spec, dataclasses.replace(cand, recompute=m), scale),
-                        list(cuts), method="given")
+    def at(m: str, ridge: float = 0.0) -> PartitionResult:
+        return evaluate(cut_problem(pr, spec, dataclasses.replace(
+            cand, recompute=m, keep_ridge=ridge), scale), list(cuts), method="given")
 
-    results = {mode: at(mode)}
+    results = {top: at(mode, level)}
     inflight, _ = stage_inflight(cand)
-    sent = stage_outputs(pr, cuts, scale)
-    mine = results[mode]
+    sent = stage_outputs(pr, cuts, scale, output_ranks(spec, cand))
+    mine = results[top]
     fixed = static_fixed(pr, spec, cand, cuts, mine.param_bytes)  # gathered block by block
     add = fixed or [0.0] * k
     if not mode:
@@ -314,51 +410,145 @@ def recompute_stages(pr: Priced, spec: ParallelSpec, cand: Candidate, cuts: Sequ
               for j in range(k)]
     chosen = spec.train.activation_offload if mode == OFFLOAD else spec.train.activation_recompute
     layers = spec.train.recompute_layers if mode == FULL else None
-    if chosen != "auto":
+    if chosen != "auto" and not level:
         partial = None
         if layers is not None:  # train.recompute_layers: the first N blocks of each stage
             partial = [scaled(p, scale) for p in explicit(pr, cuts, layers)]
             for j, p in enumerate(partial):
                 if p is not None:
                     memory[j] = static[j] + inflight[j] * (p.kept + held[j] + sent[j])
-        return Recompute([mode] * k, results, memory, held, sent, partial, fixed=fixed)
+        return Recompute([mode] * k, results, memory, held, sent, partial, fixed=fixed,
+                         solved=top)
     device = spec.cluster.memory_gb * 1e9
-    flags = [mode] * k
+    flags, ridges, keys = [mode] * k, [level] * k, [top] * k
     per_mb = [float(mine.saved_bytes[j]) + held[j] + sent[j] for j in range(k)]
-    for lower in (OFF, SELECTIVE) if mode == FULL else (OFF,):
-        res = results[lower] = results[lower] if lower in results else at(lower)
+    if mode == FULL:  # none, selective at the ridge point, then at each higher threshold
+        lowers = [(OFF, 0.0), (SELECTIVE, 0.0)] + [(SELECTIVE, r) for r in selective_levels(pr)]
+    elif level:  # a higher threshold: none (auto), the ridge point, the thresholds below
+        lowers = ([(OFF, 0.0)] if chosen == "auto" else []) + [(SELECTIVE, 0.0)] + [
+            (SELECTIVE, r) for r in selective_levels(pr) if r < level]
+    else:
+        lowers = [(OFF, 0.0)]
+    for lower, ridge in lowers:
+        if top not in keys:
+            break  # every stage recomputes less already
+        key = mode_key(lower, ridge)
+        if ridge and key not in results and not _some_stage_holds(
+                pr, cand, cuts, scale, ridge, [keys[j] == top for j in range(k)], static,
+                per_mb, held, sent, device):
+            continue  # no stage's rank holds what it keeps there: not evaluated
+        res = results[key] = results[key] if key in results else at(lower, ridge)
         for st, tops in rank_inflight(cand):
             for j in sorted(st, key=lambda j: (res.compute_s[j] - mine.compute_s[j], j)):
-                if flags[j] != mode:
+                if keys[j] != top:
                     continue
                 was = per_mb[j]
                 per_mb[j] = float(res.saved_bytes[j]) + (held[j] if lower else 0.0) + sent[j]
                 if _rank_peak(st, tops, static, per_mb) <= device:
-                    flags[j], memory[j] = lower, static[j] + inflight[j] * per_mb[j]
+                    flags[j], ridges[j], keys[j] = lower, ridge, key
+                    memory[j] = static[j] + inflight[j] * per_mb[j]
                 else:
                     per_mb[j] = was
+    if len(lowers) > 1 and top in keys:  # a rank holding several stages, one still at the
+        # candidate's: its stages' ways weighed together (lowering one to the ridge point may
+        # leave its others none to lower to, where all at a higher threshold would fit)
+        _weigh_rank_together(cand, top, results, inflight, flags, ridges, keys, per_mb,
+                             memory, static, held, sent, device)
     partial = (_weigh_partial(pr, cand, cuts, scale, flags, static, per_mb, memory, held,
-                              sent, device, layers) if mode == FULL else None)
-    keep = set(flags) | {mode} | ({OFF} if OFFLOAD in flags else set())
+                              sent, device, layers, ridges) if mode == FULL else None)
+    ridges = [r if f == SELECTIVE else 0.0 for f, r in zip(flags, ridges)]
+    keep = ({mode_key(f, r) for f, r in zip(flags, ridges)} | {top}
+            | ({OFF} if OFFLOAD in flags else set()))
     return Recompute(flags, {m: r for m, r in results.items() if m in keep}, memory, held, sent,
-                     partial, fixed=fixed)
+                     partial, fixed=fixed, ridges=ridges if any(ridges) else None, solved=top)
+
+#: most combinations of its stages' ways :func:`_weigh_rank_together` weighs on one rank
+#: (beyond, each way on all its stages): 5 ways on 5 stages
+MAX_RANK_COMBINATIONS = 5 ** 5
+
+def _weigh_rank_together(cand: Candidate, top: str, results: dict[str, PartitionResult],
+                         inflight: Sequence[float], flags: list[str], ridges: list[float],
+                         keys: list[str], per_mb: list[float], memory: list[float],
+                         static: list[float], held: list[float], sent: list[float],
+                         device: float) -> None:
+    """On each rank holding several stages of which one still recomputes as the candidate
+    does (``top``) after the stage-by-stage lowering of :func:`recompute_stages`: every
+    combination of the ways evaluated (``results``) for its stages that the rank holds at its
+    peak, the one whose slowest stage computes least per micro-batch (what the cut was solved
+    for: the pipeline runs at its slowest stage's pace), then whose stages compute least in
+    total, where that is less than now (a rank of more stages than
+    :data:`MAX_RANK_COMBINATIONS` allows: each way on all of them). Updates ``flags``, ``ridges``, ``keys``, ``per_mb`` and ``memory`` in
+    place."""
+    ways = [(k.split("@")[0], float(k.split("@")[1]) if "@" in k else 0.0, k)
+            for k in results]
+    for st, tops in rank_inflight(cand):
+        if len(st) < 2 or all(keys[j] != top for j in st):
+            continue
+
+        def cost(assign) -> tuple[float, float]:
+            secs = [float(results[w[2]].compute_s[j]) for j, w in zip(st, assign)]
+            return max(secs), sum(secs)
+
+        def bytes_of(j: int, w) -> float:
+            return float(results[w[2]].saved_bytes[j]) + (held[j] if w[0] else 0.0) + sent[j]
+
+        now = [next(w for w in ways if w[2] == keys[j]) for j in st]
+        best, best_cost = None, cost(now)
+        combos = (itertools.product(ways, repeat=len(st))
+                  if len(ways) ** len(st) <= MAX_RANK_COMBINATIONS
+                  else ((w,) * len(st) for w in ways))  # (deep ranks: one way for all)
+        for assign in combos:
+            c = cost(assign)
+            if c >= best_cost:
+                continue
+            trial = list(per_mb)
+            for j, w in zip(st, assign):
+                trial[j] = bytes_of(j, w)
+            if _rank_peak(st, tops, static, trial) <= device:
+                best, best_cost = assign, c
+        if best is None:
+            continue
+        for j, (flag, ridge, key) in zip(st, best):
+            flags[j], ridges[j], keys[j] = flag, ridge, key
+            per_mb[j] = bytes_of(j, (flag, ridge, key))
+            memory[j] = static[j] + inflight[j] * per_mb[j]
+
+def _some_stage_holds(pr: Priced, cand: Candidate, cuts: Sequence[int], scale: float,
+                      ridge: float, open_: list[bool], static: list[float], per_mb: list[float],
+                      held: list[float], sent: list[float], device: float) -> bool:
+    """Whether some stage still to lower (``open_``) would fit its rank recomputing
+    selectively at keep threshold ``ridge``, the others as they are: its units' kept bytes
+    (:func:`~fxpipe.partitioner.pricing.selective_at`, what the cut's evaluation sums) and
+    its inputs and outputs per micro-batch in flight."""
+    kept = np.concatenate([[0.0], np.cumsum([b for _, b in selective_at(pr, ridge)])]) * scale
+    ends = list(cuts[1:]) + [len(pr.table.names)]
+    for st, tops in rank_inflight(cand):
+        for j in st:
+            if not open_[j]:
+                continue
+            trial = list(per_mb)
+            trial[j] = float(kept[ends[j]] - kept[cuts[j]]) + held[j] + sent[j]
+            if _rank_peak(st, tops, static, trial) <= device * (1 + 1e-9):
+                return True
+    return False
 
 def _weigh_partial(pr: Priced, cand: Candidate, cuts: Sequence[int], scale: float,
                    flags: list[str], static: list[float], per_mb: list[float],
                    memory: list[float], held: list[float], sent: list[float], device: float,
-                   layers: int | None) -> list | None:
+                   layers: int | None, ridges: Sequence[float] | None = None) -> list | None:
     """Partial recomputation (:mod:`fxpipe.partitioner.partial`) where ``auto`` left a stage
     recomputing: each full stage (then each selective one) takes the fewest first blocks to
     recompute with which its rank still holds its stages (``layers``: exactly that many, from
     ``train.recompute_layers``), where that runs less forward again than the stage does now
     (a full stage: its whole forward; a selective one: its recomputed ops). Updates ``flags``
-    (a selective stage going partial becomes full), ``per_mb`` and ``memory`` in place;
+    (a selective stage going partial becomes full), ``per_mb`` and ``memory`` in place
+    (``ridges``: per stage, a selective stage's keep threshold, 0 at the ridge point);
     returns per stage its :class:`~fxpipe.partitioner.partial.StagePartial` or None (None
     when no stage takes one)."""
     if not pr.table.blocks or not any(f in (FULL, SELECTIVE) for f in flags):
         return None
     ends = list(cuts[1:]) + [len(pr.table.names)]
-    again = selective_prefix(pr) if SELECTIVE in flags else None
+    ridges = ridges or [0.0] * len(flags)
     fwd = np.concatenate([[0.0], np.cumsum([t[0] for t in pr.table.times])])
     inflight = stage_inflight(cand)[0]
     out: list = [None] * len(flags)
@@ -367,7 +557,8 @@ def _weigh_partial(pr: Priced, cand: Candidate, cuts: Sequence[int], scale: floa
             if flags[j] not in (FULL, SELECTIVE):
                 continue
             a, b = cuts[j], ends[j]
-            now = fwd[b] - fwd[a] if flags[j] == FULL else again[b] - again[a]
+            again = selective_prefix(pr, ridges[j]) if flags[j] == SELECTIVE else fwd
+            now = again[b] - again[a]
             was = per_mb[j]
             for p in partial_options(pr, a, b, layers):
                 if p.head_s >= now:
@@ -424,7 +615,9 @@ def _rank_memory(spec: ParallelSpec, cand: Candidate, result: PartitionResult,
         if need > device:
             what = (f"stages {', '.join(map(str, mine))}, which need" if len(mine) > 1
                     else f"stage {mine[0]}, which needs")
-            return (f"rank {r} holds {what} {human_bytes(need, True)} at the peak (its outputs "
+            outs = ("the outputs handed over on the rank" if sends_released(spec)
+                    else "its outputs")
+            return (f"rank {r} holds {what} {human_bytes(need, True)} at the peak ({outs} "
                     f"held until B included) but the device has {human_bytes(device, True)}")
     return None
 
@@ -540,28 +733,34 @@ def fits_recomputing(pr: Priced, spec: ParallelSpec, cand: Candidate, scale: flo
                      mode: str) -> bool:
     """Whether some cut could hold every stage's parameters, gradients, optimizer state and
     what it keeps per micro-batch in flight on the device, every stage recomputing as
-    ``mode`` says (:data:`OFF`: its activations; :data:`SELECTIVE`: its kept ops' outputs and
-    its input; :data:`FULL`: its input): the greedy cover (each stage as long as the device
+    ``mode`` says (:data:`OFF`: its activations; :data:`SELECTIVE`: its kept ops' outputs at
+    ``cand.keep_ridge`` and its input; :data:`FULL`: its input): the greedy cover (each stage as long as the device
     holds it) is optimal for this question, and ignoring that a rank may hold several stages
     only makes it say yes more often. False: no cut fits (no solve needed to know)."""
     tb = pr.table
     mult = factor(spec, cand)
     inflight, _ = stage_inflight(cand)
     cap = spec.cluster.memory_gb * 1e9 - gathered_bound(pr, spec, cand)
-    key = ("fits", mode)
+    level = cand.keep_ridge if mode == SELECTIVE else 0.0  # (a threshold above the ridge)
+    key = ("fits", mode, level) if level else ("fits", mode)
     if key not in pr.cache:  # prefix sums of parameters and of bytes kept per micro-batch
         if mode == OFF:
             per = np.asarray(tb.saved, dtype=np.float64)
         elif mode == SELECTIVE and tb.selective:
-            per = np.asarray([b for _, b in tb.selective], dtype=np.float64)
+            per = np.asarray([b for _, b in selective_at(pr, level)], dtype=np.float64)
         else:
             per = np.zeros(len(tb.params))
         pr.cache[key] = (np.concatenate([[0.0], np.cumsum(np.asarray(tb.params,
                                                                      dtype=np.float64))]),
                          np.concatenate([[0.0], np.cumsum(per)]),
-                         recompute_held(tb.values) * (1 if mode == OFF else 2))
+                         recompute_held(tb.values))
     P, cum, held = pr.cache[key]
-    A, held = cum * scale, held * scale
+    # each stage's outputs held until B (not where sent ones are released: the handed-over
+    # ones left out says yes more often; not on the last stage, which hands nothing over, as
+    # the cut problem) and, recomputing, its input
+    out = held * scale * (0 if sends_released(spec) else 1)
+    held = held * scale * (0 if mode == OFF else 1)
+    A = cum * scale
     n, pos = len(tb.params), 0
     memo: dict[int, np.ndarray] = {}
     for j in range(cand.num_stages):
@@ -569,7 +768,8 @@ def fits_recomputing(pr: Priced, spec: ParallelSpec, cand: Candidate, scale: flo
         if k not in memo:
             memo[k] = mult * P + k * A  # non-decreasing in the end
         d = memo[k]
-        end = int(np.searchsorted(d, d[pos] + cap - k * held, "right")) - 1
+        keep = held + (out if j < cand.num_stages - 1 else 0.0)
+        end = int(np.searchsorted(d, d[pos] + cap - k * keep, "right")) - 1
         if end <= pos:
             return False
         pos = end

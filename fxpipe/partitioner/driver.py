@@ -17,6 +17,7 @@ module with a typed result:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -27,7 +28,7 @@ import torch.nn as nn
 from fxpipe.data.batches import check_vocabulary, example_microbatch
 from fxpipe.errors import PlanError, SpecError, TraceError
 from fxpipe.partitioner.assemble import assemble, assemble_folded, finish_plan, model_notes
-from fxpipe.partitioner.cutting import cut_problem, solve_fitting
+from fxpipe.partitioner.cutting import cut_problem, recompute_modes, solve_fitting
 from fxpipe.partitioner.layout_search import search_layouts
 from fxpipe.partitioner.measured import refine_by_stages
 from fxpipe.partitioner.partial import check_has_blocks
@@ -141,6 +142,37 @@ def _measured_cut(units: PricedUnits, pr: Priced, spec: ParallelSpec, cand: Cand
     return pr, result
 
 
+def _solve_chosen(pr: Priced, spec: ParallelSpec, cand: Candidate, explain: list[str]
+                  ) -> tuple[Candidate, PartitionResult]:
+    """The chosen layout cut exactly (:func:`solve_fitting`) as the search solved it. Where
+    that refuses (the layout priced again at its own micro-batch size may need a little more
+    memory than the search's scaled figures), the candidate with each more recomputing way
+    ``train.activation_recompute`` / ``activation_offload`` allow (:func:`recompute_modes`),
+    in their order, said in ``explain``; none fitting, the first refusal.
+
+    Raises:
+        PlanError: no way fits."""
+    try:
+        return cand, solve_fitting(pr, spec, cand, 1.0)[1]
+    except PlanError as e:
+        refused = e
+    train = spec.train
+    offload = "off" if train.activation_offload == "auto" and spec.cluster.device == "cpu" \
+        else train.activation_offload
+    ways = recompute_modes(train.activation_recompute, True, True, offload)
+    later = ways[ways.index(cand.recompute) + 1:] if cand.recompute in ways else ways
+    for way in later:
+        again = dataclasses.replace(cand, recompute=way, keep_ridge=0.0)
+        try:
+            result = solve_fitting(pr, spec, again, 1.0)[1]
+        except PlanError:
+            continue
+        explain.append(f"cut exactly at micro-batch size {pr.batch}: {cand.label()} does not "
+                       f"fit ({refused}); planned as {again.label()}")
+        return again, result
+    raise refused
+
+
 def _plan_with_graph(model: nn.Module, spec: ParallelSpec, example_inputs: Any,
                      example_kwargs: dict | None, cuts: list[int] | None, units_only: bool
                      ) -> tuple[Plan, "nx.DiGraph"]:
@@ -151,7 +183,8 @@ def _plan_with_graph(model: nn.Module, spec: ParallelSpec, example_inputs: Any,
     args, kwargs, size = _example_inputs(spec, example_inputs, example_kwargs)
     units = PricedUnits(model, args, kwargs, spec)
     pr = units.at(size)
-    check_has_blocks(pr, spec.train.recompute_layers)
+    check_has_blocks(pr, spec.train.recompute_layers,
+                     spec_location(spec, "train.recompute_layers"))
     if units_only:
         return pr, None
     if cuts is not None:
@@ -162,7 +195,7 @@ def _plan_with_graph(model: nn.Module, spec: ParallelSpec, example_inputs: Any,
         # the chosen layout cut exactly (the search ranks near-optimal cuts), at the real
         # micro-batch size (the plan's shapes exact)
         pr = units.at(mbs, cand.tensor)
-        result = solve_fitting(pr, spec, cand, 1.0)[1]
+        cand, result = _solve_chosen(pr, spec, cand, explain)
         pr, result = _measured_cut(units, pr, spec, cand, result, mbs, explain)
     explain += units.notes
     folded = pr.table.folding is not None

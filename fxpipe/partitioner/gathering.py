@@ -44,7 +44,7 @@ import numpy as np
 from fxpipe.errors import PlanError
 from fxpipe.partitioner.bounds import SPLIT_BACKWARD, _ring_s
 from fxpipe.partitioner.cut_tables import _copied_params, unit_params
-from fxpipe.partitioner.pricing import Priced
+from fxpipe.partitioner.pricing import Priced, selective_at
 from fxpipe.partitioner.search import Candidate
 from fxpipe.plans.param_blocks import group_of, has_blocks
 from fxpipe.schedule.step_price import StageStep, block_static_bytes
@@ -109,8 +109,9 @@ def _unit_rows(pr: Priced) -> list[list[tuple[str, str, float]]]:
 def gathered_bound(pr: Priced, spec: ParallelSpec, cand: Candidate) -> float:
     """Bytes a block-gathering stage holds beyond ``factor x`` its parameter bytes, at most,
     whatever the cut: the model's two largest groups (and their gradients, unless the backward
-    is split: then the factor counts the whole gradients) and the whole state of every
-    parameter several units read (shared between stages it is not sharded). 0 for other
+    is split: then the factor counts the whole gradients) and, with several stages, the whole
+    state of every parameter several units read (shared between stages it is not sharded; one
+    stage holds every reader, so there it is sharded as the others are). 0 for other
     candidates."""
     if not is_block(cand):
         return 0.0
@@ -133,7 +134,7 @@ def gathered_bound(pr: Priced, spec: ParallelSpec, cand: Candidate) -> float:
     split = cand.schedule in SPLIT_BACKWARD
     wire = 0.5 if spec.train.grad_compression in ("fp16", "bf16") else 1.0
     return (top2 + wire * (top2 + top1 / n) + (0.0 if split else top1)
-            + (2.0 + k) * spread)
+            + ((2.0 + k) * spread if cand.num_stages > 1 else 0.0))
 
 
 def comm_floor(pr: Priced, spec: ParallelSpec, cand: Candidate) -> float:
@@ -226,7 +227,8 @@ def static_fixed(pr: Priced, spec: ParallelSpec, cand: Candidate, cuts: Sequence
 
 def with_gather_rows(pr: Priced, stages: list[StageStep], cuts: Sequence[int],
                      replay: Sequence[float], modes: Sequence[str],
-                     heads: Sequence[int | None] | None = None) -> list[StageStep]:
+                     heads: Sequence[int | None] | None = None,
+                     ridges: Sequence[float] | None = None) -> list[StageStep]:
     """``stages`` (a block-gathering candidate's, as :func:`~fxpipe.partitioner.cut_price.
     cut_steps` priced them) with their gather rows: per group ``[bytes, F, B, W, replay]``
     seconds, the stage's F, B (less its replayed forward, ``replay``), W and replayed forward
@@ -234,18 +236,24 @@ def with_gather_rows(pr: Priced, stages: list[StageStep], cuts: Sequence[int],
     gathered when it runs; units before the first group with the first). ``modes``: per stage
     its recomputation (``full``, ``selective`` replay its forward, gathering every group once
     more; else none); ``heads``: per stage recomputing partially, the unit its kept tail
-    starts at (only the units before it replay, and only their groups gather again)."""
-    groups, _ = _stage_groups(pr, cuts)
+    starts at (only the units before it replay, and only their groups gather again);
+    ``ridges``: per stage, a selective stage's keep threshold (0: the ridge point)."""
+    groups, whole = _stage_groups(pr, cuts)
     tb = pr.table
     times = np.asarray(tb.times, dtype=np.float64).reshape(-1, 3)
-    sel = (np.asarray([a for a, _ in tb.selective], dtype=np.float64) if tb.selective
-           else times[:, 0])
+    sels: dict[float, np.ndarray] = {}
     out = []
     heads = heads or [None] * len(stages)
-    for st, gs, again, mode, head in zip(stages, groups, replay, modes, heads):
+    ridges = ridges or [0.0] * len(stages)
+    for st, gs, again, mode, head, ridge, sh in zip(stages, groups, replay, modes, heads, ridges,
+                                                    whole):
         rc = mode in ("full", "selective")
         totals = np.array([st.fwd_s, st.bwd_input_s - again, st.bwd_weight_s, again])
-        rerun = sel if mode == "selective" else times[:, 0]
+        if mode == "selective" and ridge not in sels:
+            sel = selective_at(pr, ridge)
+            sels[ridge] = (np.asarray([a for a, _ in sel], dtype=np.float64) if sel
+                           else times[:, 0])
+        rerun = sels[ridge] if mode == "selective" else times[:, 0]
         per = np.array([[times[units, 0].sum(), times[units, 1].sum(), times[units, 2].sum(),
                          rerun[[u for u in units if head is None or u < head]].sum() if rc
                          else 0.0] for _, _, units in gs], dtype=np.float64).reshape(-1, 4)
@@ -255,5 +263,8 @@ def with_gather_rows(pr: Priced, stages: list[StageStep], cuts: Sequence[int],
             share = np.where(sums > 0, per / np.where(sums > 0, sums, 1.0), 1.0 / len(per))
             secs = share * totals
         rows = [[float(b), *map(float, x)] for (_, b, _), x in zip(gs, secs)]
-        out.append(dataclasses.replace(st, gather_rows=rows, gather_replay=rc))
+        # the shared parameters it holds whole that another stage's bytes count (a tied
+        # embedding's later copy): :func:`static_fixed` holds them on every stage using them
+        out.append(dataclasses.replace(st, gather_rows=rows, gather_replay=rc,
+                                       tied_bytes=max(0.0, sh - float(st.shared_bytes))))
     return out

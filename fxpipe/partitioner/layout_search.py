@@ -22,13 +22,13 @@ from fxpipe.partitioner.cutting import (FULL, OFF, OFFLOAD, SELECTIVE, Recompute
                                         recompute_held, recompute_modes, recompute_stages,
                                         selective_prefix, solve_fitting, static_share)
 from fxpipe.partitioner.gathering import (comm_floor, drop_block_candidates, factor,
-                                          is_block, static_fixed)
-from fxpipe.partitioner.pricing import Priced, unit_prefix
+                                          is_block, model_has_blocks, static_fixed)
+from fxpipe.partitioner.pricing import Priced, selective_levels, unit_prefix
 from fxpipe.partitioner.problem import PartitionResult, evaluate
 from fxpipe.partitioner.search import (DEEP_VIRTUAL_STAGES, Candidate, candidates,
                                       stage_inflight, tensor_degrees)
 from fxpipe.partitioner.solvers import chain_bottleneck
-from fxpipe.specs.schema import ParallelSpec, state_factor
+from fxpipe.specs.schema import OPTIMIZER_STATE_FACTOR, ParallelSpec, state_factor
 from fxpipe.tensor.choose import DegreeError
 from fxpipe.units import human_bytes, plural
 
@@ -42,6 +42,9 @@ class _Ranked:
     cand: Candidate = dataclasses.field(compare=False)
     result: PartitionResult = dataclasses.field(compare=False)
     mbs: int = dataclasses.field(compare=False)
+    #: the candidate as its cut was solved (``cand`` says ``recompute=""`` where every stage
+    #: dropped the recomputation the cut was solved with): what the exact solve re-solves
+    solved: Candidate | None = dataclasses.field(default=None, compare=False)
 
 def search_layouts(pr_at: Callable[[int], Priced], spec: ParallelSpec, prune: bool = True
             ) -> tuple[Candidate, PartitionResult, int, list[str]]:
@@ -58,7 +61,10 @@ def search_layouts(pr_at: Callable[[int], Priced], spec: ParallelSpec, prune: bo
     candidate is tried again with activation recomputation (``train.activation_recompute``).
     The bounds are valid lower bounds and a candidate is pruned only when its bound exceeds
     the best step (ties are simulated), so ``prune=False`` (simulate every candidate that fits)
-    picks the same layout and cut."""
+    picks the same layout and cut. The candidate returned is the one its cut was solved as
+    (its ``recompute`` the mode of that solve, even where every stage dropped it after:
+    :func:`~fxpipe.partitioner.cutting.recompute_stages`), so solving it again exactly solves
+    the same cut problem."""
     bounds = []
     fastest = fastest_slowdown(spec)
     degrees = tensor_degrees(spec)
@@ -103,32 +109,52 @@ def search_layouts(pr_at: Callable[[int], Priced], spec: ParallelSpec, prune: bo
             else:
                 rc_only = (every_stage_forced(spec) or (may_drop and not fits_without_recompute(
                     pr, spec, cand, scale)))
+            # selective recomputation where some cut may fit it: at the ridge point, else
+            # (``selective`` asked: no full recomputation to fall back on) at the lowest keep
+            # threshold above it that may (:func:`_selective_above`; under ``auto`` a full
+            # candidate's stages take those thresholds where they fit, recompute_stages)
+            levels = selective_levels(pr) if mode == "selective" else []
+            sel_way = None
+            if mode in ("auto", "selective"):
+                if fits_recomputing(pr, spec, cand, scale, SELECTIVE):
+                    sel_way = SELECTIVE
+                else:
+                    sel_way = next(((SELECTIVE, r) for r in levels if fits_recomputing(
+                        pr, spec, dataclasses.replace(cand, keep_ridge=r), scale, SELECTIVE)),
+                        None)
             # the least recomputation the candidate can have (none: a lower bound either way;
             # offloading runs nothing again)
-            least = OFF if not rc_only or offload == "on" else (
-                SELECTIVE if mode in ("auto", "selective") and fits_recomputing(
-                    pr, spec, cand, scale, SELECTIVE) else FULL)
+            least = OFF if not rc_only or offload == "on" else (sel_way or FULL)
             split = cand.schedule in SPLIT_BACKWARD
+            floor_b = comm_floor(pr, spec, cand) if cand.gather == "block" else 0.0
 
-            lbs: dict[str, float] = {}
-            for way in (least, OFFLOAD) if offload != "off" else (least,):
+            def bound(way) -> float:
+                if isinstance(way, tuple) and way not in again:  # a threshold above the ridge
+                    again[way] = selective_prefix(pr, way[1])
+                    with_rc[way] = [float(x) for x in prefix.sum(axis=0) + again[way]]
                 if (k, way) not in floors:
                     floors[(k, way)] = chain_bottleneck(with_rc[way] if way else cumulative, k)
                 floor = floors[(k, way)] if k == cand.pipeline else 0.0  # one stage per rank
                 if (way, split) not in shares:
                     shares[(way, split)] = unit_shares(
                         prefix, np.diff(again[way]) if way else None, split)
-                lbs[way] = candidate_bound(cand, scale, spec, total, total_params, biggest,
-                                           fastest, floor, shares[(way, split)])
-            if cand.gather == "block":  # its gathers every micro-batch, at least
-                floor_b = comm_floor(pr, spec, cand)
-                lbs = {w: max(x, floor_b) for w, x in lbs.items()}
+                return max(floor_b, candidate_bound(cand, scale, spec, total, total_params,
+                                                    biggest, fastest, floor,
+                                                    shares[(way, split)]))
+
+            lbs = {way: bound(way)
+                   for way in ((least, OFFLOAD) if offload != "off" else (least,))}
             lb, lb_off = lbs[least], lbs.get(OFFLOAD)  # (offloading, at least)
             if offload == "on":
                 lb = lb_off
             elif lb_off is not None and rc_only:
                 lb = min(lb, lb_off)
-            bounds.append((lb, cand.label(), cand, mbs, pr, prefix, rc_only, lb_off))
+            # selective at each keep threshold above the ridge point, at least (each stage
+            # recomputing at it; weighed only where it might beat the best so far)
+            lb_levels = [bound((SELECTIVE, r)) if sel_way is not None else float("inf")
+                         for r in levels]
+            bounds.append((lb, cand.label(), cand, mbs, pr, prefix, rc_only, lb_off,
+                           lb_levels))
     if not bounds:
         if len(degrees) == 1 and first_error is not None:
             raise first_error
@@ -137,7 +163,9 @@ def search_layouts(pr_at: Callable[[int], Priced], spec: ParallelSpec, prune: bo
     best: _Ranked | None = None
     ranked: list[_Ranked] = []
     failed: list[tuple[float, Candidate, float, Priced]] = []  # (bound, candidate, scale, pr)
-    pruned = 0
+    pruned = 0  # candidate layouts pruned by a lower bound (theirs, or every cut's of theirs)
+    layouts_simulated = 0  # candidate layouts with at least one cut simulated
+    host_short: list[str] = []  # offload weighed and turned down for host memory (why)
     capacity = spec.cluster.memory_gb * 1e9
     solved: dict = {}  # identical cut problems (e.g. the two placements of one grid) solve once
     fit: dict[tuple, str] = {}  # (layout key, schedule) -> how it fits device memory
@@ -155,7 +183,7 @@ def search_layouts(pr_at: Callable[[int], Priced], spec: ParallelSpec, prune: bo
     i = -1
     while i + 1 < len(queue):
         i += 1
-        lb, label, cand, mbs, pr, prefix, rc_only, lb_off = queue[i]
+        lb, label, cand, mbs, pr, prefix, rc_only, lb_off, lb_levels = queue[i]
         _progress.info("auto search: candidate %d/%d (%s)%s", i + 1, len(bounds), label,
                        f", best so far {best.step_s * 1e3:.3g} ms/step" if best else "")
         if prune and best is not None and lb > best.step_s:
@@ -217,52 +245,85 @@ def search_layouts(pr_at: Callable[[int], Priced], spec: ParallelSpec, prune: bo
             if rc == OFFLOAD and prune and best is not None and lb_off > best.step_s:
                 continue  # offloading cannot beat the best so far
             if (founds and founds[0][0].recompute == OFF and rc != OFFLOAD
-                    and len(founds) >= 2):
+                    and len(founds) >= 2 and not (founds[-1][0].recompute == SELECTIVE
+                                                  and _memory_shaped(pr, prefix, founds[-1],
+                                                                     scale))):
                 continue  # under auto a cut that fits keeping its activations is weighed
                 # against the next recomputing one (selective, else full) and offload; where
-                # none fits keeping them, every way against each other
+                # none fits keeping them, every way against each other. A selective cut that
+                # device memory shaped is weighed against the full one too (whose stages
+                # take the higher keep thresholds where they fit: more balanced)
             c = dataclasses.replace(cand, recompute=rc)
+            got = None
             try:
-                founds.append((c, *solve_fitting(pr, spec, c, scale, solved)))
-            except PlanError:
-                continue
+                if rc != SELECTIVE or fits_recomputing(pr, spec, c, scale, SELECTIVE):
+                    got = (c, *solve_fitting(pr, spec, c, scale, solved))
+                    founds.append(got)
+            except PlanError as e:
+                if rc == OFFLOAD and "host memory" in str(e):
+                    host_short.append(str(e))
+            if rc == SELECTIVE and lb_levels:  # (selective asked) at higher keep thresholds
+                # where that is memory's doing
+                founds += _selective_above(pr, spec, c, scale, solved, prefix, got, [
+                    r for r, x in zip(selective_levels(pr), lb_levels)
+                    if not (prune and best is not None and x > best.step_s)])
         if not founds:
             failed.append((lb, cand, scale, pr))
             fit[fkey] = "does not fit"
             continue
         fit[fkey] = "fits only with recomputation" if founds[0][0].recompute else "fits"
         if len(bounds) == 1 and len(founds) == 1 and not (
-                may_drop and founds[0][0].recompute):  # (it says what the lever bought)
+                may_drop and founds[0][0].recompute) and not founds[0][0].keep_ridge:
+            # (else it says what the lever bought)
             cand, _, result, _ = founds[0]
-            return cand, result, mbs, _degree_notes(left_out) + _sharding_notes(pr, spec, cand)
+            return cand, result, mbs, (
+                _degree_notes(left_out) + _sharding_notes(pr, spec, cand)
+                + _gather_notes(pr, spec, _Ranked(_forced_block_step(
+                    pr, spec, founds[0], scale), cand.label(), cand, result, mbs), [], fit,
+                    block_skipped)
+                + _host_short_note(cand, host_short))
         same: set[tuple] = set()
+        n_ranked, cut_pruned = len(ranked), False
         for cand, problem, result, rc in founds:
+            solved_as = cand
             if cand.recompute and not any(rc.flags):  # every stage dropped it: say so
                 cand = dataclasses.replace(cand, recompute=OFF)
-            if (tuple(result.cuts), tuple(rc.flags)) in same:
+            if (tuple(result.cuts), tuple(rc.flags), tuple(rc.ridges or ())) in same:
                 continue  # the selective cut came out as the one without recomputation
-            same.add((tuple(result.cuts), tuple(rc.flags)))
+            same.add((tuple(result.cuts), tuple(rc.flags), tuple(rc.ridges or ())))
             if prune and best is not None and cut_bound(
                     prefix, result, cand, spec, scale, problem.slow, rc.flags,
                     selective_prefix(pr)) > best.step_s:
-                pruned += 1
+                cut_pruned = True
                 continue
             r = _Ranked(simulate_cut(pr, prefix, problem, result, cand, spec, scale,
-                                      rc).step_time_s, cand.label(), cand, result, mbs)
+                                      rc).step_time_s, cand.label(), cand, result, mbs,
+                         solved_as)
             if cand.schedule == "interleaved":
                 k_ = (_layout_key(cand), cand.virtual_stages)
                 depth[k_] = min(depth.get(k_, r.step_s), r.step_s)
             ranked.append(r)
             best = r if best is None or r < best else best
+        if len(ranked) > n_ranked:
+            layouts_simulated += 1
+        elif cut_pruned:
+            pruned += 1
     if best is None:
         raise _nothing_fits(spec, failed)
     ranked.sort()
     scaled = any(r.mbs != priced[r.cand.tensor].batch for r in ranked)
-    explain = [f"auto search: {len(bounds)} candidates, {len(ranked)} simulated, {pruned} "
-               f"pruned by a lower bound, {len(failed)} infeasible; ranked by simulated step "
-               "time" + (" (each layout's micro-batch priced by scaling the traced one's "
-                         "costs; the chosen layout is then traced at its own size, which "
-                         "gives the plan's prediction)" if scaled else "") + ":"]
+    others = len(bounds) - layouts_simulated - pruned - len(failed)
+    explain = [f"auto search: {plural(len(bounds), 'candidate layout')}, {layouts_simulated} "
+               "simulated" + (f" (as {len(ranked)} cuts: a layout that fits several ways of "
+                              "holding its activations - keeping them, recomputing them "
+                              "selectively or fully, offloading them - is cut and simulated "
+                              "once per way)" if len(ranked) > layouts_simulated else "")
+               + f", {pruned} pruned by a lower bound, {len(failed)} infeasible"
+               + (f", {others} not tried (below)" if others > 0 else "")
+               + "; ranked by simulated step time"
+               + (" (each layout's micro-batch priced by scaling the traced one's costs; the "
+                  "chosen layout is then traced at its own size, which gives the plan's "
+                  "prediction)" if scaled else "") + ":"]
     explain += [f"  {i + 1}. {r.label:40s} {r.step_s * 1e3:10.2f} ms/step"
                 for i, r in enumerate(ranked[:5])]
     explain += _degree_notes(left_out, ranked, degrees)
@@ -273,6 +334,7 @@ def search_layouts(pr_at: Callable[[int], Priced], spec: ParallelSpec, prune: bo
     explain += _memory_schedule_notes(best.cand, fit)
     explain += _lever_notes(priced[best.cand.tensor], spec, best)
     explain += _gather_notes(priced[best.cand.tensor], spec, best, ranked, fit, block_skipped)
+    explain += _host_short_note(best.cand, host_short)
     if best.cand.schedule == "interleaved":
         tried = sorted((v, t) for (k, v), t in depth.items() if k == _layout_key(best.cand))
         if len(tried) > 1:
@@ -289,7 +351,58 @@ def search_layouts(pr_at: Callable[[int], Priced], spec: ParallelSpec, prune: bo
         explain.append(f"v-half / v-min not tried at {skipped} candidate layouts: they are tried "
                        "only where zb-v (for v-min, also v-half) needs activation recomputation "
                        "and they do not (elsewhere they would only add bubble)")
-    return best.cand, best.result, best.mbs, explain
+    # the candidate as its cut was solved (the exact solve must solve the same problem: one
+    # solved recomputing whose stages all dropped it need not fit keeping its activations
+    # under the solver's bounds, only under the stages' exact figures)
+    return best.solved or best.cand, best.result, best.mbs, explain
+
+#: how much slower than the best cut of the units' compute alone (no memory, no messages) a
+#: selective cut's slowest stage may compute before the cut counts as shaped by device memory
+#: (:func:`_memory_shaped`): messages and whole units move a cut by a little
+MEMORY_SHAPED = 0.02
+
+def _memory_shaped(pr: Priced, prefix: np.ndarray, found: tuple, scale: float) -> bool:
+    """Whether a selective cut's slowest stage computes more than :data:`MEMORY_SHAPED` above
+    the best cut of the units' compute alone at its keep threshold
+    (:func:`~fxpipe.partitioner.solvers.chain_bottleneck`): device memory, not the work,
+    placed its cuts."""
+    cand, problem, result, _ = found
+    key = ("compute floor", cand.num_stages, cand.keep_ridge)
+    if key not in pr.cache:
+        pr.cache[key] = chain_bottleneck(
+            [float(x) for x in prefix.sum(axis=0) + selective_prefix(pr, cand.keep_ridge)],
+            cand.num_stages)
+    floor = pr.cache[key] * scale * float(np.max(problem.slow))
+    return float(max(result.compute_s)) > (1 + MEMORY_SHAPED) * floor
+
+def _selective_above(pr: Priced, spec: ParallelSpec, cand: Candidate, scale: float,
+                     solved: dict, prefix: np.ndarray, at_ridge: tuple | None,
+                     levels: list[float]) -> list[tuple]:
+    """Under ``train.activation_recompute: selective`` (no full recomputation to fall back on;
+    under ``auto`` a full candidate's stages take these thresholds where they fit,
+    :func:`~fxpipe.partitioner.cutting.recompute_stages`, each rank the least recomputation
+    it holds): selective recomputation of ``cand`` at the keep thresholds above the ridge
+    point (:func:`~fxpipe.partitioner.pricing.selective_levels`: each recomputes the ops with
+    the least FLOPs per byte kept that the one below keeps), lowest first, while the cut at the
+    one below does not fit (``at_ridge``: the ridge point's ``(candidate, problem, result,
+    recompute)``, None) or is shaped by memory (:func:`_memory_shaped`): each cut found, to be
+    simulated and ranked with the candidate's others. ``levels``: the thresholds whose lower
+    bound may beat the best step so far (ascending; their bounds are too)."""
+    out: list[tuple] = []
+    last = at_ridge
+    for r in levels:
+        if last is not None and not _memory_shaped(pr, prefix, last, scale):
+            break
+        c = dataclasses.replace(cand, keep_ridge=r)
+        last = None
+        if not fits_recomputing(pr, spec, c, scale, SELECTIVE):
+            continue
+        try:
+            last = (c, *solve_fitting(pr, spec, c, scale, solved))
+        except PlanError:
+            continue
+        out.append(last)
+    return out
 
 def _lever_notes(pr: Priced, spec: ParallelSpec, best: _Ranked) -> list[str]:
     """Where ``auto`` chose selective recomputation or activation offload on some stages, what
@@ -317,7 +430,7 @@ def _lever_notes(pr: Priced, spec: ParallelSpec, best: _Ranked) -> list[str]:
             results[FULL] = evaluate(cut_problem(pr, spec, dataclasses.replace(
                 best.cand, recompute=FULL), scale), cuts, method="given")
         as_full = Recompute([FULL if f == lever else f for f in rc.flags], results, rc.memory,
-                            rc.held, rc.sent)
+                            rc.held, rc.sent, ridges=rc.ridges)
         prefix = unit_prefix(pr)
         mine = simulate_cut(pr, prefix, problem, best.result, best.cand, spec, scale, rc)
         full = simulate_cut(pr, prefix, problem, best.result, best.cand, spec, scale, as_full)
@@ -326,6 +439,7 @@ def _lever_notes(pr: Priced, spec: ParallelSpec, best: _Ranked) -> list[str]:
         out.append(f"{name} chosen on {where}: {mine.step_time_s * 1e3:.2f} ms/step; the same "
                    f"cut recomputing fully there would take {full.step_time_s * 1e3:.2f} ms/step "
                    f"({(full.step_time_s / mine.step_time_s - 1) * 100:+.1f}%: {why})")
+    out += _above_ridge_note(pr, spec, best, rc)
     n = sum(1 for j in range(len(rc.flags)) if rc.blocks(j))
     if n and (spec.train.activation_recompute == "auto" or spec.train.recompute_layers):
         problem = cut_problem(pr, spec, best.cand, scale)
@@ -341,6 +455,49 @@ def _lever_notes(pr: Priced, spec: ParallelSpec, best: _Ranked) -> list[str]:
                    f"({(whole.step_time_s / mine.step_time_s - 1) * 100:+.1f}%: only their first "
                    "blocks run their forward again, the later blocks keep their activations)")
     return out
+
+def _above_ridge_note(pr: Priced, spec: ParallelSpec, best: _Ranked, rc: Recompute
+                      ) -> list[str]:
+    """Where stages recompute selectively above the ridge point, what the higher keep
+    threshold bought: the bytes a stage keeps there and at the ridge point, and what the same
+    cut would cost with those stages recomputing fully (simulated alike)."""
+    above = [j for j in range(len(rc.flags)) if rc.ridge(j)]
+    if not above:
+        return []
+    scale = best.mbs / pr.batch
+    cuts = list(best.result.cuts)
+
+    def at(mode: str) -> PartitionResult:
+        return evaluate(cut_problem(pr, spec, dataclasses.replace(
+            best.cand, recompute=mode, keep_ridge=0.0), scale), cuts, method="given")
+
+    results = dict(rc.results)
+    for mode in (FULL, SELECTIVE):
+        if mode not in results:
+            results[mode] = at(mode)
+    as_full = rc._replace(flags=[FULL if rc.ridge(j) else f for j, f in enumerate(rc.flags)],
+                          results=results)
+    problem = cut_problem(pr, spec, best.cand, scale)
+    prefix = unit_prefix(pr)
+    mine = simulate_cut(pr, prefix, problem, best.result, best.cand, spec, scale, rc)
+    full = simulate_cut(pr, prefix, problem, best.result, best.cand, spec, scale, as_full)
+    j = max(above, key=lambda j: (float(results[SELECTIVE].saved_bytes[j])
+                                  - float(rc.result(j).saved_bytes[j]), -j))
+    k = len(rc.flags)
+    where = ("every stage" if len(above) == k else f"{len(above)} of {k} stages"
+             if len(above) > 3 else f"stage{'s' if len(above) > 1 else ''} "
+             + ", ".join(map(str, above)))
+    levels = sorted({rc.ridge(i) for i in above})
+    return [f"selective recomputation above the ridge point ({pr.ridge:.3g} FLOP per byte of "
+            f"output) on {where}: keeping only the ops that reach "
+            + " / ".join(f"{t:.3g}" for t in levels) + " FLOP per byte (recomputing the ones "
+            f"with the least FLOPs per byte kept too), stage {j} keeps "
+            f"{human_bytes(float(rc.result(j).saved_bytes[j]), True)} per micro-batch where the "
+            f"ridge point's rule keeps {human_bytes(float(results[SELECTIVE].saved_bytes[j]), True)}"
+            f", which its rank's device does not hold; {mine.step_time_s * 1e3:.2f} ms/step, "
+            f"the same cut recomputing those stages fully would take "
+            f"{full.step_time_s * 1e3:.2f} ms/step "
+            f"({(full.step_time_s / mine.step_time_s - 1) * 100:+.1f}%)"]
 
 #: schedules that trade bubble for activation memory, and the ones they are weighed against
 _LOW_MEMORY = ("v-half", "v-min")
@@ -403,7 +560,69 @@ def _gather_notes(pr: Priced, spec: ParallelSpec, best: _Ranked, ranked: list[_R
         line += (f"; the fastest layout gathering whole stages the search simulated, "
                  f"{other.label}, is {other.step_s * 1e3:.2f} ms/step "
                  f"({(other.step_s / best.step_s - 1) * 100:+.1f}%)")
+    elif spec.parallel.param_gather == "block":
+        j = max(range(len(fixed)), key=lambda i: mult * float(best.result.param_bytes[i])
+                + fixed[i])
+        line += _forced_block_note(pr, spec, best, held, whole, (
+            mult * float(best.result.param_bytes[j]), fixed[j]))
     return [line]
+
+def _forced_block_note(pr: Priced, spec: ParallelSpec, best: _Ranked, held: float,
+                       whole: float, parts: tuple[float, float]) -> str:
+    """Where the spec forces ``param_gather: block`` (the search weighed nothing else), how
+    the chosen layout fares gathering whole stages instead: the same layout and recomputation
+    cut and simulated that way, and whether forcing block made the plan worse (more training
+    state on the fullest stage, a slower step). ``parts``: the fullest stage's shards and what
+    it holds beyond them (the gathered blocks, the parameters stages share, held whole)."""
+    cand = best.cand
+    alt = dataclasses.replace(cand, sharding=_whole_gather(spec, cand).sharding, gather="stage")
+    scale = best.mbs / pr.batch
+    try:
+        problem, result, rc = solve_fitting(pr, spec, alt, scale)
+    except PlanError:
+        return (f"; gathering whole stages, {alt.label()} does not fit device memory, so "
+                "param_gather: block is what lets this layout fit")
+    step = simulate_cut(pr, unit_prefix(pr), problem, result, alt, spec, scale, rc).step_time_s
+    slower = best.step_s > step * (1 + 1e-9)
+    more = held > whole
+    if not slower and not more:
+        return (f"; gathering whole stages, {alt.label()} takes {step * 1e3:.2f} ms/step "
+                f"({(step / best.step_s - 1) * 100:+.1f}%)")
+    worse = []
+    if more:
+        worse.append(f"its fullest stage holds {human_bytes(held - whole, True)} more (at "
+                     f"{cand.dp} replicas its shards, {human_bytes(parts[0], True)}, and the "
+                     f"gathered blocks and parameters shared by stages, held whole, "
+                     f"{human_bytes(parts[1], True)}, outweigh the whole stage's state)")
+    if slower:
+        worse.append(f"its step takes {best.step_s * 1e3:.2f} ms against "
+                     f"{step * 1e3:.2f} ms gathering whole stages ({alt.label()}, "
+                     f"{(best.step_s / step - 1) * 100:+.1f}%: the gathers of every "
+                     "micro-batch)")
+    return ("; param_gather: block, as the spec asks, makes this plan worse than gathering "
+            "whole stages: " + " and ".join(worse) + "; param_gather: stage (or auto, which "
+            "weighs both) avoids that")
+
+def _forced_block_step(pr: Priced, spec: ParallelSpec, found: tuple, scale: float) -> float:
+    """The simulated step of a cut the search took without simulating it (the only way of
+    the only candidate), where :func:`_forced_block_note` weighs it: a spec forcing
+    ``param_gather: block``; else NaN (not needed)."""
+    cand, problem, result, rc = found
+    if not (is_block(cand) and spec.parallel.param_gather == "block"):
+        return float("nan")
+    return simulate_cut(pr, unit_prefix(pr), problem, result, cand, spec, scale,
+                        rc).step_time_s
+
+def _host_short_note(cand: Candidate, why: list[str]) -> list[str]:
+    """Where ``train.activation_offload: auto`` weighed offloading and turned it down because
+    the offloaded activations would not fit host memory (``why``: the first such reason), and
+    the plan offloads nothing, say so."""
+    if not why or cand.recompute == OFFLOAD:
+        return []
+    return [f"activation offload (train.activation_offload: auto) weighed and turned down for "
+            f"host memory: {why[0].removeprefix('activation offload: ')}; the plan "
+            + ("recomputes instead" if cand.recompute else "keeps its activations")
+            + " (more cluster.host_memory_gb would let it offload)"]
 
 def _memory_schedule_notes(best: Candidate, fit: dict[tuple, str]) -> list[str]:
     """Where the search picked a memory-capped V schedule (V-Half, V-Min) without
@@ -441,6 +660,12 @@ def _sharding_notes(pr: Priced, spec: ParallelSpec, cand: Candidate,
             f"optimizer state {human_bytes(with_, True)} per rank on average"
             f"{' (and the gathered blocks)' if is_block(cand) else ''} instead of "
             f"{human_bytes(without, True)}")
+    if with_ >= without * (1 - 1e-9) and not is_block(cand):
+        line += _no_saving(spec, cand, with_ > without * (1 + 1e-9))
+    if spec.parallel.data_sharding == "auto" and spec.parallel.param_gather == "block":
+        return [line + "; data_sharding: auto settles on full because parallel.param_gather: "
+                "block gathers the slices only full sharding makes, so no unsharded layout "
+                "was weighed (param_gather: auto weighs them)"]
     if ranked is not None and spec.parallel.data_sharding == "auto":
         best = ranked[0] if ranked else None
         plain = next((r for r in ranked if r.cand.sharding == "none"), None)
@@ -454,6 +679,69 @@ def _sharding_notes(pr: Priced, spec: ParallelSpec, cand: Candidate,
         else:
             line += "; the unsharded layouts were pruned by their step-time bounds"
     return [line]
+
+def _no_saving(spec: ParallelSpec, cand: Candidate, more: bool) -> str:
+    """Why sharding ``cand``'s training state saves nothing per rank (``more``: it costs
+    more): gathering whole stages keeps the weights and gradients whole through the step, and
+    the slices it adds take back what splitting the optimizer state saves at so few replicas;
+    from how many replicas on it saves, and what saves at these."""
+    k = OPTIMIZER_STATE_FACTOR.get(spec.train.optimizer, 4.0) - 2.0
+    slices = 2.0 if cand.sharding == "full" else 1.0  # full's master slice, the grad slice
+    need = int(np.floor((k + slices) / k)) + 1 if k > 0 else None  # n > (k + slices) / k
+    where = (f"it saves from {need} replicas on with {spec.train.optimizer}" if need else
+             f"{spec.train.optimizer} keeps no optimizer state to split, so it never saves")
+    block = ("; param_gather: block gathers the weights block by block instead, holding only "
+             "slices through the step" if cand.sharding == "full" and not is_block(cand)
+             and spec.train.updates == "sync" else "")
+    return (f" ({'more' if more else 'no saving'} at {cand.dp} replicas: gathering whole stages "
+            f"keeps every rank's weights and gradients whole through the step, and "
+            f"{cand.sharding} sharding's "
+            + ("gradient and float32 master slices take" if cand.sharding == "full" else
+               "gradient slice takes")
+            + f" back what splitting the optimizer state saves; {where}{block})")
+
+def _host_memory_short(spec: ParallelSpec, lines: list[str]) -> PlanError:
+    """No candidate fits because the activations it offloads overflow host memory (device
+    memory holds the rest): say so, and the levers that touch host memory."""
+    share = spec.cluster.host_bytes_per_device or 0.0
+    other = ("train.activation_offload: auto (offloads only where the activations fit host "
+             "memory and recomputes or keeps them elsewhere)"
+             if spec.train.activation_offload == "on" else
+             "train.activation_offload: off (recomputes or keeps them instead)")
+    return PlanError(
+        "no feasible plan (the offloaded activations do not fit host memory; device memory "
+        "is not what is short):\n  " + "\n  ".join(lines)
+        + f"\nwhat would fit: more host memory for the offloaded activations "
+        f"(cluster.host_memory_gb "
+        f"{spec.cluster.host_memory_gb:g} per node, {human_bytes(share, True)} per device), "
+        f"or {other}")
+
+def _lever_advice(spec: ParallelSpec, failed: list) -> str:
+    """The memory levers the spec leaves unused that would apply where nothing fits:
+    activation offload (host memory given, off, on a device with its own memory) and
+    gathering parameters block by block (sync replicas, a model with blocks, block
+    gathering not tried)."""
+    out = ""
+    t, par = spec.train, spec.parallel
+    if (t.activation_offload == "off" and spec.cluster.host_memory_gb is not None
+            and spec.cluster.device != "cpu"):
+        out += ("; activation offload (train.activation_offload: auto) moves the saved "
+                "activations to host memory (cluster.host_memory_gb "
+                f"{spec.cluster.host_memory_gb:g} per node) instead of holding them on the device")
+    pr = failed[0][3] if failed else None
+    if (t.updates == "sync" and any(c.dp > 1 for _, c, _, _ in failed)
+            and not any(is_block(c) for _, c, _, _ in failed)
+            and pr is not None and model_has_blocks(pr)):
+        if par.data_sharding in ("full", "auto"):
+            out += ("; parallel.param_gather: block (with data_sharding: full) gathers a "
+                    "stage's parameters one block at a time instead of holding them whole "
+                    "through the step")
+        else:
+            out += (f"; parallel.data_sharding: full with param_gather: block (or auto) shards "
+                    f"the parameters over the replicas and gathers a stage's one block at a "
+                    f"time (data_sharding: {par.data_sharding} keeps every rank's parameters "
+                    "and gradients whole)")
+    return out
 
 def _degree_notes(left_out: list[str], ranked: list[_Ranked] | None = None,
                   degrees: list[int] | None = None) -> list[str]:
@@ -486,7 +774,8 @@ def _nothing_fits(spec: ParallelSpec, failed: list) -> PlanError:
             solve_fitting(pr, spec, c, scale)
         except PlanError as e:
             text = str(e)
-            if c.recompute and "but the device has" in text:  # its capacity less the inputs
+            if c.recompute and "but the device has" in text and \
+                    "kept for recomputation" not in text:  # its capacity less the inputs
                 held = recompute_held(cut_problem(pr, spec, dataclasses.replace(
                     c, recompute=OFF), scale).values)
                 note = held_note(spec.cluster.memory_gb * 1e9, max(stage_inflight(c)[0]),
@@ -496,6 +785,8 @@ def _nothing_fits(spec: ParallelSpec, failed: list) -> PlanError:
     if not any(w in line for line in lines for w in ("memory", "device has", "device's")):
         # a pin, a pipe_split() marker or the number of units: memory is not what failed
         return PlanError("no feasible plan:\n  " + "\n  ".join(lines))
+    if lines and all("host memory" in line for line in lines):
+        return _host_memory_short(spec, lines)
     pr = failed[0][3] if failed else None
     least = min((factor(spec, c) for _, c, _, _ in failed),
                 default=state_factor(spec.train.optimizer))
@@ -527,10 +818,7 @@ def _nothing_fits(spec: ParallelSpec, failed: list) -> PlanError:
                    "stage's inputs, auto recomputes selectively where that fits and fully "
                    "elsewhere); " + fix)
             break
-    if spec.parallel.param_gather == "stage" and any(
-            c.dp > 1 for _, c, _, _ in failed) and spec.train.updates == "sync":
-        fix += ("; parallel.param_gather: block (with data_sharding: full) gathers a stage's "
-                "parameters one block at a time instead of holding them whole through the step")
+    fix += _lever_advice(spec, failed)
     if spec.parallel.tensor == 1 and spec.cluster.devices_per_node > 1:
         fix += ("; tensor parallelism (parallel.tensor: auto, or a divisor of "
                 f"cluster.devices_per_node={spec.cluster.devices_per_node}) splits every "

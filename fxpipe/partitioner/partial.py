@@ -22,17 +22,19 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from fxpipe.errors import PlanError
+from fxpipe.errors import SpecError
 from fxpipe.partitioner.pricing import Priced
 
 __all__ = ["StagePartial", "block_starts", "partial_options", "check_has_blocks"]
 
 
-def check_has_blocks(pr: Priced, n: int | None) -> None:
-    """Raise PlanError when ``train.recompute_layers`` is set (``n``) but the model has no
-    blocks (no module list of repeated layers) to count it in."""
+def check_has_blocks(pr: Priced, n: int | None, where: str | None = None) -> None:
+    """Raise SpecError when ``train.recompute_layers`` is set (``n``) but the model has no
+    blocks (no module list of repeated layers) to count it in (``where``: the key's
+    ``FILE:LINE`` in the spec, when known)."""
     if n is not None and not any(b is not None for b in pr.table.blocks):
-        raise PlanError(
+        raise SpecError(
+            f"{where + ': ' if where else ''}"
             f"train.recompute_layers: {n} counts blocks (the children of a module list, e.g. "
             "transformer.h.3), but the model has none; drop recompute_layers (the whole stage "
             "recomputes under activation_recompute: full)")

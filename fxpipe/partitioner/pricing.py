@@ -17,7 +17,7 @@ from fxpipe.data.batches import example_microbatch
 from fxpipe.errors import PlanError
 from fxpipe.execution.losses import MODEL_LOSS
 from fxpipe.execution.selective import ridge_of
-from fxpipe.partitioner.blocks import UnitTable, fold, saver_positions
+from fxpipe.partitioner.blocks import UnitTable, fold, fold_rows, saver_positions
 from fxpipe.partitioner.cost import NodeCost
 from fxpipe.partitioner.gpu_model import GpuRates, gpu_rates, gpu_times
 from fxpipe.partitioner.gpu_model import profile as gpu_profile
@@ -106,10 +106,12 @@ def spec_ridge(spec: ParallelSpec) -> float:
     devices: ``device_tflops`` over ``memory_GBps`` (:mod:`fxpipe.execution.selective`)."""
     return ridge_of(spec.cluster.device_tflops * 1e12, spec.cluster.memory_Bps)
 
-def selective_units(pr: "Priced", units: list[list[str]]) -> list[tuple[float, float]]:
-    """Per unit (its member nodes), under selective recomputation: the seconds of its forward
-    that run again (the nodes none of whose ops are kept) and the bytes it keeps per
-    micro-batch."""
+def selective_units(pr: "Priced", units: list[list[str]], ridge: float | None = None
+                    ) -> list[tuple[float, float]]:
+    """Per unit (its member nodes), under selective recomputation at ``ridge`` (None: the
+    device's, ``pr.ridge``): the seconds of its forward that run again (the nodes none of
+    whose ops are kept) and the bytes it keeps per micro-batch."""
+    ridge = pr.ridge if ridge is None else ridge
     out = []
     for members in units:
         again = kept = 0.0
@@ -117,12 +119,67 @@ def selective_units(pr: "Priced", units: list[list[str]]) -> list[tuple[float, f
             c = pr.costs.get(n)
             if c is None:
                 continue
-            b, rerun = c.selective(pr.ridge)
+            b, rerun = c.selective(ridge)
             kept += b
             if rerun and n in pr.times:
                 again += pr.times[n].fwd_s
         out.append((again, kept))
     return out
+
+#: most keep thresholds above the ridge point the planner weighs for selective recomputation
+#: (:func:`selective_levels`)
+MAX_SELECTIVE_LEVELS = 3
+
+def selective_levels(pr: "Priced") -> list[float]:
+    """Keep thresholds above the ridge point (FLOPs per output byte) at which selective
+    recomputation keeps fewer ops, for stages whose rank does not hold what it keeps at the
+    ridge: the matmul-like ops kept at the ridge, ordered by FLOPs per output byte (the FLOPs
+    recomputing them costs per byte it frees), give a threshold between each two consecutive
+    distinct values ``a < b``, each recomputing the ops with the least FLOPs per byte saved
+    first (an unfused attention's scores, FLOPs per byte = the head dimension, before its
+    probabilities-times-values, = the sequence length, before the linear layers, = their input
+    width). The threshold is ``sqrt(2a x b)``, between ``2a`` and ``b``, where ``b > 2a``
+    (else the two values count as one: a threshold between values closer than 2x would buy
+    little memory for a cut evaluation); the run applies the rule to the bytes the plan
+    priced (:func:`~fxpipe.execution.selective.rule_bytes`: autocast's narrowed outputs at
+    float32 width), so each op falls on the same side of it in the plan and in the run. The
+    lowest :data:`MAX_SELECTIVE_LEVELS` only: each costs a cut evaluation where it
+    is weighed, and higher ones recompute linear layers, where recomputing whole blocks
+    (partial recomputation) is weighed too. None keeps nothing (that is full
+    recomputation)."""
+    if "selective_levels" not in pr.cache:
+        seen: set[float] = set()
+        for members in (pr.pg.graph.nodes[u]["members"] for u in pr.pg.order):
+            for n in members:
+                c = pr.costs.get(n)
+                for f, b in (c.ops if c is not None else ()):
+                    if b > 0 and f >= pr.ridge * b:
+                        seen.add(f / b)
+        values = sorted(seen)
+        pr.cache["selective_levels"] = [
+            float(np.sqrt(2 * a * b)) for a, b in zip(values, values[1:])
+            if b > 2 * a][:MAX_SELECTIVE_LEVELS]
+    return pr.cache["selective_levels"]
+
+def selective_at(pr: "Priced", ridge: float = 0.0) -> list[tuple[float, float]]:
+    """The units' :attr:`~fxpipe.partitioner.blocks.UnitTable.selective` figures at keep
+    threshold ``ridge`` (0: the device's ridge point, the table's own): per unit, the forward
+    seconds it runs again and the bytes it keeps per micro-batch, folded like the table when
+    it is, and scaled to the table's forward seconds where those were measured."""
+    if not ridge or ridge == pr.ridge:
+        return pr.table.selective
+    key = ("selective_at", float(ridge))
+    if key not in pr.cache:
+        g = pr.pg.graph
+        units = [g.nodes[u]["members"] for u in pr.pg.order]
+        rows = selective_units(pr, units, ridge)
+        fwd = [(sum_times(pr.times, m).fwd_s,) for m in units]
+        fo = pr.table.folding
+        if fo is not None:
+            rows, fwd = fold_rows(fo, rows), fold_rows(fo, fwd)
+        pr.cache[key] = [(again * (t[0] / f[0] if f[0] > 0 else 1.0), kept)
+                         for (again, kept), f, t in zip(rows, fwd, pr.table.times)]
+    return pr.cache[key]
 
 def _node_table(pr: "Priced") -> UnitTable:
     """The node-level units of the priced graph (one per FX node, getitems merged)."""

@@ -295,6 +295,9 @@ class CutProblem:
         slowdown: per stage (one number or ``k``), the factor its device's compute takes
             compared with ``compute_s`` (a node half as fast: 2); its compute costs
             ``slowdown[j] x sum(compute_s[a:b])``, so slower devices get less work.
+        reserved: per stage, what ``capacity_bytes`` already leaves out of its device, for
+            messages: ``(what, bytes)`` pairs (the device holds ``capacity_bytes`` plus their
+            sum); empty: nothing said.
 
     Raises:
         PlanError: malformed input (wrong lengths, negative or non-finite costs, users not after
@@ -315,12 +318,19 @@ class CutProblem:
     pins: Mapping[int, int] = field(default_factory=dict)
     unit_names: Sequence[str] | None = None
     slowdown: float | Sequence[float] = 1.0
+    reserved: Sequence[Sequence[tuple[str, float]]] = ()
     derived: Derived = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         # the derived arrays are built once, by a function, and held in one field; every field
         # of :class:`Derived` (``n``, ``T``, ``P``, ``A``, ``table``, ...) reads through
         object.__setattr__(self, "derived", derive(self))
+
+    def reserved_at(self, j: int) -> list[tuple[str, float]]:
+        """Stage ``j``'s :attr:`reserved` terms, ``(what, bytes)``, those above 0."""
+        if j >= len(self.reserved):
+            return []
+        return [(what, float(b)) for what, b in self.reserved[j] if b > 0]
 
     def unit_label(self, i: int) -> str:
         """``unit 7 ('h.1.mlp')`` or ``unit 7``."""

@@ -43,6 +43,10 @@ class Candidate:
     tensor: int = 1
     sharding: str = "none"
     gather: str = "stage"  # under sharding full: "stage" or "block" (parallel.param_gather)
+    #: under selective recomputation, the keep threshold in FLOPs per output byte when it is
+    #: above the device's ridge point (fxpipe.partitioner.pricing.selective_levels); 0: the
+    #: ridge point
+    keep_ridge: float = 0.0
 
     @property
     def num_stages(self) -> int:
@@ -55,6 +59,8 @@ class Candidate:
         v = f" v={self.virtual_stages}" if self.schedule == "interleaved" else ""
         r = {"full": " recompute", "selective": " selective",
              "offload": " offload"}.get(self.recompute or "", "")
+        if self.recompute == "selective" and self.keep_ridge:
+            r += f"@{self.keep_ridge:.0f}"
         lay = " data-inner" if self.layout == "data-inner" else ""
         tp = f"tp={self.tensor} " if self.tensor > 1 else ""
         zero = f" shard={self.sharding}" if self.sharding != "none" else ""

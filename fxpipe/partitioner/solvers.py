@@ -644,8 +644,20 @@ def _infeasible(problem: CutProblem, bd: Bounds) -> PlanError:
         f"{j} ({what}: {human_bytes(res.param_bytes[j], decimal=True)} of parameters x {mult:g} for weights, "
         f"gradients and optimizer state, plus {m:g} micro-batch{'' if m == 1 else 'es'} in flight "
         f"x {human_bytes(res.saved_bytes[j], decimal=True)} of activations) but the device has "
-        f"{human_bytes(problem.cap[j], decimal=True)}; " + _memory_fixes(problem, res, j)
+        f"{human_bytes(problem.cap[j], decimal=True)}{_reserved_note(problem, j)}; "
+        + _memory_fixes(problem, res, j)
     )
+
+
+def _reserved_note(problem: CutProblem, j: int) -> str:
+    """`` for it (the device's 900 kB less 33 kB of ..., ...)``: what stage ``j``'s capacity
+    leaves out (:attr:`~fxpipe.partitioner.problem.CutProblem.reserved`); "" when nothing."""
+    terms = problem.reserved_at(j)
+    if not terms:
+        return ""
+    whole = float(problem.cap[j]) + sum(b for _, b in terms)
+    return (f" for it (the device's {human_bytes(whole, decimal=True)} less "
+            + ", ".join(f"{human_bytes(b, decimal=True)} of {what}" for what, b in terms) + ")")
 
 
 def _memory_fixes(problem: CutProblem, res: PartitionResult, j: int) -> str:
@@ -671,6 +683,8 @@ def _memory_fixes(problem: CutProblem, res: PartitionResult, j: int) -> str:
         else:
             fixes.append("smaller micro-batches (more micro-batches per step, or a smaller "
                          "data.batch_size)")
+        fixes.append("activation recomputation (train.activation_recompute: auto, selective or "
+                     "full), which keeps less than the activations")
     elif params_alone >= float(problem.cap[j]):
         note = (f" (the parameters alone, with gradients and optimizer state, need "
                 f"{human_bytes(params_alone, decimal=True)})")

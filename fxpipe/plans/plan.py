@@ -49,6 +49,10 @@ class StagePlan:
         param_bytes: bytes of the parameters the stage holds (a tied parameter counted once).
         shared_bytes: of ``param_bytes``, the bytes of parameters other stages use too (a tied
             embedding): reduced whole over the replicas, never sharded.
+        tied_bytes: bytes of parameters charged to another stage's ``param_bytes`` that this
+            stage uses too (a tied embedding's later copy); gathered block by block
+            (``param_gather: block``) the stage holds them whole with their gradients and
+            optimizer state (in ``memory_bytes``).
         activation_bytes: bytes of activations kept for backward per micro-batch in flight.
         recv_bytes / send_bytes: bytes received / sent per micro-batch in the forward pass
             (the backward pass moves the same float values the other way).
@@ -70,7 +74,9 @@ class StagePlan:
             forward again before its backward (priced in ``bwd_input_time_s``).
         keep_ridge: under recomputation, selective: the ops whose FLOPs per output byte reach
             this many keep their outputs, the others are recomputed
-            (:mod:`fxpipe.execution.selective`); None: full recomputation (nothing kept).
+            (:mod:`fxpipe.execution.selective`): the device's ridge point, or a threshold above
+            it where the stage's rank does not hold what that keeps; None: full recomputation
+            (nothing kept).
         recompute_blocks: under full recomputation (``recompute`` and no ``keep_ridge``), the
             stage recomputes only its first this many blocks (:mod:`fxpipe.plans.param_blocks`)
             and keeps the activations of the rest; 0: the whole stage recomputes.
@@ -132,6 +138,7 @@ class StagePlan:
     tensor_collectives: int = 0
     tensor_bytes: list[float] = field(default_factory=list)
     shared_bytes: int = 0
+    tied_bytes: int = 0
 
     @property
     def recompute_mode(self) -> str:

@@ -72,13 +72,23 @@ def _post_order(roots: list[Node]) -> list[Node]:
     return order
 
 
-def backward_input(outputs: list[torch.Tensor], grads: list[torch.Tensor | None],
+def _key(t: torch.Tensor | GradientEdge) -> tuple[Node, int] | None:
+    """Where the backward enters an output's graph: ``(node, input number)``, for a tensor
+    or a :class:`GradientEdge` (an output whose data the stage released after sending it),
+    None for a leaf tensor."""
+    if isinstance(t, GradientEdge):
+        return t.node, t.output_nr
+    return (t.grad_fn, t.output_nr) if t.grad_fn is not None else None
+
+
+def backward_input(outputs: list, grads: list[torch.Tensor | None],
                    leaves: list[torch.Tensor], params: list[torch.Tensor]
                    ) -> tuple[list[torch.Tensor | None], WeightWork]:
     """B: the gradients of ``leaves`` only; record what :func:`backward_weight` needs.
 
     Args:
-        outputs: tensors to differentiate (stage outputs read by other stages, and the loss).
+        outputs: tensors to differentiate (stage outputs read by other stages, and the loss),
+            or the :class:`GradientEdge` of an output whose data was released once sent.
         grads: gradient of each output, same shape (``None`` for a scalar loss: ones).
         leaves: received inputs (leaf tensors with ``requires_grad``) whose gradients B returns.
         params: the stage's parameters, each once (W accumulates their ``.grad``).
@@ -88,10 +98,10 @@ def backward_input(outputs: list[torch.Tensor], grads: list[torch.Tensor | None]
         autograd graph is kept (``retain_graph``) until W has run. ``.grad`` is not touched.
     """
     pairs = [(t, torch.ones_like(t) if g is None else g) for t, g in zip(outputs, grads)
-             if t.requires_grad]
+             if isinstance(t, GradientEdge) or t.requires_grad]
     leaf_ids = {id(t) for t in leaves}
     param_ids = {id(p) for p in params}
-    order = _post_order([t.grad_fn for t, _ in pairs if t.grad_fn is not None])
+    order = _post_order([k[0] for k in (_key(t) for t, _ in pairs) if k is not None])
     in_b: dict[Node, bool] = {}
     wparams: dict[Node, frozenset[int]] = {}  # W node -> ids of the parameters it leads to
     for node in order:  # children first
@@ -149,8 +159,8 @@ def backward_input(outputs: list[torch.Tensor], grads: list[torch.Tensor | None]
         if outs:
             work.reenter.append((outs, [g for g in rec if g is not None], edges))
     for t, g in pairs:  # outputs that depend on no input: W starts there directly
-        if t.grad_fn is not None and not in_b[t.grad_fn] and wparams[t.grad_fn] - slow_ids:
-            key = (t.grad_fn, t.output_nr)
+        key = _key(t)
+        if key is not None and not in_b[key[0]] and wparams[key[0]] - slow_ids:
             work.roots[key] = g if key not in work.roots else work.roots[key] + g
     work.fast_params = [p for p in params if id(p) not in slow_ids]
     if slow_ids:

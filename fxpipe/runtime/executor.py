@@ -31,6 +31,12 @@ travel between stages in 16 bits. fp16 adds dynamic loss scaling (:mod:`fxpipe.r
 step_grads`): a step with an inf/NaN gradient on any rank is skipped on every rank.
 
 Activations of a micro-batch are released after its last backward (``B``, or ``W`` when split).
+An output that only stages of other ranks read is released earlier, once it is sent to each
+of them (:meth:`StageWork.sent <fxpipe.runtime.stage.StageWork.sent>`: the stage keeps its
+graph, B starts there): from then on only the send holds its data, until the send is finished:
+as soon as it reports completion (NCCL, checked at each send) or, at the latest, when the
+consumer's gradient for that micro-batch arrives (its receipt proves the send done; gloo's
+sends report completion only once waited), else at the end of the step.
 The executor counts the micro-batches whose activations are held per stage (peak in flight) and
 the bytes it sends per step (:class:`BytesSent`), and records one wall-clock event per action
 (and, at tensor degree > 1, per tensor-group collective, reported to the mesh's recorder) for
@@ -42,6 +48,7 @@ torch.distributed.pipelining's ``_Action`` IR; no DDP is used (see data_parallel
 from __future__ import annotations
 
 import time
+import weakref
 from contextlib import nullcontext
 from typing import Callable
 
@@ -244,6 +251,10 @@ class PipelineExecutor:
         self.skipped_steps: list[int] = []
         self.step_bytes_sent: list[BytesSent] = []
         self._step_gradient_bytes = 0
+        #: forward sends of the last step still unfinished at its end (values whose consumer
+        #: sends no gradient back, or an action list without that RECV_B); what they read was
+        #: held until then
+        self.open_forward_sends = 0
         self._steps_run = 0
         self._fwd_only: ActionList | None = None
         self._eval_work: dict[tuple[int, ...], dict[int, StageWork]] = {}
@@ -281,10 +292,26 @@ class PipelineExecutor:
         return wanted if self.mesh.dp > 1 and sync_gradients else set()
 
     def _stage_work(self, modules: dict[int, nn.Module], split: bool) -> dict[int, StageWork]:
-        return {s: StageWork(self.stage_plans[s], modules[s], self.plan.values, self._consumers,
+        work = {s: StageWork(self.stage_plans[s], modules[s], self.plan.values, self._consumers,
                              split, self._autocast, lambda i: self._ctx(self._action),
                              self.plan.model_output if s == self.loss_stage else None)
                 for s in self.local_stages}
+        for s, w in work.items():
+            w.release_after = self._released_outputs(s)
+        return work
+
+    def _released_outputs(self, s: int) -> dict[str, int]:
+        """Stage ``s``'s outputs whose data it stops holding once sent: those whose every
+        consumer stage is on another pipeline rank (a value handed over in memory is the
+        consumer's input, and the loss stage's model output is read by the loss), each with
+        how many sends (one per consumer stage) come first."""
+        out = {}
+        for n in self.stage_plans[s].outputs:
+            readers = self._consumers.get(n, [])
+            if (readers and n != self.plan.model_output
+                    and not any(self.links.same_rank(s, t) for t in readers)):
+                out[n] = len(set(readers))
+        return out
 
     # ------------------------------------------------------------------ the step
     def step(self, inputs: dict[str, torch.Tensor], target: torch.Tensor | None,
@@ -515,8 +542,10 @@ class PipelineExecutor:
     def _send_f(self, a: Action, st: StepState) -> None:
         s, t, i = a.stage, a.peer, a.microbatch
         if not self.links.same_rank(s, t):
-            self._send(st, a, [(n, self.work[s].output(i, n)) for n in self.edges[(s, t)]],
-                       s, t, False)
+            names = self.edges[(s, t)]
+            self._send(st, a, [(n, self.work[s].output(i, n)) for n in names], s, t, False)
+            for n in names:  # the send holds its own alias: the stage may let go of the data
+                self.work[s].sent(i, n)
 
     def _send(self, st: StepState, a: Action, items: list[tuple[str, torch.Tensor]], s: int,
               t: int, backward: bool) -> None:
@@ -524,13 +553,35 @@ class PipelineExecutor:
         sends, nbytes = self.links.send(items, s, t, a.microbatch, backward, self._ctx(a))
         st.sends.extend(sends)
         st.message_bytes += nbytes
+        if not backward:  # finished at the latest when t's gradient for them arrives (weak
+            # references: a send reaped before that is let go)
+            st.sent_f.setdefault((s, t, a.microbatch), []).extend(
+                weakref.ref(p) for p, _ in sends)
+
+    def _finish_sent_f(self, st: StepState, s: int, t: int, i: int) -> None:
+        """Stage ``t``'s gradient of micro-batch ``i`` arrived: it received what stage ``s``
+        sent it for ``i``, so those sends are done; finish them now (the wait returns at once),
+        freeing what they held rather than at the end of the step (gloo's send works report
+        completion only once waited)."""
+        done = [p for p in (r() for r in st.sent_f.pop((s, t, i), ())) if p is not None]
+        if not done:
+            return
+        ids = {id(p) for p in done}
+        left = []
+        for pend, ctx in st.sends:
+            if id(pend) in ids:
+                p2p.wait(pend, ctx, self.timeout_s)
+            else:
+                left.append((pend, ctx))
+        st.sends[:] = left
 
     def _reap_sends(self, st: StepState) -> None:
         """Finish the sends that have completed (their errors surface here), so that what they
         read is freed as the pipeline goes, not held to the end of the step: the planner
         counts a stage's activations per micro-batch in flight, not per micro-batch sent.
         (NCCL's works report completion; gloo's send works report it only once waited, so
-        on CPU the sends are still finished at the end of the step.)"""
+        on CPU a forward send is finished when its consumer's gradient arrives,
+        :meth:`_finish_sent_f`, or at the end of the step.)"""
         left = []
         for pend, ctx in st.sends:
             if pend.work.is_completed():
@@ -576,6 +627,7 @@ class PipelineExecutor:
         if not self.links.same_rank(s, t):
             for n, g in self._received(a, st):
                 self.work[s].add_output_grad(i, n, g)
+            self._finish_sent_f(st, s, t, i)
 
     # ------------------------------------------------------------------ step end
     def _stage_done(self, stage: int) -> None:
@@ -585,9 +637,12 @@ class PipelineExecutor:
         self.grad_reducer.stage_done(stage)
 
     def _finish_step(self, st: StepState, a: Action) -> None:
+        self.open_forward_sends = sum(r() is not None for refs in st.sent_f.values()
+                                      for r in refs)
         for pend, ctx in st.sends:
             p2p.wait(pend, ctx, self.timeout_s)
         st.sends.clear()
+        st.sent_f.clear()
         for s in self.local_stages:  # stages the schedule did not all-reduce explicitly
             if not self.grads.is_done(s):
                 self._stage_done(s)

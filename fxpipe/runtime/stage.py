@@ -6,6 +6,13 @@ loss (on the stage that computes it), the gradients of its outputs as they arriv
 stages that read them, and, after a split B, what W still has to do
 (:mod:`fxpipe.runtime.backward_split`). It knows nothing of ranks or communication: the
 executor (:mod:`fxpipe.runtime.executor`) feeds it inputs and routes what it returns.
+
+An output that only other ranks read stops being held once it is sent (:meth:`StageWork.sent`,
+Megatron-LM's ``deallocate_output_tensor``): the stage keeps where its backward enters the
+output's graph (a ``GradientEdge``), not the output's data, and B starts there; only the
+send's own alias (:mod:`fxpipe.runtime.p2p`) keeps the storage until the send completes. A
+gradient arriving for such an output is checked against the plan's shape and dtype here, and
+by autograd against the graph's own record of the output (never against the tensor's shape).
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from typing import Callable
 
 import torch
 import torch.nn as nn
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from fxpipe.errors import RuntimeFailure, ScheduleError
 from fxpipe.plans.plan import StagePlan
@@ -31,13 +39,32 @@ class _Microbatch:
     """Saved state of one micro-batch between its forward and its last backward."""
 
     leaves: list[tuple[str, torch.Tensor]]  # received float inputs (autograd leaves)
-    outs: dict[str, torch.Tensor]
+    outs: dict[str, torch.Tensor | Sent]  # (a sent output: its graph edge only)
     loss: torch.Tensor | None
     grads: dict[str, torch.Tensor]  # gradient of each output, summed over its consumers
     grad_counts: dict[str, int]
     pending_w: WeightWork | list[WeightWork] | None = None  # after a split B: what W needs
     replay: Replay | PartialReplay | None = None  # a recomputing stage: its second forward's
     loss_leaf: torch.Tensor | None = None  # ... and the output its loss read (a leaf)
+    sends: dict[str, int] | None = None  # sent output -> sends still to come before release
+
+
+@dataclass(frozen=True)
+class Sent:
+    """An output sent to other ranks whose data the stage no longer holds (:meth:`StageWork.
+    sent`): its dtype, and where B enters its graph (None: it takes no gradient)."""
+
+    dtype: torch.dtype
+    edge: GradientEdge | None
+
+    @property
+    def requires_grad(self) -> bool:
+        return self.edge is not None
+
+
+def _root(t: torch.Tensor | Sent) -> torch.Tensor | GradientEdge:
+    """What B starts from for an output: the tensor, or a sent one's graph edge."""
+    return t.edge if isinstance(t, Sent) else t
 
 
 def trainable_parameters(module: nn.Module) -> list[nn.Parameter]:
@@ -63,6 +90,12 @@ class StageWork:
         context: a factory of the text naming (stage, micro-batch) for error messages.
         loss_input: on the stage that computes the loss, the name of the output it reads (the
             model's output); None elsewhere.
+
+    Attributes:
+        release_after: output name -> how many sends (one per consumer stage) after which the
+            stage stops holding its data (:meth:`sent`), for the outputs read only by stages
+            of other ranks; set by the executor (empty: every output held until B).
+        released: outputs whose data the stage let go of once sent, over all steps.
     """
 
     def __init__(self, plan_stage: StagePlan, module: nn.Module, values: dict[str, ValueInfo],
@@ -77,6 +110,8 @@ class StageWork:
         self._split, self._autocast, self._ctx = split_backward, autocast, context
         self._mb: dict[int, _Microbatch] = {}
         self.peak = 0  # micro-batches held at once this step
+        self.release_after: dict[str, int] = {}
+        self.released = 0
         self.offload = Offload(module) if plan_stage.offload_bytes else None
         #: per-block parameter gathering (:class:`~fxpipe.runtime.block_gather.BlockGather`,
         #: whose rewritten module this is), set by the executor; None: parameters stay whole
@@ -203,12 +238,41 @@ class StageWork:
         """Output ``name`` of micro-batch ``i`` (to send or hand over).
 
         Raises:
-            ScheduleError: micro-batch ``i`` has not run its forward.
+            ScheduleError: micro-batch ``i`` has not run its forward, or the output was sent
+                to every stage that reads it already (its data released).
         """
         mb = self._mb.get(i)
         if mb is None:
             raise ScheduleError(f"{self._ctx(i)}: send before the stage's forward")
-        return mb.outs[name]
+        out = mb.outs[name]
+        if isinstance(out, Sent):
+            raise ScheduleError(f"{self._ctx(i)}: {name!r} was sent to each of its "
+                                f"{self.release_after.get(name, 0)} consumer stages already "
+                                "(its data released); a schedule sends it once per consumer")
+        return out
+
+    def sent(self, i: int, name: str) -> None:
+        """Output ``name`` of micro-batch ``i`` was handed to a send (which keeps its own alias
+        of the data until it completes). After the last of its ``release_after[name]`` sends
+        the stage keeps only where B enters the output's graph, not its data (Megatron-LM's
+        ``deallocate_output_tensor``); the loss's input, outputs read on this rank and
+        outputs that are autograd leaves (an input passed on, held as the input anyway) are
+        never listed in ``release_after`` / never released."""
+        mb = self._mb.get(i)
+        want = self.release_after.get(name)
+        if mb is None or want is None or name == self.loss_input:
+            return
+        if mb.sends is None:
+            mb.sends = {}
+        left = mb.sends.get(name, want) - 1
+        mb.sends[name] = left
+        out = mb.outs[name]
+        if left > 0 or isinstance(out, Sent):
+            return
+        if out.requires_grad and out.grad_fn is None:  # a leaf: held as the input anyway
+            return
+        mb.outs[name] = Sent(out.dtype, get_gradient_edge(out) if out.requires_grad else None)
+        self.released += 1
 
     # ------------------------------------------------------------------ gradients in
     def add_output_grad(self, i: int, name: str, g: torch.Tensor) -> None:
@@ -221,6 +285,13 @@ class StageWork:
         if mb is None:
             raise ScheduleError(f"gradient of {name!r} for stage {self.index} micro-batch {i} "
                                 "arrived before that stage's forward")
+        info = self._values.get(name)
+        if info is not None and (list(g.shape) != list(info.shape)
+                                 or g.dtype != self._dtypes[name]):
+            raise RuntimeFailure(
+                f"{self._ctx(i)}: the gradient of {name!r} is {tuple(g.shape)} {g.dtype} but "
+                f"the plan says {tuple(info.shape)} {info.dtype} per micro-batch for the value; "
+                "every stage must run from this plan")
         mb.grads[name] = g if name not in mb.grads else mb.grads[name] + g
         mb.grad_counts[name] = mb.grad_counts.get(name, 0) + 1
 
@@ -257,8 +328,8 @@ class StageWork:
             g = mb.grads[name]
             if name == self.loss_input and loss_grad is not None:
                 g, loss_grad = g + loss_grad, None
-            if outs[name].requires_grad:
-                tensors.append(outs[name])
+            if outs[name].requires_grad:  # (a sent output: its graph edge)
+                tensors.append(_root(outs[name]))
                 grads.append(g)
         if loss_grad is not None and outs[self.loss_input].requires_grad:
             tensors.append(outs[self.loss_input])

@@ -46,6 +46,9 @@ class StepState:
     inputs: dict[tuple[int, int], dict[str, torch.Tensor]] = field(default_factory=dict)
     send_grads: dict[tuple[int, int], dict[str, torch.Tensor]] = field(default_factory=dict)
     sends: list[tuple[p2p.Pending, str]] = field(default_factory=list)
+    #: forward sends by (stage, consumer stage, micro-batch), finished when the consumer's
+    #: gradient for them arrives (a subset of ``sends``)
+    sent_f: dict[tuple[int, int, int], list] = field(default_factory=dict)  # weak refs
     loss_sum: torch.Tensor | None = None
     weights: list[float] | None = None  # per micro-batch; None: 1/m each
     stepped: bool = False

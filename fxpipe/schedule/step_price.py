@@ -40,6 +40,9 @@ class StageStep:
             stage only): what its replicas reduce.
         shared_bytes: of those, the bytes of parameters other stages use too (a tied
             embedding): reduced whole, never sharded.
+        tied_bytes: the bytes of parameters charged to another stage that this one uses too
+            (a tied embedding's later copy): not in ``param_bytes``; gathered block by block,
+            held whole with their gradients and optimizer state like ``shared_bytes``.
         matrices: the shapes of the stage's trained parameters (PowerSGD compresses each
             matrix); empty when unknown (then priced as one vector of ``param_bytes``).
         send_s, grad_send_s: sender-side seconds of one forward / gradient send.
@@ -64,6 +67,7 @@ class StageStep:
     grad_send_s: float = 0.0
     gather_rows: list[list[float]] = field(default_factory=list)
     gather_replay: bool = False
+    tied_bytes: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -146,7 +150,7 @@ class Reduction:
         ``P_g`` (``P`` in all; ``n`` replicas, ``k`` optimizer bytes per parameter byte):
         ``(3 + k) / n x P`` of shards (master, float32 gradient slices of the step and kept
         across steps, optimizer state), the shared parameters whole with their state
-        (``(2 + k) x shared_bytes``), the largest adjacent pair of groups gathered
+        (``(2 + k) x (shared_bytes + tied_bytes)``), the largest adjacent pair of groups gathered
         (``P_g + P_g+1``; one group alone), the reduce-scatters' buffers (the largest
         ``w P_g + w P_g / n + w P_g-1``, ``w`` the wire's share: 1/2 under 16-bit compression)
         and the whole gradients of one group (the largest), or of every group under a split
@@ -155,7 +159,7 @@ class Reduction:
         if not (sharded and st.gather_rows):
             return float(st.param_bytes) * self.state_factor
         return block_static_bytes([float(r[0]) for r in st.gather_rows],
-                                  float(st.shared_bytes), self.dp,
+                                  float(st.shared_bytes) + float(st.tied_bytes), self.dp,
                                   OPTIMIZER_STATE_FACTOR[self.optimizer] - 2.0,
                                   0.5 if self.method in WIRE16 else 1.0, split)
 
@@ -241,7 +245,7 @@ def _with_gathers(stages: Sequence[StageStep], reduction: "Reduction", links: Li
         out.append(StageStep(st.fwd_s + xf, st.bwd_input_s + xb, st.bwd_weight_s + xw,
                              st.activation_bytes, st.param_bytes, st.shared_bytes,
                              st.matrices, st.send_s, st.grad_send_s, st.gather_rows,
-                             st.gather_replay))
+                             st.gather_replay, st.tied_bytes))
     return out
 
 

@@ -180,6 +180,40 @@ def _fmt(x: float) -> str:
     return f"{x:.3g}" if x else "0"
 
 
+def memory_levers(plan) -> str:
+    """The memory levers the plan exercises, for the check's header: recomputation per stage
+    mode (selective, full, partial: the first N blocks), activation offload, data sharding
+    and per-block parameter gathering; ``none`` where it uses none."""
+    def stages(idx: list[int]) -> str:
+        if len(idx) == plan.num_stages and len(idx) > 1:
+            return "every stage"
+        return f"stage{'s' if len(idx) > 1 else ''} {', '.join(map(str, idx))}"
+
+    parts = []
+    by_mode: dict[str, list[int]] = {}
+    for j, st in enumerate(plan.stages):
+        by_mode.setdefault(st.recompute_mode, []).append(j)
+    for mode in ("selective", "full", "partial"):
+        idx = by_mode.get(mode)
+        if not idx:
+            continue
+        what = mode + " recomputation"
+        if mode == "partial":
+            blocks = sorted({plan.stages[j].recompute_blocks for j in idx})
+            what = ("partial recomputation (first "
+                    + "/".join(map(str, blocks)) + f" block{'s' if blocks != [1] else ''})")
+        parts.append(f"{what} on {stages(idx)}")
+    off = [j for j, st in enumerate(plan.stages) if st.offload_bytes]
+    if off:
+        parts.append(f"activation offload on {stages(off)}")
+    if plan.data_sharding != "none" and plan.dp > 1:
+        parts.append(f"data sharding {plan.data_sharding}")
+    blk = [j for j, st in enumerate(plan.stages) if st.param_gather == "block"]
+    if blk:
+        parts.append(f"param_gather: block on {stages(blk)}")
+    return "; ".join(parts) if parts else "none (activations kept, parameters whole)"
+
+
 def check(spec_ref: Any, steps: int | None = None, out=None) -> int:
     """Run the check (see the module doc), print the comparison to ``out`` (stdout) and
     return the exit status: 0 equivalent, 1 not.
@@ -236,6 +270,7 @@ def check(spec_ref: Any, steps: int | None = None, out=None) -> int:
     say(f"fxpipe check: {plural(steps, 'step')} of {plan.model} on the plan ({layout}; "
         f"{plural(plan.world_size, 'rank')}) against one process, {t.precision}, "
         f"{t.optimizer}" + (f", {k} batches per step" if k > 1 else ""))
+    say(f"memory levers exercised: {memory_levers(plan)}")
     for note in notes:
         say(f"note: {note}")
     t0 = time.perf_counter()
