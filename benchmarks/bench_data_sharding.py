@@ -36,6 +36,7 @@ from benchmarks import _report  # noqa: E402
 from benchmarks.bench_tensor_parallel import GPUS  # noqa: E402
 from fxpipe.errors import FxpipeError  # noqa: E402
 from fxpipe.examples.gpt import CharGPT  # noqa: E402
+from fxpipe.partitioner.bounds import SPLIT_BACKWARD  # noqa: E402
 from fxpipe.plans.plan import Plan  # noqa: E402
 from fxpipe.plans.state_bytes import held_state_bytes, sharded_bytes_sent  # noqa: E402
 from fxpipe.runtime.local_ranks import run_ranks  # noqa: E402
@@ -150,16 +151,20 @@ def _layout(plan: Plan) -> str:
     rc = sum(st.recompute for st in plan.stages)
     return (f"tp={plan.tensor} pp={plan.pipeline} dp={plan.dp} m={plan.microbatches} "
             f"{plan.schedule}, sharding {plan.data_sharding}"
+            + (", gather block" if any(st.param_gather == "block" for st in plan.stages) else "")
             + (f", recompute {rc}/{plan.num_stages}" if rc else ""))
 
 
 def _state_gb(plan: Plan) -> float:
     """The most training state (weights, gradients, optimizer) one rank holds during a step, in
-    GB, as the planner's memory model counts it (``param_bytes x state_factor``)."""
-    factor = state_factor("adamw", plan.data_sharding, plan.dp)
+    GB, as the planner's memory model counts it (``param_bytes x state_factor``; a stage
+    gathering its parameters per block: its shards, the gathered blocks on top not counted)."""
+    split = plan.schedule in SPLIT_BACKWARD
     per_rank: dict[int, float] = {}
     for s, r in enumerate(plan.stage_ranks()):
-        per_rank[r] = per_rank.get(r, 0.0) + plan.stages[s].param_bytes * factor
+        st = plan.stages[s]
+        factor = state_factor("adamw", plan.data_sharding, plan.dp, st.param_gather, split)
+        per_rank[r] = per_rank.get(r, 0.0) + st.param_bytes * factor
     return max(per_rank.values()) / 1e9
 
 
