@@ -13,7 +13,8 @@ BatchNorm statistics are per micro-batch (as in GPipe), so the ResNet's referenc
 micro-batch by micro-batch; everything else is the same. GPT-2 and Llama also run their cuts
 with the memory levers: full, selective and partial recomputation, activation offload, and sharded
 data parallelism gathering the parameters per block (``data_sharding: full``,
-``param_gather: block``; GPT-2 under 1F1B, Llama under ZB-H1).
+``param_gather: block``; GPT-2 under 1F1B, Llama under ZB-H1), and GPT-2 under ZB-V and Llama
+interleaved over 4 stages with selective recomputation, offload and per-block gathering.
 """
 
 from __future__ import annotations
@@ -55,10 +56,11 @@ SELECTIVE_RIDGE = 6.0
 
 
 def _plan(name: str, pipeline: int, data: int, microbatches: int, schedule: str,
-          **train) -> Plan:
-    """fxpipe's plan (planned once per configuration: real_models.plan)."""
+          _raw: bool = False, **train) -> Plan:
+    """fxpipe's plan (planned once per configuration: real_models.plan); ``train`` fields, or
+    ``section__field`` ones as they are with ``_raw``."""
     return zoo.plan(name, pipeline, data, microbatches, schedule,
-                    **{f"train__{k}": v for k, v in train.items()})
+                    **(train if _raw else {f"train__{k}": v for k, v in train.items()}))
 
 
 def _batch(name: str, step: int):
@@ -214,6 +216,18 @@ def trained():
                                                          "recompute_blocks": 1}
     cases[zoo.NAMES.index("llama")][2]["zb-h1 partial"] = {
         "schedule": "zb-h1", "recompute": [True] * PIPE, "recompute_blocks": 1}
+    # the V and interleaved schedules (two stages per rank: GPT-2 under ZB-V, Llama
+    # interleaved over 4 stages) with the levers, per-block gathering last (see below)
+    levers = {"selective": {"recompute": [True] * 2 * PIPE, "keep_ridge": SELECTIVE_RIDGE},
+              "offload": {"offload_bytes": 1},
+              "block": {"param_gather": "block", "data_sharding": "full"}}
+    for name, schedule, over in (("gpt2", "zb-v", {}),
+                                 ("llama", "interleaved", {"virtual_stages": 2})):
+        vplan = _plan(name, PIPE, DP, M, schedule, **{f"parallel__{k}": v
+                                                      for k, v in over.items()}, _raw=True)
+        assert vplan.num_stages == 2 * PIPE, (name, vplan.num_stages)
+        cases.append((name, vplan.to_dict(), {
+            schedule: {}, **{f"{schedule} {k}": v for k, v in levers.items()}}))
     # issue 36: data_sharding full gathered per block (param_gather: block), a whole backward
     # and a split one; last, since they leave the parameters views of the gathered buffers
     cases[zoo.NAMES.index("gpt2")][2]["1f1b block"] = {"param_gather": "block",
@@ -246,7 +260,10 @@ def test_plans_into_two_and_four_stages(name):
                          + [(n, f"{s} {lever}") for n in ("gpt2", "llama")
                             for s in ("1f1b", "zb-h1") for lever in ("selective", "offload")]
                          + [("gpt2", "1f1b block"), ("llama", "zb-h1 block")]
-                         + [("gpt2", "1f1b partial"), ("llama", "zb-h1 partial")])
+                         + [("gpt2", "1f1b partial"), ("llama", "zb-h1 partial")]
+                         + [(n, f"{s}{lever}") for n, s in (("gpt2", "zb-v"),
+                                                          ("llama", "interleaved"))
+                            for lever in ("", " selective", " offload", " block")])
 def test_trains_like_single_process(trained, name, schedule):
     ref_losses, ref_model, (loss_tol, param_tol) = _reference(name)
     got = trained[(name, schedule)]
