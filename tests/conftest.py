@@ -58,10 +58,11 @@ def tiny_run(tmp_path_factory):
 #: these start first and no long file is left for the end; the others follow as collected
 HEAVY_FIRST = ("test_resume.py", "test_multinode.py", "test_real_models.py",
                "test_tensor_parallel.py", "test_tensor_resume.py", "test_real_model_inputs.py",
-               "test_compiled.py",
+               "test_compiled.py", "test_data_sharding.py",
                "test_user_data.py", "test_check.py", "test_gpu_check_dry_run.py",
                "test_faults.py", "test_bench_planning_smoke.py", "test_cli.py",
                "test_planning_at_scale.py", "test_executor.py", "test_schedules_execute.py",
+               "test_lever_explanations.py", "test_recompute.py", "test_memory_consistency.py",
                "test_async_updates.py", "test_compression.py", "test_bench_hf_smoke.py",
                "test_bench_compression_smoke.py")
 #: files that share a session fixture or cache run on one xdist worker, as one unit: one launch
