@@ -111,3 +111,19 @@ def exact_bounds(ref_losses: list[float], init: dict[str, torch.Tensor],
         return loss, adamw_param_bound(lr_sum, grad, size, global_batch, steps, dtype=dtype)
     moved = max(float((final[k] - init[k]).abs().max()) for k in final)
     return loss, bound(size, 1, steps, dtype) + bound(moved, global_batch, steps, dtype)
+
+
+def planned_chargpt(recompute: str, memory_gb: float, n_layer: int = 4):
+    """``fxpipe.plan`` of a seeded CharGPT (``n_layer`` x 128 wide, sequences of 128) on 2 CPU
+    devices of ``memory_gb``, pipeline 2, 8 micro-batches of 4, 1F1B, with
+    ``train.activation_recompute: recompute`` (the recomputation tests' tight devices)."""
+    import fxpipe
+
+    torch.manual_seed(0)
+    model = CharGPT(n_layer=n_layer, n_embd=128, n_head=4, block_size=128)
+    spec = {"model": {"factory": "fxpipe.examples.gpt:CharGPT"},
+            "data": {"batch_size": 32, "seq_len": 128},
+            "parallel": {"pipeline": 2, "data": 1, "microbatches": 8, "schedule": "1f1b"},
+            "cluster": {"nodes": 1, "devices_per_node": 2, "memory_gb": memory_gb},
+            "train": {"activation_recompute": recompute}}
+    return fxpipe.plan(model, spec, torch.randint(0, 256, (4, 128)))

@@ -21,6 +21,11 @@ from fxpipe.plans.plan import StagePlan
 from fxpipe.plans.values import ValueInfo
 from fxpipe.runtime.stage import StageWork
 
+try:
+    from shared_models import planned_chargpt as _plan
+except ImportError:  # tests/ collected as a package
+    from tests.shared_models import planned_chargpt as _plan
+
 B, D = 8, 16
 #: keeps the linear layers' outputs (FLOPs per byte = input width / 2 in fp32 = 8)
 RIDGE = 4.0
@@ -86,6 +91,19 @@ def _send(work: StageWork, i: int, name: str = "y") -> weakref.ref:
     return storage
 
 
+def _backward_all(work: StageWork, loss: bool, split: bool) -> list[torch.Tensor]:
+    """B (and W under ``split``) of micro-batches 0..2, each output's gradient 0.1 x (i + 1)
+    where the stage sends it; the input gradients."""
+    in_grads = []
+    for i in range(3):
+        if not loss:
+            work.add_output_grad(i, "y", torch.full((B, D), 0.1 * (i + 1)))
+        in_grads.append(work.backward(i)[0][1])
+        if split:
+            work.weight(i)
+    return in_grads
+
+
 def _run(mode: str, split: bool, loss: bool, make=Noisy, release: bool = False):
     """Three micro-batches through one stage; ``release``: its output is sent after each
     forward and the stage keeps only its graph (``StageWork.sent``)."""
@@ -103,13 +121,7 @@ def _run(mode: str, split: bool, loss: bool, make=Noisy, release: bool = False):
             storages.append(_send(work, i))
     after_forwards = mod.calls
     held = [r() is not None for r in storages]  # after the sends, before the backward
-    in_grads = []
-    for i in range(3):
-        if not loss:
-            work.add_output_grad(i, "y", torch.full((B, D), 0.1 * (i + 1)))
-        in_grads.append(work.backward(i)[0][1])
-        if split:
-            work.weight(i)
+    in_grads = _backward_all(work, loss, split)
     moved = (work.offload.out_bytes, work.offload.in_bytes) if work.offload else (0, 0)
     return dict(calls=(after_forwards, mod.calls), in_grads=in_grads, moved=moved, held=held,
                 grads=[p.grad.clone() for p in mod.parameters()],
@@ -236,20 +248,6 @@ def test_selective_rule_keeps_matmuls_and_recomputes_the_rest():
     assert not keeps_op(aten.gelu.default, (out,), {}, F.gelu(out), ridge=0.0)
     with pytest.raises(ValueError, match="must be > 0"):
         ridge_of(0.0, 1e9)
-
-
-def _plan(mode: str, memory_gb: float):
-    import fxpipe
-    from fxpipe.examples.gpt import CharGPT
-
-    torch.manual_seed(0)
-    model = CharGPT(n_layer=4, n_embd=128, n_head=4, block_size=128)
-    spec = {"model": {"factory": "fxpipe.examples.gpt:CharGPT"},
-            "data": {"batch_size": 32, "seq_len": 128},
-            "parallel": {"pipeline": 2, "data": 1, "microbatches": 8, "schedule": "1f1b"},
-            "cluster": {"nodes": 1, "devices_per_node": 2, "memory_gb": memory_gb},
-            "train": {"activation_recompute": mode}}
-    return fxpipe.plan(model, spec, torch.randint(0, 256, (4, 128)))
 
 
 def test_planner_prices_selective_between_none_and_full_and_auto_weighs_it():
@@ -501,13 +499,7 @@ def _run_blocks(blocks: int | None, split: bool, loss: bool, release: bool = Fal
         work.forward(i, [x], F.mse_loss if loss else None, target if loss else None)
         if release:  # the send done: nothing else holds the output's storage
             assert _send(work, i)() is None
-    in_grads = []
-    for i in range(3):
-        if not loss:
-            work.add_output_grad(i, "y", torch.full((B, D), 0.1 * (i + 1)))
-        in_grads.append(work.backward(i)[0][1])
-        if split:
-            work.weight(i)
+    in_grads = _backward_all(work, loss, split)
     return dict(in_grads=in_grads, grads={n: p.grad.clone() for n, p in gm.named_parameters()},
                 rng=torch.get_rng_state(), work=work, gm=gm)
 

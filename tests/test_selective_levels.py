@@ -13,28 +13,20 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import fxpipe
 import fxpipe.execution.selective as selective
-from fxpipe.examples.gpt import CharGPT
 from fxpipe.plans.plan import StagePlan
 from fxpipe.plans.values import ValueInfo
 from fxpipe.runtime.stage import StageWork
+
+try:
+    from shared_models import planned_chargpt as _plan
+except ImportError:  # tests/ collected as a package
+    from tests.shared_models import planned_chargpt as _plan
 
 #: the default CPU device's ridge point: 0.05 TFLOP/s over 20 GB/s
 RIDGE = 0.05e12 / 20e9
 #: what the plan's explanation prints its step times with (ms, two decimals)
 PRINTED_MS = 0.005
-
-
-def _plan(mode: str, memory_gb: float, n_layer: int = 4):
-    torch.manual_seed(0)
-    model = CharGPT(n_layer=n_layer, n_embd=128, n_head=4, block_size=128)
-    spec = {"model": {"factory": "fxpipe.examples.gpt:CharGPT"},
-            "data": {"batch_size": 32, "seq_len": 128},
-            "parallel": {"pipeline": 2, "data": 1, "microbatches": 8, "schedule": "1f1b"},
-            "cluster": {"nodes": 1, "devices_per_node": 2, "memory_gb": memory_gb},
-            "train": {"activation_recompute": mode}}
-    return fxpipe.plan(model, spec, torch.randint(0, 256, (4, 128)))
 
 
 def _ms(line: str, before: str) -> float:

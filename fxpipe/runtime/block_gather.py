@@ -77,12 +77,11 @@ import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 
-from fxpipe.errors import RuntimeFailure, comm_error_text, failed_how
+from fxpipe.errors import RuntimeFailure
 from fxpipe.execution.rebuild import rebuilt
 from fxpipe.plans.param_blocks import group_of
 from fxpipe.runtime.compression import ring_allgather_bytes
-from fxpipe.runtime.sharded_bucket import _REDUCE_SCATTER, ShardedBucket, _timeout
-from fxpipe.runtime.p2p import describe_peers
+from fxpipe.runtime.sharded_bucket import _REDUCE_SCATTER, ShardedBucket, wait_collective
 
 __all__ = ["BlockGather", "GroupBucket", "Held", "stage_groups", "predicted_gathered_peak",
            "predicted_reducing_peak"]
@@ -163,14 +162,8 @@ class GroupBucket(ShardedBucket):
         work, self._ag = self._ag, None
         if work is None:
             return
-        t = self.timeout_s if timeout_s is None else timeout_s
-        try:
-            work.wait(_timeout(t))
-        except Exception as e:  # gloo/NCCL raise RuntimeError / DistBackendError
-            who, logs = describe_peers(self.peers)
-            raise RuntimeFailure(
-                f"{self.name} parameter all-gather ({self.nbytes} bytes) with {who} "
-                f"{failed_how(e, t)}: {comm_error_text(e)}. Check {logs}") from None
+        wait_collective(work, "parameter all-gather", self.name, self.nbytes, self.peers,
+                        self.timeout_s if timeout_s is None else timeout_s)
 
     def gather(self, timeout_s: float) -> None:
         self.start_gather()
@@ -215,14 +208,8 @@ class GroupBucket(ShardedBucket):
         """Finish the reduce-scatters in flight, adding their slices to this step's."""
         for work, wire, out in self._rs:
             if work is not None:
-                try:
-                    work.wait(_timeout(self.timeout_s))
-                except Exception as e:
-                    who, logs = describe_peers(self.peers)
-                    raise RuntimeFailure(
-                        f"{self.name} gradient reduce-scatter ({self._wire_bytes} bytes) with "
-                        f"{who} {failed_how(e, self.timeout_s)}: {comm_error_text(e)}. Check "
-                        f"{logs}; raise train.timeout_s if a peer is only slow") from None
+                wait_collective(work, "gradient reduce-scatter", self.name, self._wire_bytes,
+                                self.peers, self.timeout_s, slow_hint=True)
             if self._acc is None:
                 self._acc = torch.zeros(self.slice, dtype=torch.float32, device=out.device)
             self._acc.add_(out.float())

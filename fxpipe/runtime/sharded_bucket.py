@@ -23,6 +23,22 @@ def _timeout(timeout_s: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=timeout_s)
 
 
+def wait_collective(work, what: str, name: str, nbytes: int, peers: list[int],
+                    timeout_s: float, slow_hint: bool = False) -> None:
+    """Wait for a collective's ``work`` over the data-parallel group, or raise a
+    :class:`~fxpipe.errors.RuntimeFailure` naming it (``name``'s ``what``, ``nbytes`` bytes),
+    the peers and how it failed (``slow_hint``: add that a merely slow peer needs a longer
+    ``train.timeout_s``)."""
+    try:
+        work.wait(_timeout(timeout_s))
+    except Exception as e:  # gloo/NCCL raise RuntimeError / DistBackendError
+        who, logs = describe_peers(peers)
+        raise RuntimeFailure(
+            f"{name} {what} ({nbytes} bytes) with {who} {failed_how(e, timeout_s)}: "
+            f"{comm_error_text(e)}. Check {logs}"
+            + ("; raise train.timeout_s if a peer is only slow" if slow_hint else "")) from None
+
+
 class ShardedBucket:
     """One stage's (or one set of stages') non-shared parameters, split over ``group``.
 
@@ -115,14 +131,8 @@ class ShardedBucket:
         if self._out is None:
             return
         if self._work is not None:
-            try:
-                self._work.wait(_timeout(timeout_s))
-            except Exception as e:  # gloo/NCCL raise RuntimeError / DistBackendError
-                who, logs = describe_peers(self.peers)
-                raise RuntimeFailure(
-                    f"{self.name} gradient reduce-scatter ({self._wire_bytes} bytes) with {who} "
-                    f"{failed_how(e, timeout_s)}: {comm_error_text(e)}. Check "
-                    f"{logs}; raise train.timeout_s if a peer is only slow") from None
+            wait_collective(self._work, "gradient reduce-scatter", self.name, self._wire_bytes,
+                            self.peers, timeout_s, slow_hint=True)
         out = self._out.float()
         self._pending = out.div_(self.n) if self.wire == torch.float32 else out
         self._work = self._out = None
@@ -161,14 +171,8 @@ class ShardedBucket:
         else:
             work = dist.all_gather(list(full.chunk(self.n)), mine, group=self.group,
                                    async_op=True)
-            try:
-                work.wait(_timeout(timeout_s))
-            except Exception as e:
-                who, logs = describe_peers(self.peers)
-                raise RuntimeFailure(
-                    f"{self.name} parameter all-gather ({full.numel() * full.element_size()} "
-                    f"bytes) with {who} {failed_how(e, timeout_s)}: "
-                    f"{comm_error_text(e)}. Check {logs}") from None
+            wait_collective(work, "parameter all-gather", self.name,
+                            full.numel() * full.element_size(), self.peers, timeout_s)
             self.bytes_sent += ring_allgather_bytes(self.slice * full.element_size(), self.n)
         at = 0
         with torch.no_grad():
