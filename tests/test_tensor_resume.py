@@ -1,5 +1,5 @@
 """Tensor-parallel ``fxpipe run`` through its checkpoints (issue 40): models with non-persistent
-buffers (the rotary ``inv_freq`` of Llama and Gemma2, a user model's own) under tensor 2 x
+buffers (the rotary ``inv_freq`` of Llama, a user model's own) under tensor 2 x
 pipeline 2 save exactly the plain model's ``state_dict()`` keys, finish with status 0, resume
 to the losses of the uninterrupted run, and export a file the plain model loads strictly."""
 
@@ -45,7 +45,6 @@ def _hf(name: str) -> str:
 
 MODELS = {
     "llama": (_hf("llama"), LM_DATA, "model"),
-    "gemma2": (_hf("gemma2"), LM_DATA, "model"),
     "user": ('{factory: "tests.shared_models:buffered_gpt", args: {vocab_size: 256}}',
              "{batch_size: 8, seq_len: 16}", "cross_entropy"),
 }
