@@ -29,6 +29,13 @@ each is skipped once the time budget, ``--budget-s``, is spent):
   8 x 2,048: forward + backward seconds and model FLOP utilisation against the GPU's dense
   bf16 peak (989 TFLOP/s on H100/H200; ``--peak-tflops`` otherwise). FLOPs: Megatron-LM's
   ``72 B T d^2 (1 + T / 6d)`` per training pass, and what ``FlopCounterMode`` counts.
+* ``fast_stages`` (issue 37): a Llama-style model of about 1 B parameters (Llama 3.2 1B's
+  widths, 8 layers) trained on one rank: a plain PyTorch loop (eager; torch.compile per
+  transformer block, torchtitan's recipe; and with torchao float8) beside ``fxpipe.compile``
+  (pipeline 1; ``train.compile`` none / stages; ``precision: fp8``): tokens/s over the steps
+  after the warm-up ones, MFU (6 x matmul parameters + attention FLOPs per token, against the
+  dense bf16 peak), fxpipe / plain, each variant in a process of its own. The fp8 variants run
+  only on FP8 tensor cores (compute capability 8.9+).
 * ``pipeline_2rank``: a 2-rank 1F1B pipeline (:class:`~fxpipe.runtime.executor.
   PipelineExecutor`) with both ranks on the one GPU: gloo with CUDA tensors, then NCCL (which
   refuses two ranks on one device); each outcome, loss or error, is recorded as it is.
@@ -65,7 +72,7 @@ from benchmarks._report import BENCHMARKS_MD, markdown_table, write_section  # n
 SECTION = "gpu-check"
 #: the parts, in the order they run (:func:`run_check`; ``--only`` picks among them)
 PARTS = ("profile_gpt", "profile_hf_gpt2", "stages_fp32", "stages_bf16", "mfu_block",
-         "pipeline_2rank")
+         "pipeline_2rank", "fast_stages")
 #: ``cluster.gpu`` (:mod:`fxpipe.specs.gpus`) by what CUDA calls the device: the analytic plans
 #: price the stages with the GPU model a user of that GPU gets
 GPU_PROFILES = {"H200": "H200", "H100": "H100-80GB", "A100": "A100-80GB"}
@@ -83,6 +90,8 @@ that will fill this section on one lent GPU (`python benchmarks/gpu_check.py --o
   GPU beside what the analytic cost model and the measured cost model predicted for it;
 - model FLOP utilisation of one GPT block of width 4,096 (bf16, micro-batch 8 x 2,048);
 - predicted vs `torch.cuda.max_memory_allocated` peak memory per stage;
+- tokens/s and MFU of a ~1 B Llama-style model on one GPU: a plain PyTorch loop (eager,
+  compiled per block, + torchao float8) beside fxpipe (eager, compiled stages, + fp8);
 - whether a 2-rank pipeline runs with both ranks on the one GPU (gloo with CUDA tensors; NCCL,
   which refuses two ranks on one device), with the loss against one process.
 
@@ -106,6 +115,10 @@ class Sizes:
     pipe: tuple[int, int, int]      # MLPStack width, micro-batch size, blocks per rank
     warmup: int = 3
     repeats: int = 10
+    llama: dict | None = None       # LlamaConfig arguments (fast_stages)
+    llama_batch: int = 1
+    llama_seq: int = 32
+    fast_timeout_s: float = 120.0   # one variant of fast_stages, compilation included
 
     @property
     def gpt_seq(self) -> int:
@@ -115,11 +128,21 @@ class Sizes:
 GPU = Sizes(gpt=dict(vocab_size=256, block_size=1024, n_layer=8, n_head=16, n_embd=1024),
             gpt_mbs=8, microbatches=4,
             hf=dict(vocab_size=50257, n_positions=1024, n_embd=768, n_layer=4, n_head=12),
-            hf_mbs=4, hf_seq=512, block=(4096, 32, 8, 2048), pipe=(1024, 32, 4))
+            hf_mbs=4, hf_seq=512, block=(4096, 32, 8, 2048), pipe=(1024, 32, 4),
+            # Llama 3.2 1B's widths (hidden 2,048, 32 heads, 8 key-value heads, MLP 8,192,
+            # vocabulary 128,256) over 8 layers, untied: 1.0 B parameters
+            llama=dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+                       num_hidden_layers=8, num_attention_heads=32, num_key_value_heads=8,
+                       max_position_embeddings=2048),
+            llama_batch=4, llama_seq=2048, fast_timeout_s=300.0)
 DRY = Sizes(gpt=dict(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=64),
             gpt_mbs=2, microbatches=2,
             hf=dict(vocab_size=256, n_positions=32, n_embd=64, n_layer=2, n_head=2),
-            hf_mbs=2, hf_seq=32, block=(64, 2, 2, 32), pipe=(32, 4, 2), warmup=1, repeats=3)
+            hf_mbs=2, hf_seq=32, block=(64, 2, 2, 32), pipe=(32, 4, 2), warmup=1, repeats=3,
+            llama=dict(vocab_size=256, hidden_size=64, intermediate_size=128,
+                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       max_position_embeddings=32),
+            llama_batch=2, llama_seq=32, fast_timeout_s=180.0)
 
 
 # ------------------------------------------------------------------------------------- tools
@@ -494,6 +517,151 @@ def part_pipeline(sz: Sizes, dev: torch.device) -> dict:
     return out  # on one GPU, either backend refusing is a finding, recorded as it is
 
 
+# ------------------------------------------------------------------- fast stages (issue 37)
+#: the variants of :func:`part_fast_stages`, in the order they run: (name, runner, compile,
+#: precision); ``plain`` is a PyTorch training loop of the same model (torchtitan's recipe:
+#: torch.compile per transformer block, torchao float8 for fp8), ``fxpipe`` the same model
+#: through ``fxpipe.compile`` on one rank (pipeline 1)
+FAST_VARIANTS = (("plain eager", "plain", False, "bf16"),
+                 ("plain compiled", "plain", True, "bf16"),
+                 ("fxpipe eager", "fxpipe", False, "bf16"),
+                 ("fxpipe compiled", "fxpipe", True, "bf16"),
+                 ("plain compiled fp8", "plain", True, "fp8"),
+                 ("fxpipe compiled fp8", "fxpipe", True, "fp8"))
+
+
+def _llama_config(sz: Sizes) -> dict:
+    return dict(sz.llama, attention_dropout=0.0, tie_word_embeddings=False)
+
+
+def _llama_flops_per_token(cfg: dict, seq: int) -> float:
+    """Training FLOPs per token: 6 x the matmul parameters (embedding excluded) plus causal
+    attention's 6 x layers x seq x width (scores and values, forward + backward, half
+    masked)."""
+    d, L, ff = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["intermediate_size"]
+    kv = d * cfg["num_key_value_heads"] // cfg["num_attention_heads"]
+    per_layer = d * d * 2 + d * kv * 2 + 3 * d * ff
+    matmul = L * per_layer + d * cfg["vocab_size"]  # + the head
+    return 6.0 * matmul + 6.0 * L * seq * d
+
+
+def _fast_worker(rank: int, runner: str, compiled: bool, precision: str, sz: Sizes,
+                 device: str) -> dict:
+    """One variant of :func:`part_fast_stages` in a process of its own (a fresh compiler
+    state and allocator): tokens/s over the timed steps after the warm-up ones."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = _llama_config(sz)
+    torch.manual_seed(0)
+    with dev:
+        model = LlamaForCausalLM(LlamaConfig(**cfg))
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, cfg["vocab_size"], (sz.llama_batch, sz.llama_seq), generator=g)
+    batch = {"input_ids": ids.to(dev), "labels": ids.to(dev)}
+    t0 = time.perf_counter()
+    if runner == "plain":
+        if precision == "fp8":
+            from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+            convert_to_float8_training(
+                model, config=Float8LinearConfig.from_recipe_name("tensorwise"),
+                module_filter_fn=lambda mod, fqn: fqn != "lm_head")
+        if compiled:
+            for layer in model.model.layers:  # torchtitan: one compiled graph per block
+                layer.compile()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        amp = torch.autocast(dev.type, dtype=torch.bfloat16)
+
+        def step() -> float:
+            with amp:
+                loss = model(**batch).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return float(loss)
+    else:
+        import fxpipe
+
+        spec = {"model": {"hf": "LlamaForCausalLM", "config": cfg},
+                "data": {"batch_size": sz.llama_batch, "seq_len": sz.llama_seq},
+                "parallel": {"pipeline": 1, "data": 1, "microbatches": 1, "schedule": "1f1b"},
+                "cluster": {"nodes": 1, "devices_per_node": 1, "device": dev.type,
+                            **({"gpu": gpu_profile(dev)} if gpu_profile(dev) else
+                               {"memory_gb": 16})},
+                "train": {"optimizer": "adamw", "lr": 1e-4, "loss": "model",
+                          "precision": precision, "compile": "stages" if compiled else "none"}}
+        pipe = fxpipe.compile(model, spec, example_kwargs={k: v[:1] for k, v in batch.items()})
+        opt = torch.optim.AdamW(pipe.parameters(), lr=1e-4)
+
+        def step() -> float:
+            loss = pipe.step(batch)
+            opt.step()
+            pipe.zero_grad()
+            return loss
+    losses = [step() for _ in range(sz.warmup)]  # compiles in the first
+    warm = time.perf_counter() - t0
+    times = []
+    for _ in range(sz.repeats):
+        sync(dev)
+        t = time.perf_counter()
+        losses.append(step())
+        sync(dev)
+        times.append(time.perf_counter() - t)
+    s = statistics.median(times)
+    return {"step_s": s, "tokens_per_s": sz.llama_batch * sz.llama_seq / s,
+            "setup_and_warmup_s": warm, "losses": losses,
+            "peak_bytes": torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None}
+
+
+def part_fast_stages(sz: Sizes, dev: torch.device, peak_flops: float, peak_note: str) -> dict:
+    """A Llama-style model on one rank: tokens/s and MFU of a plain training loop and of
+    fxpipe, eager, compiled and compiled + FP8 (the FP8 variants on FP8 tensor cores only)."""
+    from benchmarks import gpu_check as me  # importable by name in the spawned ranks
+    from fxpipe.execution.fp8 import fp8_problem
+    from fxpipe.runtime.local_ranks import run_ranks
+
+    device = "cuda:0" if dev.type == "cuda" else "cpu"
+    cfg = _llama_config(sz)
+    per_token = _llama_flops_per_token(cfg, sz.llama_seq)
+    out: dict = {"config": cfg, "batch": sz.llama_batch, "seq": sz.llama_seq,
+                 "flops_per_token": per_token, "peak_flops_per_s": peak_flops,
+                 "peak_note": peak_note, "variants": {}}
+    fp8_off = fp8_problem(dev)
+    for name, runner, compiled, precision in FAST_VARIANTS:
+        if precision == "fp8" and fp8_off is not None:
+            out["variants"][name] = {"ran": False, "outcome": f"not run: {fp8_off}"}
+            continue
+        if compiled and dev.type == "cpu":  # the dry run: inductor's C++ build would take
+            out["variants"][name] = {      # most of its budget (tests/test_compiled_stages.py
+                "ran": False, "outcome": "not run in the dry run: compiling for a CPU takes "
+                "longer than its budget (tests/test_compiled_stages.py compiles stages on "
+                "CPU)"}
+            continue
+        t0 = time.perf_counter()
+        try:
+            r = run_ranks(me._fast_worker, 1, runner, compiled, precision, sz, device,
+                          timeout_s=sz.fast_timeout_s, dist_timeout_s=60)[0]
+            r.update(ran=True, seconds=time.perf_counter() - t0,
+                     mfu=r["tokens_per_s"] * per_token / peak_flops)
+            out["variants"][name] = r
+        except Exception as e:  # recorded as it is
+            out["variants"][name] = {"ran": False, "outcome": _short(e),
+                                     "seconds": time.perf_counter() - t0}
+    v = out["variants"]
+    for mine, theirs in (("fxpipe eager", "plain eager"), ("fxpipe compiled", "plain compiled"),
+                         ("fxpipe compiled fp8", "plain compiled fp8")):
+        if v.get(mine, {}).get("ran") and v.get(theirs, {}).get("ran"):
+            v[mine]["vs_plain"] = v[mine]["tokens_per_s"] / v[theirs]["tokens_per_s"]
+    if not all(x.get("ran") for x in v.values() if "not run" not in x.get("outcome", "")):
+        bad = {k: x.get("outcome") for k, x in v.items() if not x.get("ran")}
+        if dev.type == "cpu":  # on a CPU every bf16 variant must run
+            raise RuntimeError(f"fast_stages variants failed: {bad}")
+    return out
+
+
 def _short(e: BaseException, limit: int = 600) -> str:
     text = f"{type(e).__name__}: {e}"
     lines = [ln for ln in text.splitlines() if ln.strip()]
@@ -556,6 +724,8 @@ def run_check(dev: torch.device, sz: Sizes, out: Path, budget_s: float,
         "mfu_block": lambda: part_mfu(sz, dev, *(peak_for(dev, peak_tflops)
                                                  if peak is None else (peak, note))),
         "pipeline_2rank": lambda: part_pipeline(sz, dev),
+        "fast_stages": lambda: part_fast_stages(sz, dev, *(peak_for(dev, peak_tflops)
+                                                           if peak is None else (peak, note))),
     }
     for name in PARTS:  # the order and names --only checks against
         fn = parts[name]
@@ -669,6 +839,25 @@ def markdown(res: dict) -> str:
         lines += ["", "### 2-rank pipeline (1F1B) with both ranks on one device", "",
                   markdown_table(["backend", "ran", "loss error vs one process", "step ms",
                                   "outcome"], prow)]
+    p = parts.get("fast_stages", {})
+    if p.get("ok"):
+        c = p["config"]
+        frow = []
+        for name, v in p["variants"].items():
+            if v.get("ran"):
+                frow.append([name, f"{v['tokens_per_s']:,.0f}", f"{100 * v['mfu']:.1f}%",
+                             f"{v['vs_plain']:.3f}" if "vs_plain" in v else "",
+                             f"{v['setup_and_warmup_s']:.0f}",
+                             _mib(v.get("peak_bytes")) if v.get("peak_bytes") else ""])
+            else:
+                frow.append([name, "", "", "", "", v.get("outcome", "")])
+        lines += ["", f"### Fast stages: a Llama-style model on one GPU ({c['num_hidden_layers']} "
+                  f"layers x {c['hidden_size']}, vocabulary {c['vocab_size']}, batch "
+                  f"{p['batch']} x {p['seq']}, AdamW, bf16 autocast): a plain PyTorch loop "
+                  "(torch.compile per block, torchao float8) and fxpipe (pipeline 1)", "",
+                  markdown_table(["variant", "tokens/s", f"MFU ({p['peak_note']})",
+                                  "fxpipe / plain", "setup + warm-up s", "peak MiB / outcome"],
+                                 frow)]
     if failed:
         lines += ["", "### Parts that failed", ""]
         lines += [f"- `{k}`: {v['error']}" for k, v in failed]

@@ -56,7 +56,8 @@ def tiny_run(tmp_path_factory):
 #: the files that take longest (CPU seconds on 2 cores, heaviest first): under xdist (pyproject's
 #: addopts: ``-n 2 --dist loadfile``) whole files go to the two workers in collection order, so
 #: these start first and no long file is left for the end; the others follow as collected
-HEAVY_FIRST = ("test_resume.py", "test_multinode.py", "test_real_models.py",
+HEAVY_FIRST = ("test_compiled_stages.py", "test_resume.py", "test_multinode.py",
+               "test_real_models.py",
                "test_tensor_parallel.py", "test_tensor_resume.py", "test_real_model_inputs.py",
                "test_compiled.py", "test_data_sharding.py",
                "test_user_data.py", "test_check.py", "test_gpu_check_dry_run.py",

@@ -14,7 +14,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PARTS = ("profile_gpt", "profile_hf_gpt2", "stages_fp32", "stages_bf16", "mfu_block",
-         "pipeline_2rank")
+         "pipeline_2rank", "fast_stages")
 
 
 def _num(x) -> bool:
@@ -63,9 +63,23 @@ def test_dry_run_writes_every_part(tmp_path):
     assert pipe["gloo"]["ran"] and pipe["gloo"]["backend"] == "gloo"
     assert pipe["gloo"]["abs_error"] < 1e-5 and _num(pipe["gloo"]["step_s"])
     assert not pipe["nccl"]["ran"] and "CUDA" in pipe["nccl"]["outcome"]
+    fast = parts["fast_stages"]["variants"]
+    for name in ("plain eager", "fxpipe eager"):
+        v = fast[name]
+        assert v["ran"] and _num(v["tokens_per_s"]) and v["tokens_per_s"] > 0, (name, v)
+        assert all(math.isfinite(x) for x in v["losses"]), (name, v["losses"])
+    # the same model, seed and batch: fxpipe's first loss is the plain loop's (bf16 autocast)
+    assert fast["fxpipe eager"]["losses"][0] == pytest.approx(
+        fast["plain eager"]["losses"][0], rel=2 ** -6)
+    assert _num(fast["fxpipe eager"]["vs_plain"])
+    for name in ("plain compiled", "fxpipe compiled"):  # (CPU compilation: its own tests)
+        assert not fast[name]["ran"] and "dry run" in fast[name]["outcome"]
+    for name in ("plain compiled fp8", "fxpipe compiled fp8"):  # no FP8 tensor cores on a CPU
+        assert not fast[name]["ran"] and "this run is on cpu" in fast[name]["outcome"]
     md = (out / "gpu_check.md").read_text()
     assert "DRY RUN" in md
-    for head in ("### Stage times", "### Memory per stage", "### MFU", "### 2-rank pipeline"):
+    for head in ("### Stage times", "### Memory per stage", "### MFU", "### 2-rank pipeline",
+                 "### Fast stages"):
         assert head in md
     assert "| fp32 | analytic | 0 |" in md
 

@@ -603,6 +603,9 @@ def test_precision_in_process_and_bad_precision():
         assert max(abs(a - b) for a, b in zip(got[precision], ref)) < 0.05, (precision, got, ref)
     with pytest.raises(RuntimeFailure, match="bf16"):
         PipelineExecutor(local_plan, _local_schedule(plan.num_stages, M), mods, Mesh(1, 1),
+                         F.cross_entropy, None, precision="fp4")
+    with pytest.raises(RuntimeFailure, match="fp8 needs fp8_config"):  # (torchao's config)
+        PipelineExecutor(local_plan, _local_schedule(plan.num_stages, M), mods, Mesh(1, 1),
                          F.cross_entropy, None, precision="fp8")
 
 

@@ -3,4 +3,5 @@
 around a new graph keeping its root's ``state_dict()`` keys), :mod:`~fxpipe.execution.grad_fusion`
 (weight gradients accumulated into ``.grad`` in place), :mod:`~fxpipe.execution.dtypes` (autocast
 and message dtypes of ``train.precision``), :mod:`~fxpipe.execution.host_memory` (a CPU rank's
-allocator). Imports only torch and :mod:`fxpipe.errors`."""
+allocator), :mod:`~fxpipe.execution.compiled_stage` (stages through torch.compile,
+``train.compile``). Imports only torch and :mod:`fxpipe.errors`."""

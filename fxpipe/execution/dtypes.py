@@ -9,7 +9,8 @@ from fxpipe.errors import RuntimeFailure
 
 #: spec ``train.precision`` -> autocast dtype (``None``: plain fp32, no autocast)
 PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16,
-                                             "fp16": torch.float16}
+                                             "fp16": torch.float16,
+                                             "fp8": torch.bfloat16}  # (+ float8 matmuls)
 
 
 def message_dtype(dtype: torch.dtype, precision: str) -> torch.dtype:
@@ -24,7 +25,8 @@ def message_dtype(dtype: torch.dtype, precision: str) -> torch.dtype:
 
 
 def autocast_dtype(precision: str) -> torch.dtype | None:
-    """``"fp32"`` -> ``None``, ``"bf16"`` -> ``torch.bfloat16``, ``"fp16"`` -> ``torch.float16``.
+    """``"fp32"`` -> ``None``, ``"bf16"`` and ``"fp8"`` (bf16 around the float8 matmuls of
+    :mod:`fxpipe.execution.fp8`) -> ``torch.bfloat16``, ``"fp16"`` -> ``torch.float16``.
 
     Raises:
         RuntimeFailure: unknown precision (the message lists the accepted names).

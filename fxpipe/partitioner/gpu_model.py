@@ -52,6 +52,7 @@ on the spec's own ``device_tflops``, ``memory_GBps`` and links.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from fxpipe.partitioner.cost import NodeCost
@@ -78,6 +79,8 @@ class GpuRates:
     byte_scale: float
     op_overhead_s: float
     attention: str = "flash"
+    #: ``train.precision: fp8``: the rate of the weight matmuls (None: ``matmul_flops_per_s``)
+    fp8_matmul_flops_per_s: float | None = None
 
 
 def gpu_rates(prof: GpuProfile, device_tflops: float, memory_GBps: float, precision: str,
@@ -85,17 +88,24 @@ def gpu_rates(prof: GpuProfile, device_tflops: float, memory_GBps: float, precis
     """Rates of a device with peak ``device_tflops`` (dense 16-bit) and ``memory_GBps`` on
     ``prof``'s curves, training in ``precision`` (fp32: the FP32 peak, scaled from the 16-bit
     one by the profile's ratio: PyTorch leaves TF32 off for matmuls by default; traced bytes as
-    they are. bf16 / fp16: the 16-bit peak, half the traced bytes)."""
+    they are. bf16 / fp16: the 16-bit peak, half the traced bytes. fp8: as bf16, the matmuls
+    at the FP8 peak times the profile's ``fp8_matmul_efficiency``, which holds their casts and
+    scales)."""
     peak = device_tflops * 1e12
-    half = precision in ("bf16", "fp16")
+    half = precision in ("bf16", "fp16", "fp8")
     if not half:
         peak *= prof.fp32_tflops / prof.bf16_tflops
     mm = peak * prof.matmul_efficiency
+    fp8 = None
+    if precision == "fp8":  # the weight matmuls on the FP8 peak, at their own efficiency
+        if prof.fp8_tflops is None:
+            raise ValueError(f"train.precision: fp8 needs FP8 tensor cores; {prof.name} has none")
+        fp8 = peak * prof.fp8_tflops / prof.bf16_tflops * prof.fp8_matmul_efficiency
     # fp32 runs on the CUDA cores, no flash kernel: attention at the matmul rate
     flash = peak * prof.flash_efficiency if half else mm
     return GpuRates(mm, prof.matmul_fixed_us * 1e-6, flash,
                     memory_GBps * 1e9 * prof.hbm_efficiency, 0.5 if half else 1.0,
-                    op_overhead_s, attention)
+                    op_overhead_s, attention, fp8)
 
 
 def matmul_seconds(flops: float, nbytes: float, r: GpuRates) -> float:
@@ -132,6 +142,10 @@ def gpu_times(costs: dict[str, NodeCost], r: GpuRates) -> dict[str, NodeTimes]:
     backward reads and writes about the forward's bytes again."""
     out = {}
     o = r.op_overhead_s
+    # train.precision: fp8 runs a weight matmul (a node with FLOPs and a weight gradient) in
+    # float8 (fxpipe.execution.fp8), everything else in bf16
+    r8 = (r if r.fp8_matmul_flops_per_s is None
+          else dataclasses.replace(r, matmul_flops_per_s=r.fp8_matmul_flops_per_s))
     for name, c in costs.items():
         moved = (c.in_bytes + c.out_bytes) if c.moves_memory else 0
         if c.attn_scores:
@@ -142,9 +156,10 @@ def gpu_times(costs: dict[str, NodeCost], r: GpuRates) -> dict[str, NodeTimes]:
             bw = (o + attention_seconds(c.bwd_weight_flops, 0, 0, c.attn_causal, True, r)
                   if c.weight_grad and c.bwd_weight_flops else 0.0)
         else:
-            fwd = o + matmul_seconds(c.fwd_flops, moved, r)
-            bi = o + matmul_seconds(c.bwd_input_flops, moved, r) if c.input_grad else 0.0
-            bw = (o + matmul_seconds(c.bwd_weight_flops, c.in_bytes + c.out_bytes, r)
+            rr = r8 if c.weight_grad and c.fwd_flops > 0 else r  # fp8: a weight matmul
+            fwd = o + matmul_seconds(c.fwd_flops, moved, rr)
+            bi = o + matmul_seconds(c.bwd_input_flops, moved, rr) if c.input_grad else 0.0
+            bw = (o + matmul_seconds(c.bwd_weight_flops, c.in_bytes + c.out_bytes, rr)
                   if c.weight_grad else 0.0)
         out[name] = NodeTimes(fwd, bi, bw)
     return out

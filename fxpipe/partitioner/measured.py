@@ -8,8 +8,10 @@ import logging
 import math
 
 import numpy as np
+import torch
 import torch.nn as nn
 
+from fxpipe.execution.compiled_stage import compiled_rewrite, resolve_compile
 from fxpipe.execution.grad_fusion import fuse_weight_grads
 from fxpipe.partitioner.assemble import folded_record
 from fxpipe.partitioner.blocks import resolve_folded
@@ -142,6 +144,13 @@ def refine_by_stages(pr: Priced, spec: ParallelSpec, cand: Candidate, result: Pa
     fuse = (spec.train.fuse_grad_accumulation and spec.train.precision == "fp32"
             and not split)
     raw = _raw_unit_times(pr)
+    # train.compile: the stages are timed compiled, as the ranks will run them (compiled in
+    # the untimed warm-up rounds)
+    compiled = resolve_compile(spec.train.compile, spec.train.cuda_graphs,
+                               torch.device(cl.device))
+    fuse = fuse and not compiled.on
+    rewrite = (compiled_rewrite(compiled) if compiled.on
+               else fuse_weight_grads if fuse else None)
 
     last: dict = {}
 
@@ -167,7 +176,9 @@ def refine_by_stages(pr: Priced, spec: ParallelSpec, cand: Candidate, result: Pa
     groups = side_by_side_groups(ranks, nodes) if ranks is not None else None
     store = StageTimes(stage_times_key(profile_key(pr.traced, cl.device, spec.train.precision),
                                        list(pr.table.names),
-                                       f"fuse={fuse};beside={groups};"
+                                       f"fuse={fuse};compile={compiled.on}"
+                                       f"{';graphs' if compiled.cuda_graphs else ''};"
+                                       f"beside={groups};"
                                        f"decide={DECIDING_ROUNDS['min_rounds']}"))
     skip = "cluster.measure_stages: the cut's stages were not timed whole"
     timer: dict = {}
@@ -189,7 +200,7 @@ def refine_by_stages(pr: Priced, spec: ParallelSpec, cand: Candidate, result: Pa
         full = timer["full"]
         assigns = [_node_stages(pr, c, full) for c in cut_list]
         return time_stages(full.gm, assigns, cand.num_stages, timer["inputs"], cl.device,
-                           rewrite=fuse_weight_grads if fuse else None, ranks=ranks,
+                           rewrite=rewrite, ranks=ranks,
                            nodes=nodes, precision=spec.train.precision, **rounds)
 
     def measure(cut_list: list[list[int]]) -> list[list[tuple[float, float]]]:

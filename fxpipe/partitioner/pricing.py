@@ -249,7 +249,7 @@ def _collective_curve(spec: ParallelSpec) -> dict:
     # the all-reduce's extra (NVLink SHARP) in proportion to the ring bandwidth given
     ar = cl.links.intra_node_GBps * prof.nvlink_allreduce_busbw_GBps / prof.nvlink_busbw_GBps
     return {"half_bytes": prof.intra_half_MB * 1e6, "allreduce_GBps": ar,
-            "byte_scale": 0.5 if spec.train.precision in ("bf16", "fp16") else 1.0}
+            "byte_scale": 0.5 if spec.train.precision in ("bf16", "fp16", "fp8") else 1.0}
 
 def node_seconds(traced: TracedModel, costs: dict[str, NodeCost], spec: ParallelSpec,
                 profile_model: nn.Module | None, inputs: list

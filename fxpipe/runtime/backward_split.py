@@ -23,6 +23,11 @@ An entry with several incoming edges (a parameter used both on the input path an
 ``x * s + s.sum()``) cannot be re-entered from one boundary node alone; the parameters below such
 entries get their gradient from one extra call over the whole graph (exact, some B work redone).
 A stage without input leaves (the first stage) has an empty B region and W is one full backward.
+A compiled stage (``train.compile``, :mod:`fxpipe.execution.compiled_stage`) has one autograd
+node per compiled region, whose backward computes every gradient of the region at once, the
+weights' included, whichever B asks for: B keeps what such a boundary node returned on its
+weight edges (a post-hook) and W starts from those gradients instead of running the region
+again; so under compilation B costs the region's whole backward and W only the accumulation.
 torch.distributed.pipelining's ``stage_backward_input/weight`` follows a related idea; this is an
 independent implementation.
 """
@@ -70,6 +75,16 @@ def _post_order(roots: list[Node]) -> list[Node]:
             if child is not None and child not in seen:
                 stack.append((child, False))
     return order
+
+
+#: autograd nodes that compute every input's gradient in one call whichever are asked for: a
+#: torch.compile region (AOTAutograd's backward); W takes their weight edges' gradients from
+#: B's call instead of running the region again
+_OPAQUE = ("CompiledFunctionBackward",)
+
+
+def _opaque(node: Node) -> bool:
+    return type(node).__name__ in _OPAQUE
 
 
 def _key(t: torch.Tensor | GradientEdge) -> tuple[Node, int] | None:
@@ -135,11 +150,16 @@ def backward_input(outputs: list, grads: list[torch.Tensor | None],
             if edges:
                 boundary[node] = edges
     captured: dict[Node, tuple] = {}
+    computed: dict[Node, tuple] = {}  # what an opaque (compiled) boundary node returned
     handles = []
     for node in boundary:
         def hook(grad_outputs, node=node):
             captured[node] = tuple(grad_outputs)
         handles.append(node.register_prehook(hook))
+        if _opaque(node):
+            def post(grad_inputs, _grad_outputs, node=node):
+                computed[node] = tuple(grad_inputs)
+            handles.append(node.register_hook(post))
     try:
         need = [t for t in leaves if t.requires_grad]
         if need and pairs:
@@ -154,6 +174,13 @@ def backward_input(outputs: list, grads: list[torch.Tensor | None],
             h.remove()
     work = WeightWork()
     for node, edges in boundary.items():
+        got = computed.get(node)
+        if got is not None:  # a compiled region computed its weight edges' gradients in B
+            kept = {(c, nr): g for (c, nr), g in zip(node.next_functions, got)}
+            if all(kept.get(e) is not None for e in edges):
+                for e in edges:
+                    work.roots[e] = kept[e] if e not in work.roots else work.roots[e] + kept[e]
+                continue
         rec = captured.get(node, ())
         outs = [GradientEdge(node, k) for k, g in enumerate(rec) if g is not None]
         if outs:

@@ -59,12 +59,15 @@ import torch.nn as nn
 from fxpipe.errors import FxpipeError, PlanError, RuntimeFailure, ScheduleError
 from fxpipe.execution.dtypes import autocast_dtype
 from fxpipe.execution.grad_fusion import fuse_weight_grads
+from fxpipe.execution.compiled_stage import CompileSetting, compile_stages, eager_reason
+from fxpipe.execution.fp8 import fp8_stage
 from fxpipe.plans.param_blocks import has_blocks
 from fxpipe.plans.plan import Plan
 from fxpipe.plans.values import MODEL_INPUT, needs_grad
 from fxpipe.runtime import p2p
 from fxpipe.runtime.block_gather import BlockGather
 from fxpipe.runtime.checks import check_actions, check_fits, loss_stage, split_batch
+from fxpipe.runtime.compile_warmup import warm_up
 from fxpipe.runtime.compression import Compression, as_compression
 from fxpipe.runtime.data_sharding import DataSharding
 from fxpipe.runtime.grad_reducer import make_grad_reducer, shared_param_map, sharding_of
@@ -126,6 +129,12 @@ class PipelineExecutor:
             sharing their parameters, whose ``linear`` / ``addmm`` / ``embedding`` nodes
             accumulate their weight gradients into ``.grad`` in place
             (:mod:`fxpipe.execution.grad_fusion`; fp32 and a full backward only).
+        compile: ``train.compile`` resolved on this device
+            (:func:`~fxpipe.execution.compiled_stage.resolve_compile`); None or off: eager.
+            Compiled stages run through ``torch.compile`` (:mod:`fxpipe.runtime.
+            compiled_stage`), without gradient-accumulation fusion.
+        fp8_config: under ``precision="fp8"``, torchao's float8 config the stages' weight
+            matmuls run under (:mod:`fxpipe.execution.fp8`; the rest as ``bf16``).
         data_sharding: ``"none"`` or a level of :mod:`fxpipe.runtime.data_sharding`
             (``parallel.data_sharding``): with more than one replica the non-tied parameters'
             gradients are reduce-scattered into this replica's slice.
@@ -157,7 +166,8 @@ class PipelineExecutor:
                  grad_compression: "str | Compression" = "none", precision: str = "fp32",
                  loss_scaler: LossScaler | None = None, needs_target: bool = True,
                  sync_gradients: bool = True, fuse_grad_accumulation: bool = True,
-                 data_sharding: str = "none"):
+                 data_sharding: str = "none", compile: CompileSetting | None = None,
+                 fp8_config=None):
         self.plan, self.schedule, self.mesh = plan, schedule, mesh
         self.sync_gradients = sync_gradients
         self.precision = precision
@@ -198,10 +208,19 @@ class PipelineExecutor:
         # the modules the training steps run: copies whose weight gradients accumulate in place
         # (runtime.grad_fusion), fp32 and a full backward only; self.modules stay as given
         blocks = self._block_stages(data_sharding, sync_gradients)  # per-block gathering
+        compiling = compile is not None and compile.on
+        self._compile = compile
         run = {s: (fuse_weight_grads(self.modules[s]) if fuse_grad_accumulation
                    and not self._split and self._amp_dtype is None and s not in blocks
-                   else (self.modules[s], 0))
+                   and not compiling else (self.modules[s], 0))
                for s in self.local_stages}
+        #: stage -> weight matmuls running in float8 (train.precision: fp8)
+        self.fp8_nodes = self._float8(run, blocks, fp8_config)
+        #: train.compile: the stages compiled here and those left eager (with the reason)
+        self.compiled = (compile_stages(
+            {s: run[s][0] for s in self.local_stages},
+            {s: eager_reason(self.stage_plans[s], s in blocks) for s in self.local_stages},
+            compile, self._split) if compiling else None)
         #: stage -> nodes whose weight gradients accumulate in place
         self.fused_nodes = {s: n for s, (_, n) in run.items()}
         check_actions(schedule, mesh.pipe_rank, self.local_stages, self.edges,
@@ -256,6 +275,7 @@ class PipelineExecutor:
         #: held until then
         self.open_forward_sends = 0
         self._steps_run = 0
+        self._warmed = False  # train.compile: compiled stages warmed up (compile_warmup)
         self._fwd_only: ActionList | None = None
         self._eval_work: dict[tuple[int, ...], dict[int, StageWork]] = {}
         self._clock0 = time.time() - time.perf_counter()
@@ -267,6 +287,24 @@ class PipelineExecutor:
         # the tensor group's collectives report to the mesh's recorder (timeline: _run_actions)
         self._tp_recorder = (getattr(mesh, "tp_recorder", None)
                              if getattr(mesh, "tensor", 1) > 1 else None)
+
+    def _float8(self, run: dict, blocks: set[int], config) -> dict[int, int]:
+        """``precision: fp8``: each stage's weight matmuls rewritten to float8
+        (:func:`fxpipe.execution.fp8.fp8_stage`) under torchao ``config``.
+
+        Raises:
+            RuntimeFailure: fp8 without a config, or with per-block gathering.
+        """
+        if self.precision != "fp8":
+            return {}
+        if config is None:
+            raise RuntimeFailure("precision fp8 needs fp8_config (torchao's Float8LinearConfig, "
+                                 "fxpipe.execution.fp8.float8_config)")
+        if blocks:
+            raise RuntimeFailure(f"stage {min(blocks)} gathers its parameters per block "
+                                 "(param_gather: block), which fp8 matmuls do not run under; "
+                                 "use param_gather: stage or precision bf16")
+        return {s: fp8_stage(run[s][0], config) for s in self.local_stages}
 
     def _block_stages(self, data_sharding: str, sync_gradients: bool) -> set[int]:
         """The local stages whose plan gathers their parameters per block (with more than
@@ -296,6 +334,10 @@ class PipelineExecutor:
                              split, self._autocast, lambda i: self._ctx(self._action),
                              self.plan.model_output if s == self.loss_stage else None)
                 for s in self.local_stages}
+        compiled = set(self.compiled.compiled) if getattr(self, "compiled", None) else set()
+        for s, w in work.items():
+            if w.offload is not None and s in compiled:
+                w.offload.keep_layout = True
         for s, w in work.items():
             w.release_after = self._released_outputs(s)
         return work
@@ -344,6 +386,12 @@ class PipelineExecutor:
         else:
             self.grad_reducer.ensure_gathered(self.timeout_s)  # sharded ``full``: they come back
         st = self._prepare(inputs, target, loss_weights, "step")
+        if self.compiled is not None and not self._warmed:  # compiled before the first step
+            self._warmed = True
+            warm_up({s: self.work[s].module for s in self.compiled.compiled},
+                    lambda s: self._example_args(s, st), self._autocast, self.mesh,
+                    waves=self.sync_gradients, retain=self._split,
+                    failed=self._compile_failed if self._compile.fallback else None)
         self.grads.begin()
         self._run_actions(self._train_actions, st)
         if not st.stepped:
@@ -509,6 +557,26 @@ class PipelineExecutor:
                 for n in names:
                     v = self.links.handover(n, outs[n].detach())
                     slot[n] = v.requires_grad_() if needs_grad(v.dtype) else v
+
+    def _compile_failed(self, s: int, e: BaseException) -> None:
+        """``train.compile: auto``: stage ``s`` failed to compile; it runs eagerly."""
+        first = next((ln for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+        self.compiled.uncompile(s, self.work[s].module,
+                                f"compiling it failed ({type(e).__name__}: {first[:200]})")
+
+    def _example_args(self, s: int, st: StepState) -> list[torch.Tensor]:
+        """Stage ``s``'s inputs for compiling it: micro-batch 0's model inputs, zeros of the
+        plan's shape and dtype for received values (leaves requiring gradients where a
+        received value does)."""
+        args = []
+        for name in self.stage_plans[s].inputs:
+            if name in self._model_inputs:
+                args.append(st.chunks[name][0])
+                continue
+            info = self.plan.values[name]
+            t = torch.zeros(info.shape, dtype=getattr(torch, info.dtype), device=self.device)
+            args.append(t.requires_grad_() if needs_grad(t.dtype) else t)
+        return args
 
     def _microbatch_loss(self, output: torch.Tensor, target: torch.Tensor | None,
                          weight: float | None) -> torch.Tensor | None:

@@ -34,6 +34,15 @@ Sources of the profile constants:
   PCIe Gen4 x16 (A100) 32 GB/s and Gen5 x16 (H100/H200) 64 GB/s line rate, of which pinned
   copies reach about 80 %, and in an 8-GPU HGX/DGX node two GPUs share one switch uplink to
   the CPU (DGX A100 / DGX H100 system guides): 12.5 and 25 GB/s per GPU when all offload at once.
+* FP8 (``train.precision: fp8``): H100 SXM5 / H200 1,979 TFLOP/s dense FP8 (the datasheets'
+  3,958 is with sparsity); A100 has no FP8 tensor cores. ``fp8_matmul_efficiency``:
+  **derived**, 0.66, from torchtitan's Llama 3 8B on 8 H100s (docs/performance.md: FSDP,
+  torch.compile, sequence 8,192, local batch 1; 6,667 tokens/s per GPU in bf16, 8,532 with
+  Float8, 1.28x): at about 54.6 GFLOP per token (6 x 8.03e9 parameters + causal attention) the
+  bf16 step is 150 us per token, of which the weight matmuls (48 GFLOP) take 69 us at this
+  model's bf16 rate (0.70 x 989); if everything else stays (81 us), Float8's 117 us leave 37
+  us for the matmuls, 1,311 TFLOP/s: 0.66 of the FP8 peak with the casts and scales
+  included.
 * ``hbm_efficiency``: **estimate**, 0.85: bandwidth-bound copy kernels (STREAM-like) reach
   about 85-90 % of the HBM datasheet figure on A100/H100; fused norm/softmax kernels less.
 
@@ -64,6 +73,8 @@ class GpuProfile:
         flash_efficiency: fraction of the 16-bit peak flash attention reaches (fwd + bwd).
         hbm_efficiency: fraction of ``hbm_GBps`` memory-bound kernels reach.
         host_GBps: device <-> host memory bandwidth per GPU, each way, all GPUs copying.
+        fp8_tflops: dense FP8 peak (None: no FP8 tensor cores); fp8_matmul_efficiency: the
+            fraction of it a float8 training matmul reaches, its casts and scaling included.
     """
 
     name: str
@@ -82,6 +93,8 @@ class GpuProfile:
     flash_efficiency: float
     hbm_efficiency: float = 0.85
     host_GBps: float = 12.5
+    fp8_tflops: float | None = None
+    fp8_matmul_efficiency: float = 0.0
 
     def cluster_defaults(self) -> dict:
         """The ``cluster`` keys ``cluster.gpu`` fills when they are not given."""
@@ -101,12 +114,13 @@ PROFILES: dict[str, GpuProfile] = {
                             nvlink_busbw_GBps=370.0, nvlink_allreduce_busbw_GBps=480.0,
                             nic_busbw_GBps=45.0, intra_half_MB=8.0, inter_half_MB=8.0,
                             matmul_efficiency=0.70, matmul_fixed_us=6.0,
-                            flash_efficiency=0.33, host_GBps=25.0),
+                            flash_efficiency=0.33, host_GBps=25.0,
+                            fp8_tflops=1979.0, fp8_matmul_efficiency=0.66),
     "H200": GpuProfile("H200", 989.0, 494.5, 67.0, 4800.0, 141.0,
                        nvlink_busbw_GBps=370.0, nvlink_allreduce_busbw_GBps=480.0,
                        nic_busbw_GBps=45.0, intra_half_MB=8.0, inter_half_MB=8.0,
                        matmul_efficiency=0.70, matmul_fixed_us=6.0, flash_efficiency=0.33,
-                       host_GBps=25.0),
+                       host_GBps=25.0, fp8_tflops=1979.0, fp8_matmul_efficiency=0.66),
 }
 #: the names ``cluster.gpu`` accepts
 GPU_NAMES = tuple(PROFILES)

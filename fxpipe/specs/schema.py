@@ -471,7 +471,10 @@ class CompressionSpec(_Section):
 
 class TrainSpec(_Section):
     """Training loop settings. ``precision``: ``fp32`` | ``bf16`` | ``fp16`` (16-bit compute with
-    fp32 master weights; activations and their gradients travel between stages in 16 bits).
+    fp32 master weights; activations and their gradients travel between stages in 16 bits) |
+    ``fp8`` (bf16, and the weight matmuls in float8 through torchao on FP8 tensor cores:
+    H100 / H200; scaled per tensor or per row, ``fp8_scaling``: ``tensorwise`` | ``rowwise``;
+    :mod:`fxpipe.execution.fp8`).
     ``grad_compression``: ``none`` (exact) | ``fp16`` | ``bf16`` (all-reduce in 16 bits) |
     ``powersgd`` | ``topk`` (low-rank / sparse with error feedback, settings in ``compression``:
     :class:`CompressionSpec`). ``updates``: ``sync`` (all-reduce, every replica steps together;
@@ -513,13 +516,19 @@ class TrainSpec(_Section):
     killed rank); the workers resume from the latest checkpoint (``checkpoint.every``).
     ``log``: where rank 0 writes its metrics: ``[csv]`` (``losses.csv``, always) or
     ``[csv, tensorboard]`` (and TensorBoard event files under the run folder's ``tensorboard/``;
-    the optional ``tensorboard`` package)."""
+    the optional ``tensorboard`` package).
+    ``compile``: each stage's forward and backward run through ``torch.compile`` (inductor),
+    compiled once per stage on its first micro-batch (``stages``), eagerly op by op
+    (``none``), or compiled on CUDA and eager on CPU (``auto``, default);
+    :mod:`fxpipe.execution.compiled_stage` says what composes. ``cuda_graphs``: compiled stages
+    replay CUDA graphs (CUDA, ``compile`` on; shapes are static per stage)."""
 
     steps: int = Field(default=200, gt=0, le=10**12)
     optimizer: Literal["adamw", "sgd"] = "adamw"
     lr: PositiveFloat = 3e-4
     weight_decay: float = Field(default=0.0, ge=0, allow_inf_nan=False)
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    precision: Literal["fp32", "bf16", "fp16", "fp8"] = "fp32"
+    fp8_scaling: Literal["tensorwise", "rowwise"] = "tensorwise"
     seed: int = Field(default=0, ge=-(2**63), le=2**63 - 1)
     loss: str = "cross_entropy"
     grad_compression: Literal[GRAD_COMPRESSIONS] = "none"  # type: ignore[valid-type]
@@ -541,6 +550,8 @@ class TrainSpec(_Section):
     nan_policy: Literal["stop", "skip"] = "stop"
     max_restarts: int = Field(default=0, ge=0, le=100)
     log: list[Literal["csv", "tensorboard"]] = Field(default_factory=lambda: ["csv"])
+    compile: Literal["none", "stages", "auto"] = "auto"
+    cuda_graphs: bool = False
 
     @field_validator("log")
     @classmethod
@@ -702,12 +713,32 @@ def cross_section_problems(spec: ParallelSpec) -> list[tuple[tuple[str, ...], st
                     "(zb-v, v-half, v-min and dualpipev always use 2 stages per rank by themselves)"))
     out += _schedule_problems(par)
     out += _train_problems(spec.train)
+    out += _fp8_problems(spec)
     out += _offload_problems(spec)
     out += _compression_problems(spec.train)
     from fxpipe.specs.updates import update_problems
 
     out += update_problems(spec)
     return out
+
+
+def _fp8_problems(spec: ParallelSpec) -> list[tuple[tuple[str, ...], str]]:
+    """``train.precision: fp8`` where the cluster has no FP8 tensor cores."""
+    if spec.train.precision != "fp8":
+        return []
+    cl = spec.cluster
+    if cl.device != "cuda":
+        return [(("train", "precision"),
+                 f"fp8 runs the matmuls on FP8 tensor cores (CUDA: H100, H200); "
+                 f"cluster.device is {cl.device}: use bf16")]
+    from fxpipe.specs.gpus import profile
+
+    gpu = getattr(cl, "gpu", None)
+    if gpu is not None and profile(gpu).fp8_tflops is None:
+        return [(("train", "precision"),
+                 f"fp8 needs FP8 tensor cores, which the {gpu} has none of (H100 and H200 "
+                 "do): use bf16")]
+    return []
 
 
 def _offload_problems(spec: ParallelSpec) -> list[tuple[tuple[str, ...], str]]:

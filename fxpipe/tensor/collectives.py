@@ -143,6 +143,12 @@ def _reduce_scatter(x: torch.Tensor, dim: int, blocks: int, group) -> torch.Tens
     return out.movedim(0, dim).contiguous()
 
 
+def _eager(fn):
+    """Run ``fn`` outside compiled regions (a compiled stage, ``train.compile``, breaks its
+    graph here): the collectives' timing and their error reporting are Python."""
+    return torch.compiler.disable(fn, recursive=True)
+
+
 class _CopyTo(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
@@ -202,26 +208,31 @@ class _ReduceScatter(torch.autograd.Function):
         return _all_gather(g, dim, 1, group), None, None
 
 
+@_eager
 def copy_to(x: torch.Tensor, group) -> torch.Tensor:
     """Megatron's ``f``: identity forward, all-reduce of the gradient backward."""
     return _CopyTo.apply(x, group)
 
 
+@_eager
 def reduce_from(x: torch.Tensor, group) -> torch.Tensor:
     """Megatron's ``g``: all-reduce (sum) forward, identity backward."""
     return _ReduceFrom.apply(x, group)
 
 
+@_eager
 def gather(x: torch.Tensor, dim: int, blocks: int, partial: bool, group) -> torch.Tensor:
     """All-gather along ``dim`` (``blocks`` interleaved); see the module doc."""
     return _Gather.apply(x, dim, blocks, partial, group)
 
 
+@_eager
 def scatter(x: torch.Tensor, dim: int, blocks: int, group) -> torch.Tensor:
     """This rank's slice along ``dim`` of a replicated ``x``; gradient all-gathered."""
     return _Scatter.apply(x, dim, blocks, group)
 
 
+@_eager
 def reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     """This rank's slice along ``dim`` of the sum of the ranks' ``x``; gradient all-gathered."""
     return _ReduceScatter.apply(x, dim, group)
@@ -288,6 +299,7 @@ class _VocabCrossEntropy(torch.autograd.Function):
 _REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}
 
 
+@_eager
 def vocab_cross_entropy(logits: torch.Tensor, target: torch.Tensor, start: int,
                         ignore_index: int = -100, reduction: str | int = "mean",
                         group=None) -> torch.Tensor:

@@ -44,6 +44,7 @@ import torch.nn as nn
 from fxpipe.data.batches import Batch, as_tuple
 from fxpipe.errors import FxpipeError, RuntimeFailure, UsageError
 from fxpipe.plans.plan import Plan
+from fxpipe.execution.compiled_stage import resolve_compile
 
 __all__ = ["CompiledPipeline", "ServerShare", "UsageError", "compile"]
 
@@ -794,6 +795,22 @@ def _compile_async(model: nn.Module, plan: Any, **kw) -> "CompiledPipeline | Ser
     return _compile(model, plan, allow_async=True, **kw)
 
 
+def _fp8_config(t, device: torch.device):
+    """torchao's float8 config of ``train.precision: fp8`` on ``device`` (None otherwise).
+
+    Raises:
+        UsageError: the device has no FP8 tensor cores, or torchao is missing (one line).
+    """
+    if t.precision != "fp8":
+        return None
+    from fxpipe.execution.fp8 import float8_config, fp8_problem
+
+    problem = fp8_problem(device)
+    if problem is not None:
+        raise UsageError(problem)
+    return float8_config(t.fp8_scaling)
+
+
 def _compile(model: nn.Module, spec_or_plan: Any, example_inputs: Any = None,
              example_kwargs: dict | None = None, *, loss_fn=None,
              grad_accumulation: int | None = None, timeout_s: float | None = None,
@@ -855,7 +872,9 @@ def _compile(model: nn.Module, spec_or_plan: Any, example_inputs: Any = None,
                                 precision=t.precision, needs_target=not model_loss,
                                 sync_gradients=not servers,
                                 fuse_grad_accumulation=t.fuse_grad_accumulation,
-                                data_sharding=plan.data_sharding)
+                                data_sharding=plan.data_sharding,
+                                compile=resolve_compile(t.compile, t.cuda_graphs, device),
+                                fp8_config=_fp8_config(t, device))
     k = grad_accumulation if grad_accumulation is not None else t.grad_accumulation
     if not isinstance(k, int) or k < 1:
         raise UsageError(f"fxpipe.compile: grad_accumulation must be a positive integer, got {k!r}")

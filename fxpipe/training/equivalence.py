@@ -36,7 +36,8 @@ import torch.nn as nn
 #: machine epsilon (the gap after 1.0, ``torch.finfo(dtype).eps``) of each ``train.precision``'s
 #: compute dtype: fp32 2^-23, bf16 2^-7, fp16 2^-10 (twice the unit roundoff, as for fp32)
 EPS = {"fp32": torch.finfo(torch.float32).eps, "bf16": torch.finfo(torch.bfloat16).eps,
-       "fp16": torch.finfo(torch.float16).eps}
+       "fp16": torch.finfo(torch.float16).eps,
+       "fp8": torch.finfo(torch.float8_e4m3fn).eps}  # (the matmuls' operands: 2^-3)
 
 
 def bound(magnitude: float, terms: int, steps: int, eps: float) -> float:

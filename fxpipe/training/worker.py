@@ -199,6 +199,8 @@ def train(plan_path: Path, out: Path, resume: bool = False) -> None:
 
     from fxpipe.data.batches import get_batch, make_batches
     from fxpipe.plans.plan import Plan
+    from fxpipe.execution.compiled_stage import (compile_counters, compile_report,
+                                               rank_compile_state)
     from fxpipe.runtime.mesh import init_distributed
     from fxpipe.runtime.threads import set_rank_threads
     from fxpipe.schedule.timeline import write_chrome_trace
@@ -288,6 +290,7 @@ def train(plan_path: Path, out: Path, resume: bool = False) -> None:
                         tensor=pipe.tensor_shards)
 
     t_start = time.perf_counter()
+    counted = [compile_counters()]  # train.compile: before the first step, after it, at the end
     for step in range(start, t.steps):
         t0 = time.perf_counter()
         loss = 0.0
@@ -339,6 +342,8 @@ def train(plan_path: Path, out: Path, resume: bool = False) -> None:
             progress.update(step, loss, items_per_step / dt, dt, extra)  # bar or plain lines
             if "tensorboard" in t.log:
                 board.step(step, loss, dt, items_per_step / dt, lr, norm)
+        if step == start:
+            counted.append(compile_counters())
         every = t.checkpoint.every
         if every and (step + 1) % every == 0 and step + 1 < t.steps:
             save(step + 1)
@@ -348,6 +353,9 @@ def train(plan_path: Path, out: Path, resume: bool = False) -> None:
     dist.all_gather_object(events, executor.events + opt_timer.events)
     peaks = [None] * dist.get_world_size()
     dist.all_gather_object(peaks, executor.peak_inflight)
+    compiling = [None] * dist.get_world_size()
+    dist.all_gather_object(compiling, rank_compile_state(executor.compiled, counted[0],
+                                                         counted[1], compile_counters()))
     if rank == 0:
         progress.close()
         log.close()
@@ -363,6 +371,8 @@ def train(plan_path: Path, out: Path, resume: bool = False) -> None:
         held = ", ".join(f"stage {s}: {n}" for s, n in sorted(per_stage.items()))
         print(f"trained {t.steps - start} steps in {wall:.1f} s; peak micro-batches held per "
               f"stage: {held}", flush=True)
+        for line in compile_report(compiling, executor.step_times_s):
+            print(line, flush=True)
         if skipped:
             print(f"train.nan_policy skip: {len(skipped)} step(s) with a non-finite loss had "
                   f"their update dropped: {skipped[:10]}", flush=True)
