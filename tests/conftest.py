@@ -71,7 +71,10 @@ HEAVY_FIRST = ("test_compiled_stages.py", "test_resume.py", "test_multinode.py",
 SAME_WORKER = {"test_cli.py": "tiny_run", "test_reports.py": "tiny_run",
                "test_user_data.py": "tiny_run",
                # real_models.plan's cache: the plans both ask for are made once
-               "test_real_models.py": "real_models", "test_real_model_inputs.py": "real_models"}
+               "test_real_models.py": "real_models", "test_real_model_inputs.py": "real_models",
+               # the tensor-parallel tests' plans and single-process references, and the fork
+               # server's preload, serve the compiled-stage tests too
+               "test_tensor_parallel.py": "tensor", "test_compiled_stages.py": "tensor"}
 
 
 def pytest_collection_modifyitems(items):

@@ -91,7 +91,9 @@ def resolve_compile(mode: str, cuda_graphs: bool, device: torch.device) -> Compi
     device. ``auto`` compiles on CUDA, where op-by-op launches cost the most (eager small
     stages are host-bound), and leaves CPU eager: there the first step pays tens of seconds
     of C++ compilation that the runs fxpipe makes on CPU (tests, examples) do not win back
-    (BENCHMARKS.md, compiled stages).
+    (BENCHMARKS.md, compiled stages). ``cuda_graphs`` needs no check of dynamic shapes: a
+    plan fixes every stage's shapes per micro-batch, and the runtime refuses a batch of other
+    shapes with the planned ones.
 
     Raises:
         UsageError: ``stages`` where inductor cannot compile, or ``cuda_graphs`` off CUDA or
@@ -115,9 +117,7 @@ def resolve_compile(mode: str, cuda_graphs: bool, device: torch.device) -> Compi
                                                             else ""))
     if mode != "auto":
         raise UsageError(f"train.compile must be none, stages or auto, not {mode!r}")
-    if device.type != "cuda":
-        if cuda_graphs:  # pragma: no cover - refused above
-            raise AssertionError
+    if device.type != "cuda":  # (cuda_graphs off CUDA: refused above)
         return CompileSetting(False, note="stages run eagerly (train.compile: auto is eager "
                               "on CPU; compile: stages compiles them)")
     if problem is not None:

@@ -209,7 +209,8 @@ class PipelineExecutor:
         # (runtime.grad_fusion), fp32 and a full backward only; self.modules stay as given
         blocks = self._block_stages(data_sharding, sync_gradients)  # per-block gathering
         compiling = compile is not None and compile.on
-        self._compile = compile
+        #: train.compile as resolved here (None: not given, eager)
+        self.compile_setting = compile
         run = {s: (fuse_weight_grads(self.modules[s]) if fuse_grad_accumulation
                    and not self._split and self._amp_dtype is None and s not in blocks
                    and not compiling else (self.modules[s], 0))
@@ -391,7 +392,7 @@ class PipelineExecutor:
             warm_up({s: self.work[s].module for s in self.compiled.compiled},
                     lambda s: self._example_args(s, st), self._autocast, self.mesh,
                     waves=self.sync_gradients, retain=self._split,
-                    failed=self._compile_failed if self._compile.fallback else None)
+                    failed=self._compile_failed if self.compile_setting.fallback else None)
         self.grads.begin()
         self._run_actions(self._train_actions, st)
         if not st.stepped:

@@ -228,6 +228,10 @@ def train(plan_path: Path, out: Path, resume: bool = False) -> None:
         return
     pipe = compile(build_model(spec), plan)
     executor = pipe.executor
+    setting = executor.compile_setting
+    if rank == 0 and setting is not None and not setting.on and t.compile == "auto" \
+            and pipe.device.type == "cuda":  # auto meant to compile here but cannot: why
+        print(setting.note, flush=True)
     optimizer = _optimizer(spec, list(pipe.parameters()))
     if optimizer is not None:  # parallel.data_sharding: this replica's slices
         optimizer = pipe.shard_optimizer(optimizer)
