@@ -581,7 +581,7 @@ def _fast_worker(rank: int, runner: str, compiled: bool, precision: str, sz: Siz
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-            return float(loss)
+            return float(loss.detach())
     else:
         import fxpipe
 
@@ -855,7 +855,7 @@ def markdown(res: dict) -> str:
                   f"layers x {c['hidden_size']}, vocabulary {c['vocab_size']}, batch "
                   f"{p['batch']} x {p['seq']}, AdamW, bf16 autocast): a plain PyTorch loop "
                   "(torch.compile per block, torchao float8) and fxpipe (pipeline 1)", "",
-                  markdown_table(["variant", "tokens/s", f"MFU ({p['peak_note']})",
+                  markdown_table(["variant", "tokens/s", f"MFU, {p['peak_note']}",
                                   "fxpipe / plain", "setup + warm-up s", "peak MiB / outcome"],
                                  frow)]
     if failed:

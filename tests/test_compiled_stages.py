@@ -210,3 +210,21 @@ def test_auto_runs_a_stage_eagerly_where_its_compilation_fails():
 
 def _no_autocast():
     return torch.autocast("cpu", enabled=False)
+
+
+def test_cuda_graphs_off_cuda_or_uncompiled_is_refused_with_the_spec():
+    from fxpipe.errors import SpecError
+
+    spec = {"model": {"factory": "shared_models:tiny_gpt"},
+            "data": {"batch_size": 8, "seq_len": 16},
+            "parallel": {"pipeline": 2, "data": 1, "microbatches": 2},
+            "cluster": {"devices_per_node": 2},
+            "train": {"compile": "stages", "cuda_graphs": True}}
+    with pytest.raises(SpecError, match="CUDA graphs need CUDA devices; cluster.device is cpu"):
+        fxpipe.load_spec(spec)
+    spec["cluster"]["device"] = "cuda"
+    spec["train"]["compile"] = "none"
+    with pytest.raises(SpecError, match="train.compile is none"):
+        fxpipe.load_spec(spec)
+    spec["train"]["compile"] = "auto"
+    assert fxpipe.load_spec(spec).train.cuda_graphs

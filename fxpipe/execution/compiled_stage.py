@@ -7,8 +7,8 @@ micro-batch shapes are fixed by the plan), so every (stage, micro-batch shape, g
 compiled once, before the first step (:mod:`fxpipe.runtime.compile_warmup`: one replica per
 host first, the others from inductor's cache), and every micro-batch and step reuses it (the
 tests count compilations). Under ``auto`` a stage whose compilation fails runs eagerly, the
-log saying why; under ``stages`` the error stops the run. AOTAutograd compiles the backward with it; the zero-bubble
-schedules' split backward takes the weight gradients from B's call of the compiled region
+log saying why; under ``stages`` the error stops the run. AOTAutograd compiles the backward
+with it; the zero-bubble schedules' split backward takes the weight gradients from B's call of the compiled region
 (:mod:`fxpipe.runtime.backward_split`). The tensor-parallel collectives stay outside the
 compiled regions (``torch.compiler.disable`` in :mod:`fxpipe.tensor.collectives`: their
 timing and error reporting are Python), so a tensor-parallel stage compiles as the regions
@@ -223,8 +223,9 @@ def compile_report(ranks: list[dict], step_times_s: list[float]) -> list[str]:
             f"compiled stages {compiled}: {sum(r['first']['graphs'] for r in ranks)} graphs "
             f"over {len(ranks)} ranks in the first step ({first:.1f} s"
             + (f" against {typical:.3f} s for a later one: compilation ~{first - typical:.1f} s"
-               if later else "") + f"); inductor cache {sum(r['first']['hits'] for r in ranks)}"
-            f" hits, {sum(r['first']['misses'] for r in ranks)} misses; "
+               if later else "") + f"); inductor's cache (a forward and a backward entry per "
+            f"graph): {sum(r['first']['hits'] for r in ranks)} hits, "
+            f"{sum(r['first']['misses'] for r in ranks)} misses; "
             + ("no recompilation after it" if not after
                else f"{after} graphs compiled after it (shapes or grad mode changed)"))
     out += [f"stage {s} runs eagerly: {why}" for s, why in sorted(eager.items())]

@@ -1,15 +1,16 @@
-"""Compiled stages are compiled before the first step, one replica per host first.
+"""Compiled stages are compiled at the start of the first step, one replica per host first.
 
 A compiled stage (``train.compile``, :mod:`fxpipe.execution.compiled_stage`) compiles on its
-first call. Inside the first step that would hold its pipeline peers waiting on a receive for
-as long as inductor takes (minutes for a large stage, against ``train.timeout_s``), and every
-data-parallel replica of the stage would compile the same graphs at the same time. So before
-the first step each rank runs its compiled stages' forward and backward once on the step's
-first micro-batch (model inputs as given, received values as zeros of their plan shape and
-dtype, leaves requiring gradients as the received ones do), in waves: the first replica of
-each stage position on a host compiles (inductor stores the code in its FX-graph cache on
-disk), a barrier, then the host's other replicas, whose compilation finds the cache filled.
-Tensor-parallel ranks of a replica run together (their collectives run in the warm-up too).
+first call. Inside the first step that would hold its pipeline peers waiting on a receive
+for as long as inductor takes (minutes for a large stage, against ``train.timeout_s``), and
+every data-parallel replica of the stage would compile the same graphs at the same time. So
+before the first step's schedule runs, each rank runs its compiled stages' forward and
+backward once on the step's first micro-batch (model inputs as given, received values as
+zeros of their plan shape and dtype, leaves requiring gradients as the received ones do), in
+waves: the first replica of each stage position on a host compiles (inductor stores the code
+in its FX-graph cache on disk), a barrier, then the host's other replicas, whose compilation
+finds the cache filled. Tensor-parallel ranks of a replica run together (their collectives
+run in the warm-up too).
 
 Nothing of the warm-up stays: the backward is ``torch.autograd.grad`` to one input (no
 ``.grad`` written, no gradient hook fired), the random-number state and the buffers (a

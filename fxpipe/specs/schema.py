@@ -713,7 +713,7 @@ def cross_section_problems(spec: ParallelSpec) -> list[tuple[tuple[str, ...], st
                     "(zb-v, v-half, v-min and dualpipev always use 2 stages per rank by themselves)"))
     out += _schedule_problems(par)
     out += _train_problems(spec.train)
-    out += _fp8_problems(spec)
+    out += _fast_stage_problems(spec)
     out += _offload_problems(spec)
     out += _compression_problems(spec.train)
     from fxpipe.specs.updates import update_problems
@@ -722,15 +722,24 @@ def cross_section_problems(spec: ParallelSpec) -> list[tuple[tuple[str, ...], st
     return out
 
 
-def _fp8_problems(spec: ParallelSpec) -> list[tuple[tuple[str, ...], str]]:
-    """``train.precision: fp8`` where the cluster has no FP8 tensor cores."""
+def _fast_stage_problems(spec: ParallelSpec) -> list[tuple[tuple[str, ...], str]]:
+    """``train.precision: fp8`` where the cluster has no FP8 tensor cores; ``train.cuda_graphs``
+    off CUDA or without compiled stages."""
+    cl, t = spec.cluster, spec.train
+    if t.cuda_graphs and cl.device != "cuda":
+        return [(("train", "cuda_graphs"),
+                 f"CUDA graphs need CUDA devices; cluster.device is {cl.device}: set "
+                 "cuda_graphs: false")]
+    if t.cuda_graphs and t.compile == "none":
+        return [(("train", "cuda_graphs"),
+                 "CUDA graphs capture the compiled stages' kernels, but train.compile is none: "
+                 "set compile: stages (or auto)")]
     if spec.train.precision != "fp8":
         return []
-    cl = spec.cluster
     if cl.device != "cuda":
         return [(("train", "precision"),
-                 f"fp8 runs the matmuls on FP8 tensor cores (CUDA: H100, H200); "
-                 f"cluster.device is {cl.device}: use bf16")]
+                 f"fp8 runs the matmuls on FP8 tensor cores (CUDA, compute capability 8.9+: "
+                 f"H100, H200, L40S); cluster.device is {cl.device}: use bf16")]
     from fxpipe.specs.gpus import profile
 
     gpu = getattr(cl, "gpu", None)

@@ -249,11 +249,19 @@ def check(spec_ref: Any, steps: int | None = None, out=None) -> int:
                         "updates: sync")
     resolve_loss(t.loss, t.ignore_index)
     notes = []
+    train = {"steps": steps}
     if spec.cluster.device != "cpu":
         notes.append(f"cluster.device {spec.cluster.device}: checked on CPU ranks (gloo)")
         spec = spec.model_copy(update={"cluster": spec.cluster.model_copy(
-            update={"device": "cpu"})})
-    spec = spec.model_copy(update={"train": t.model_copy(update={"steps": steps})})
+            update={"device": "cpu", "gpu": None})})  # (a GPU profile needs device: cuda)
+        if t.precision == "fp8":  # no FP8 tensor cores on CPU: the same run in bf16
+            notes.append("train.precision fp8: checked in bf16 (CPU ranks have no FP8 "
+                         "matmuls; the float8 rewrite has its own tests)")
+            train["precision"] = "bf16"
+        if t.cuda_graphs:
+            notes.append("train.cuda_graphs: off on CPU ranks")
+            train["cuda_graphs"] = False
+    spec = spec.model_copy(update={"train": t.model_copy(update=train)})
     t = spec.train
     with planning_progress():
         plan, _ = plan_from_spec(spec)

@@ -99,6 +99,10 @@ def _check_launchable(spec, nnodes: int, endpoint: str | None,
                 f"but this machine has {plural(have, 'CUDA device')}; set cluster.device: cpu or run on "
                 "a machine with enough GPUs"
             )
+    if spec.train.compile == "stages":  # inductor's compiler, here as on the workers
+        from fxpipe.execution.compiled_stage import resolve_compile
+
+        resolve_compile("stages", spec.train.cuda_graphs, torch.device(spec.cluster.device))
 
 
 def _import_model_code(spec) -> None:
