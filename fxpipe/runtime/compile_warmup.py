@@ -27,30 +27,22 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
+from fxpipe.runtime.recompute import cuda_devices, buffers_copied
+
 __all__ = ["warm_up"]
 
 
 def _run_once(module: nn.Module, args: list[Any], autocast: Callable, retain: bool) -> None:
-    held = [(m._buffers, k, b) for m in module.modules() for k, b in m._buffers.items()
-            if b is not None]
-    devices = sorted({t.device.index or 0 for t in pytree.tree_leaves(args)
-                      if isinstance(t, torch.Tensor) and t.is_cuda})
-    with torch.random.fork_rng(devices=devices):
-        try:
-            for bufs, k, b in held:
-                bufs[k] = b.detach().clone()
-            with torch.enable_grad(), autocast():
-                out = module(*args)
-            outs = [t for t in pytree.tree_leaves(out)
-                    if isinstance(t, torch.Tensor) and t.requires_grad]
-            wrt = [t for t in args if isinstance(t, torch.Tensor) and t.requires_grad] or [
-                p for p in module.parameters() if p.requires_grad][:1]
-            if outs and wrt:
-                torch.autograd.grad(outs, wrt, [torch.zeros_like(t) for t in outs],
-                                    allow_unused=True, retain_graph=retain)
-        finally:
-            for bufs, k, b in held:
-                bufs[k] = b
+    with torch.random.fork_rng(devices=cuda_devices(args, module)), buffers_copied(module):
+        with torch.enable_grad(), autocast():
+            out = module(*args)
+        outs = [t for t in pytree.tree_leaves(out)
+                if isinstance(t, torch.Tensor) and t.requires_grad]
+        wrt = [t for t in args if isinstance(t, torch.Tensor) and t.requires_grad] or [
+            p for p in module.parameters() if p.requires_grad][:1]
+        if outs and wrt:
+            torch.autograd.grad(outs, wrt, [torch.zeros_like(t) for t in outs],
+                                allow_unused=True, retain_graph=retain)
 
 
 def _compile_error(e: BaseException) -> bool:

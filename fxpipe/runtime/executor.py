@@ -58,9 +58,9 @@ import torch.nn as nn
 
 from fxpipe.errors import FxpipeError, PlanError, RuntimeFailure, ScheduleError
 from fxpipe.execution.dtypes import autocast_dtype
-from fxpipe.execution.grad_fusion import fuse_weight_grads
 from fxpipe.execution.compiled_stage import CompileSetting, compile_stages, eager_reason
 from fxpipe.execution.fp8 import fp8_stage
+from fxpipe.execution.grad_fusion import fuse_weight_grads
 from fxpipe.plans.param_blocks import has_blocks
 from fxpipe.plans.plan import Plan
 from fxpipe.plans.values import MODEL_INPUT, needs_grad
@@ -131,7 +131,7 @@ class PipelineExecutor:
             (:mod:`fxpipe.execution.grad_fusion`; fp32 and a full backward only).
         compile: ``train.compile`` resolved on this device
             (:func:`~fxpipe.execution.compiled_stage.resolve_compile`); None or off: eager.
-            Compiled stages run through ``torch.compile`` (:mod:`fxpipe.runtime.
+            Compiled stages run through ``torch.compile`` (:mod:`fxpipe.execution.
             compiled_stage`), without gradient-accumulation fusion.
         fp8_config: under ``precision="fp8"``, torchao's float8 config the stages' weight
             matmuls run under (:mod:`fxpipe.execution.fp8`; the rest as ``bf16``).
@@ -335,12 +335,11 @@ class PipelineExecutor:
                              split, self._autocast, lambda i: self._ctx(self._action),
                              self.plan.model_output if s == self.loss_stage else None)
                 for s in self.local_stages}
-        compiled = set(self.compiled.compiled) if getattr(self, "compiled", None) else set()
-        for s, w in work.items():
-            if w.offload is not None and s in compiled:
-                w.offload.keep_layout = True
+        compiled = set(self.compiled.compiled) if self.compiled is not None else set()
         for s, w in work.items():
             w.release_after = self._released_outputs(s)
+            if w.offload is not None and s in compiled:  # its backward wants saved strides
+                w.offload.keep_layout = True
         return work
 
     def _released_outputs(self, s: int) -> dict[str, int]:
@@ -387,7 +386,7 @@ class PipelineExecutor:
         else:
             self.grad_reducer.ensure_gathered(self.timeout_s)  # sharded ``full``: they come back
         st = self._prepare(inputs, target, loss_weights, "step")
-        if self.compiled is not None and not self._warmed:  # compiled before the first step
+        if self.compiled is not None and not self._warmed:  # compiled as the first step starts
             self._warmed = True
             warm_up({s: self.work[s].module for s in self.compiled.compiled},
                     lambda s: self._example_args(s, st), self._autocast, self.mesh,

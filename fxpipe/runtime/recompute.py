@@ -14,9 +14,9 @@ every backward pass that reaches a saved tensor: once in B and again in each of 
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.nn as nn
@@ -24,7 +24,7 @@ from torch.utils import _pytree as pytree
 
 from fxpipe.execution.selective import selective_contexts
 
-__all__ = ["Replay", "forward_keeping_inputs", "replay"]
+__all__ = ["Replay", "buffers_copied", "cuda_devices", "forward_keeping_inputs", "replay"]
 
 
 @dataclass
@@ -53,7 +53,9 @@ def _never(_x: Any) -> torch.Tensor:  # pragma: no cover - the first forward's g
     raise RuntimeError("the first forward of a recomputing stage kept no activations")
 
 
-def _cuda_devices(args: list[Any], module: nn.Module) -> list[int]:
+def cuda_devices(args: list[Any], module: nn.Module) -> list[int]:
+    """CUDA device indices of ``args``' tensors and ``module``'s parameters (whose random
+    states a forward may use)."""
     devs = {t.device.index or 0 for t in pytree.tree_leaves(args)
             if isinstance(t, torch.Tensor) and t.is_cuda}
     devs |= {p.device.index or 0 for p in module.parameters() if p.is_cuda}
@@ -65,7 +67,7 @@ def forward_keeping_inputs(module: nn.Module, args: list[Any], ridge: float | No
     """``module(*args)`` with autograd keeping nothing, its outputs detached; ``ridge``: keep
     the outputs of the ops selective recomputation keeps at this ridge (None: keep none, full
     recomputation)."""
-    cuda = {d: torch.cuda.get_rng_state(d) for d in _cuda_devices(args, module)}
+    cuda = {d: torch.cuda.get_rng_state(d) for d in cuda_devices(args, module)}
     rep = Replay(list(args), torch.get_rng_state(), cuda)
     caching = nullcontext()
     if ridge is not None:
@@ -76,22 +78,30 @@ def forward_keeping_inputs(module: nn.Module, args: list[Any], ridge: float | No
     return out, rep
 
 
+@contextmanager
+def buffers_copied(module: nn.Module) -> Iterator[None]:
+    """Run with copies of ``module``'s buffers in their place: what the run writes there (a
+    BatchNorm's running statistics) is dropped afterwards."""
+    held = [(m._buffers, k, b) for m in module.modules() for k, b in m._buffers.items()
+            if b is not None]
+    try:
+        for bufs, k, b in held:
+            bufs[k] = b.detach().clone()
+        yield
+    finally:
+        for bufs, k, b in held:
+            bufs[k] = b
+
+
 def replay(module: nn.Module, rep: Replay) -> Any:
     """The forward of :func:`forward_keeping_inputs` again, with autograd on, from the same
     random-number state (the caller's state is left as it was). It runs on copies of the
     module's buffers: what it writes there (a BatchNorm's running statistics, which the first
     forward updated already) is dropped, so buffers are updated once per micro-batch."""
-    held = [(m._buffers, k, b) for m in module.modules() for k, b in m._buffers.items()
-            if b is not None]
     with torch.random.fork_rng(devices=list(rep.cuda_rng)):
         torch.set_rng_state(rep.cpu_rng)
         for d, state in rep.cuda_rng.items():
             torch.cuda.set_rng_state(state, d)
-        try:
-            for bufs, k, b in held:
-                bufs[k] = b.detach().clone()
-            with torch.enable_grad(), rep.cached if rep.cached is not None else nullcontext():
-                return module(*rep.args)
-        finally:
-            for bufs, k, b in held:
-                bufs[k] = b
+        with buffers_copied(module), torch.enable_grad(), (
+                rep.cached if rep.cached is not None else nullcontext()):
+            return module(*rep.args)
