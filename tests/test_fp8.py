@@ -141,7 +141,7 @@ def test_the_gpu_model_prices_weight_matmuls_at_the_fp8_peak():
     big = 2 * 8192 * 8192 * 8192.0
     linear = NodeCost(fwd_flops=big, bwd_flops=2 * big, bwd_weight_flops=big, out_bytes=1e6,
                       param_bytes=1e6, saved_bytes=0, buffer_bytes=0, bwd_source="ratio",
-                      in_bytes=1e6, input_grad=True, weight_grad=True)
+                      in_bytes=1e6, input_grad=True, weight_grad=True, fp8_shape=(8192, 8192))
     scores = NodeCost(fwd_flops=big, bwd_flops=2 * big, bwd_weight_flops=0, out_bytes=1e6,
                       param_bytes=0, saved_bytes=0, buffer_bytes=0, bwd_source="ratio",
                       in_bytes=1e6, input_grad=True, weight_grad=False)
@@ -157,3 +157,35 @@ def test_the_gpu_model_prices_weight_matmuls_at_the_fp8_peak():
     assert f8["bmm"].fwd_s == pytest.approx(bf["bmm"].fwd_s)  # no weight: bf16
     with pytest.raises(ValueError, match="no"):
         gpu_rates(PROFILES["A100-80GB"], 312.0, 2039.0, "fp8", 0.0)
+
+
+def test_the_planner_prices_in_fp8_exactly_the_nodes_the_rewrite_takes():
+    """The same predicate both ways: a 10-wide output stays bf16 in the run and in the price;
+    under tensor parallelism the shard's shape is priced (the same rule applied to it)."""
+    from fxpipe.partitioner.cost import price
+    from fxpipe.partitioner.gpu_model import gpu_rates, gpu_times
+    from fxpipe.partitioner.tensor_costs import scaled_costs, tensor_pricing
+    from fxpipe.partitioner.trace import trace
+    from fxpipe.specs.gpus import PROFILES
+
+    model, x = _Mlp(), torch.randn(4, 8, 32)
+    traced = trace(model, (x,), "export")
+    costs = price(traced)
+    rewritten = copy.deepcopy(traced.gm)
+    fp8_stage(rewritten, _config("tensorwise"))
+    taken = {n.name for n in rewritten.graph.nodes if "float8" in str(n.target)}
+    h100 = PROFILES["H100-80GB"]
+    bf = gpu_times(costs, gpu_rates(h100, 989.0, 3350.0, "bf16", 0.0))
+    f8 = gpu_times(costs, gpu_rates(h100, 989.0, 3350.0, "fp8", 0.0))
+    faster = {n for n in costs if f8[n].fwd_s < bf[n].fwd_s}
+    assert faster == taken and len(taken) == 2, (faster, taken)
+    trainable = {n.target for n in traced.gm.graph.nodes if n.op == "get_attr"}
+    tp = tensor_pricing(traced.gm, 2, sequence_parallel=False, output_loss=None,
+                        trainable=trainable, intra_node_GBps=450.0, latency_s=1e-6)
+    shards = scaled_costs(costs, tp)
+    split = {n: shards[n].fp8_shape for n in taken}
+    f8t = gpu_times(shards, gpu_rates(h100, 989.0, 3350.0, "fp8", 0.0))
+    bft = gpu_times(shards, gpu_rates(h100, 989.0, 3350.0, "bf16", 0.0))
+    for n, shape in split.items():  # a's [64, 32] -> [32, 32]; b's [48, 64] -> [48, 32]
+        assert (f8t[n].fwd_s < bft[n].fwd_s) == all(s % 16 == 0 for s in shape), (n, shape)
+    assert any(s != costs[n].fp8_shape for n, s in split.items())

@@ -73,7 +73,8 @@ LEVERS = {"": ({}, {}), "selective": ({"activation_recompute": "selective"}, {})
           "offload": ({"activation_recompute": "off", "activation_offload": "on"},
                       {"host_memory_gb": 8}),
           "partial": ({"activation_recompute": "full", "recompute_layers": 1}, {}),
-          "full": ({"activation_recompute": "full"}, {})}
+          "full": ({"activation_recompute": "full"}, {}),
+          "overlap": ({}, {})}  # parallel.tp_overlap: 2 (set by _spec)
 
 
 def _spec(name: str, p: int, d: int, t: int, schedule: str, sp: bool = False,
@@ -85,12 +86,15 @@ def _spec(name: str, p: int, d: int, t: int, schedule: str, sp: bool = False,
     else:
         spec = zoo.spec_for(name, p, d, 2, schedule)
     spec["parallel"] = {"pipeline": p, "data": d, "tensor": t, "microbatches": 2,
-                        "schedule": schedule, "sequence_parallel": sp}
+                        "schedule": schedule, "sequence_parallel": sp,
+                        "tp_overlap": 2 if "overlap" in lever.split("+") else 1}
     spec["cluster"] = {"nodes": 1, "devices_per_node": p * d * t, "memory_gb": 4,
                        "device_tflops": 0.02, "links": {"intra_node_GBps": 5}}
-    train, cluster = LEVERS[lever]
-    spec["cluster"].update(cluster)
-    spec["train"] = {**spec["train"], "precision": precision, "timeout_s": 120, **train}
+    for one in lever.split("+"):  # "selective+overlap": both
+        train, cluster = LEVERS[one]
+        spec["cluster"].update(cluster)
+        spec["train"] = {**spec["train"], **train}
+    spec["train"] = {**spec["train"], "precision": precision, "timeout_s": 120}
     return spec
 
 
@@ -286,9 +290,15 @@ CASES4 = [("gpt", 2, 1, 2, "1f1b", False),
           ("gpt", 2, 1, 2, "zb-v", False, "fp32", "selective"),
           ("gpt2", 1, 2, 2, "zb-h1", False, "fp32", "selective"),
           ("llama", 2, 1, 2, "gpipe", False, "fp32", "offload"),
-          ("gpt", 2, 1, 2, "zb-h1", True, "fp32", "partial")]
+          ("gpt", 2, 1, 2, "zb-h1", True, "fp32", "partial"),
+          # overlapped collectives (issue 37, parallel.tp_overlap 2): GPT-2's addmm under
+          # sequence parallelism (chunked reduce-scatters, gathers with reduce-scatter
+          # backward) under ZB-V (B then W)
+          ("gpt2", 2, 1, 2, "zb-v", True, "fp32", "overlap")]
 CASES2 = [("gpt", 1, 1, 2, "1f1b", False), ("gpt2", 1, 1, 2, "gpipe", True),
-          ("llama", 1, 1, 2, "zb-h1", False), ("bert", 1, 1, 2, "1f1b", True)]
+          ("llama", 1, 1, 2, "zb-h1", False), ("bert", 1, 1, 2, "1f1b", True),
+          # overlapped all-reduces: Llama's q, k, v (and gate, up) read one chunked input
+          ("llama", 1, 1, 2, "1f1b", False, "fp32", "overlap")]
 
 
 def _train(name: str, plan: dict, ckpt: str | None = None) -> dict:
@@ -310,8 +320,10 @@ def _train(name: str, plan: dict, ckpt: str | None = None) -> dict:
         if step == 0 and ckpt is not None:  # saved at tensor 2 (the next loss: losses[1])
             save_checkpoint(pipe.module, ckpt, 1, optimizer=opt)  # whole tensors, untold
     whole = pipe.state_dict()  # sharded tensors gathered: the plain model's
+    chunks = sum(1 for m in pipe.executor.modules.values() for n in m.graph.nodes
+                 if getattr(n.target, "__name__", "") in ("tp_reduce_start", "tp_input_wait"))
     out = {"losses": losses, "params": {k: v.numpy().copy() for k, v in whole.items()},
-           "tensor_events": tensor_events, "pipe_rank": pipe.pipe_rank,
+           "tensor_events": tensor_events, "pipe_rank": pipe.pipe_rank, "chunks": chunks,
            "tp_rank": pipe.mesh.tp_rank}
     if ckpt is not None:
         out["reshard"] = {"next_at_2": losses[1], "next_at_1": _load_at_tensor_1(ckpt)}
@@ -408,11 +420,11 @@ def test_tensor_2_with_pipeline_or_data_2_trains_like_one_process(world4):
     _check(CASES4, results)
     for case in CASES4:  # the lever cases ran with it on every stage
         stages = Plan.from_dict(_plan(*case)).stages
-        lever = case[7] if len(case) > 7 else ""
-        assert all(st.recompute_mode == "selective" for st in stages) == (lever == "selective")
-        assert all(st.offload_bytes > 0 for st in stages) == (lever == "offload")
+        lever = case[7].split("+") if len(case) > 7 else []
+        assert all(st.recompute_mode == "selective" for st in stages) == ("selective" in lever)
+        assert all(st.offload_bytes > 0 for st in stages) == ("offload" in lever)
         assert all(st.recompute_mode == "partial" and st.recompute_blocks == 1
-                   for st in stages) == (lever == "partial")
+                   for st in stages) == ("partial" in lever)
 
 
 @pytest.mark.distributed
@@ -434,6 +446,28 @@ def test_a_step_runs_megatrons_collectives(world2, world4):
         for i in sp:
             events = r[i]["tensor_events"]
             assert {"reduce-scatter", "all-gather"} <= set(events), (CASES4[i], events)
+
+
+@pytest.mark.distributed
+def test_overlapped_collectives_run_chunked(world2, world4):
+    """parallel.tp_overlap 2: every site's collective runs as 2 chunks (one extra collective per
+    site and phase), the others as planned (the plan's per-stage count)."""
+    for cases, results in ((CASES2, world2), (CASES4, world4[1])):
+        for i, case in enumerate(cases):
+            if len(case) < 8 or "overlap" not in case[7].split("+"):
+                continue
+            plan = Plan.from_dict(_plan(*case))
+            assert plan.tp_overlap == 2
+            for r in results:
+                row = r[i]
+                assert row["chunks"] > 0, case
+                if case[5]:  # sequence parallel: the chunked collectives only
+                    continue
+                planned = plan.stages[row["pipe_rank"]].tensor_collectives
+                # one site, one collective each way here (no sequence parallelism): a chunk
+                # node per chunk, and one extra collective per site
+                assert len(row["tensor_events"]) == plan.microbatches * (
+                    planned + row["chunks"] // 2), (case, row["tensor_events"])
 
 
 @pytest.mark.distributed

@@ -24,7 +24,8 @@ import dataclasses
 import torch
 import torch.fx as fx
 
-__all__ = ["FP8_SCALINGS", "Float8Matmul", "float8_config", "fp8_problem", "fp8_stage"]
+__all__ = ["FP8_SCALINGS", "Float8Matmul", "float8_config", "fp8_problem", "fp8_stage",
+           "fp8_weight", "fp8_shape_ok"]
 
 #: ``train.fp8_scaling`` -> torchao's recipe name
 FP8_SCALINGS = ("tensorwise", "rowwise")
@@ -110,23 +111,35 @@ def _param_2d(gm: fx.GraphModule, node) -> torch.Tensor | None:
     return t if t.dim() == 2 and t.requires_grad else None
 
 
+def fp8_weight(gm: fx.GraphModule, node: fx.Node) -> torch.Tensor | None:
+    """The trained 2-D weight of a ``linear`` / ``addmm`` node of ``gm`` (a weight matmul the
+    rewrite takes when :func:`fp8_shape_ok`), else None. The planner prices the same nodes at
+    the FP8 rate (:mod:`fxpipe.partitioner.gpu_model`)."""
+    if node.op != "call_function" or node.kwargs:
+        return None
+    if node.target is _aten.linear.default and len(node.args) >= 2:
+        return _param_2d(gm, node.args[1])
+    if node.target is _aten.addmm.default and len(node.args) == 3:
+        return _param_2d(gm, node.args[2])
+    return None
+
+
+def fp8_shape_ok(shape) -> bool:
+    """Whether a weight of ``shape`` (on its rank: a tensor-parallel shard) runs in float8:
+    both dimensions multiples of 16, what ``torch._scaled_mm`` takes."""
+    return len(shape) == 2 and all(int(s) % 16 == 0 and int(s) > 0 for s in shape)
+
+
 def fp8_stage(gm: fx.GraphModule, config) -> int:
     """Rewrite ``gm``'s weight matmuls (module doc) in place to :class:`Float8Matmul` under
     torchao ``config``; returns how many nodes now run in float8."""
     linear, addmm = Float8Matmul(config, True), Float8Matmul(config, False)
     count = 0
     for node in gm.graph.nodes:
-        if node.op != "call_function" or node.kwargs:
+        w = fp8_weight(gm, node)
+        if w is None or not fp8_shape_ok(w.shape):
             continue
-        if node.target is _aten.linear.default:
-            w, target = _param_2d(gm, node.args[1]), linear
-        elif node.target is _aten.addmm.default and len(node.args) == 3:
-            w, target = _param_2d(gm, node.args[2]), addmm
-        else:
-            continue
-        if w is None or w.shape[0] % 16 or w.shape[1] % 16:
-            continue
-        node.target = target
+        node.target = linear if node.target is _aten.linear.default else addmm
         count += 1
     if count:
         gm.recompile()

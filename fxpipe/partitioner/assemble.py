@@ -316,7 +316,7 @@ def _set_tensor(plan: Plan, pr: Priced, comms: list[list] | None) -> None:
     tp = pr.tensor
     if tp is None:
         return
-    plan.tensor, plan.sequence_parallel = tp.t, tp.sequence_parallel
+    plan.tensor, plan.sequence_parallel, plan.tp_overlap = tp.t, tp.sequence_parallel, tp.overlap
     text = tp.placements_text()
     fo = pr.table.folding
     if fo is not None:  # names of the reduced trace -> every block of the full model
@@ -343,6 +343,15 @@ def _set_tensor(plan: Plan, pr: Priced, comms: list[list] | None) -> None:
         f" on another dim - row-parallel inputs, Conv1D columns){whole}; per micro-batch "
         f"{count} collectives over the tensor group move {human_bytes(fwd, True)} forward and "
         f"{human_bytes(bwd, True)} backward (whole tensors; ring on the intra-node link)")
+    if tp.overlap > 1:
+        comm = sum(f + b for f, b in tp.comm_s.values())
+        hidden = sum(f + b for f, b in tp.hidden_s.values())
+        plan.explain.append(
+            f"parallel.tp_overlap {tp.overlap}: the collectives of {len(tp.sites)} matmul sites "
+            f"run in {tp.overlap} chunks beside their matmuls (async tensor parallelism), hiding "
+            f"{hidden * 1e3:.3g} ms of the {comm * 1e3:.3g} ms they take per micro-batch; the "
+            "others (embedding, loss, matmuls without a token dimension divisible by "
+            f"{tp.overlap}) run whole")
 
 def folded_record(pr: Priced, stage_of: list[int]) -> dict:
     """``Plan.folded`` of a folded partition (``stage_of``: the stage of every folded unit):

@@ -47,6 +47,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
+from fxpipe.execution.fp8 import fp8_weight
 from fxpipe.execution.op_flops import EXTRA_FORMULAS, has_flops, op_flops
 from fxpipe.execution.selective import out_bytes
 from fxpipe.partitioner.trace import COMPUTE_OPS, FakeInterpreter, TracedModel
@@ -88,6 +89,10 @@ class NodeCost:
         saved_by: the node whose ``saved_bytes`` count this node's output (the first node
             that saves its storage for backward), ``""`` when none saves it (what partial
             recomputation reads: a value its kept part saves is counted there already).
+        fp8_shape: for a weight matmul ``train.precision: fp8`` may run in float8
+            (:func:`fxpipe.execution.fp8.fp8_weight`), its weight's shape on one rank (a
+            tensor-parallel shard's after :func:`fxpipe.partitioner.tensor_costs.scaled_costs`);
+            the GPU model prices it at the FP8 rate where the shape qualifies.
     """
 
     fwd_flops: int = 0
@@ -106,6 +111,7 @@ class NodeCost:
     attn_causal: bool = False
     ops: tuple[tuple[float, float], ...] = ()
     saved_by: str = ""
+    fp8_shape: tuple[int, ...] | None = None
 
     def selective(self, ridge: float) -> tuple[float, bool]:
         """Under selective recomputation at ``ridge`` (:mod:`fxpipe.execution.selective`):
@@ -274,6 +280,8 @@ class _Pricer(FakeInterpreter):
                                      if isinstance(v, torch.Tensor)])
         cost.input_grad, cost.weight_grad = bool(acts), bool(params)
         cost.moves_memory = not _is_view(n)
+        weight = fp8_weight(self.traced.gm, n) if n.op == "call_function" else None
+        cost.fp8_shape = tuple(int(s) for s in weight.shape) if weight is not None else None
         if n.target in ATTENTION_OPS:
             cost.attn_scores, cost.attn_causal = _attention_scores(n.target, args, kwargs)
         if cost.fwd_flops > 0:

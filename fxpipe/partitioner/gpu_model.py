@@ -55,6 +55,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from fxpipe.execution.fp8 import fp8_shape_ok
 from fxpipe.partitioner.cost import NodeCost
 from fxpipe.partitioner.timing import NodeTimes
 from fxpipe.specs.gpus import DEFAULT_CURVES, GPU_NAMES, PROFILES, GpuProfile, profile
@@ -142,8 +143,9 @@ def gpu_times(costs: dict[str, NodeCost], r: GpuRates) -> dict[str, NodeTimes]:
     backward reads and writes about the forward's bytes again."""
     out = {}
     o = r.op_overhead_s
-    # train.precision: fp8 runs a weight matmul (a node with FLOPs and a weight gradient) in
-    # float8 (fxpipe.execution.fp8), everything else in bf16
+    # train.precision: fp8 runs the weight matmuls fxpipe.execution.fp8 rewrites (a linear /
+    # addmm of a 2-D trained weight whose dims on its rank are multiples of 16) in float8,
+    # everything else in bf16
     r8 = (r if r.fp8_matmul_flops_per_s is None
           else dataclasses.replace(r, matmul_flops_per_s=r.fp8_matmul_flops_per_s))
     for name, c in costs.items():
@@ -156,7 +158,7 @@ def gpu_times(costs: dict[str, NodeCost], r: GpuRates) -> dict[str, NodeTimes]:
             bw = (o + attention_seconds(c.bwd_weight_flops, 0, 0, c.attn_causal, True, r)
                   if c.weight_grad and c.bwd_weight_flops else 0.0)
         else:
-            rr = r8 if c.weight_grad and c.fwd_flops > 0 else r  # fp8: a weight matmul
+            rr = r8 if c.fp8_shape is not None and fp8_shape_ok(c.fp8_shape) else r
             fwd = o + matmul_seconds(c.fwd_flops, moved, rr)
             bi = o + matmul_seconds(c.bwd_input_flops, moved, rr) if c.input_grad else 0.0
             bw = (o + matmul_seconds(c.bwd_weight_flops, c.in_bytes + c.out_bytes, rr)

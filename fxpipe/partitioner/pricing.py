@@ -321,6 +321,7 @@ def at_degree(pr: Priced, spec: ParallelSpec, t: int) -> Priced:
     cl, traced = spec.cluster, pr.traced
     trainable = {k for k, fqn in traced.param_fqns.items() if fqn not in traced.buffer_fqns}
     tp = tensor_pricing(traced.gm, t, sequence_parallel=spec.parallel.sequence_parallel,
+                        overlap=spec.parallel.tp_overlap,
                         output_loss=None if spec.train.loss == MODEL_LOSS else spec.train.loss,
                         trainable=trainable, intra_node_GBps=cl.links.intra_node_GBps,
                         latency_s=cl.links.latency_s, strict=spec.parallel.tensor != "auto",

@@ -11,6 +11,11 @@ tensor group stays inside a node): a ring all-reduce of ``N`` bytes over ``t`` r
 collectives to the node's forward, backward ones to its input-gradient pass. A node that runs
 replicated costs what it costs at degree 1 on every rank.
 
+With ``parallel.tp_overlap: k`` the collectives of :func:`fxpipe.tensor.overlap.find_sites`'s
+sites run in ``k`` chunks beside their matmuls' compute: :func:`with_comm` charges only the
+exposed part (:func:`fxpipe.tensor.overlap.exposed_seconds`, the matmuls' own forward or
+input-gradient seconds against the collective's), on the node that carries the collective.
+
 The values between stages stay whole (every rank of a tensor group sends its copy to the same
 tensor rank of the next stage), so cut values keep their bytes.
 """
@@ -20,13 +25,18 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+import torch
 import torch.fx as fx
 
+from fxpipe.execution.fp8 import fp8_weight
 from fxpipe.partitioner.cost import NodeCost
 from fxpipe.partitioner.timing import NodeTimes
 from fxpipe.tensor.analysis import (VOCAB_PARALLEL_LOSSES, Comm, Sharding, analyse, grad_values,
                                    vocab_loss_comms)
 from fxpipe.tensor.choose import TensorChoice, choose
+from fxpipe.tensor.overlap import Site, exposed_seconds, find_sites
+
+aten = torch.ops.aten
 
 @dataclass
 class TensorPricing:
@@ -43,6 +53,12 @@ class TensorPricing:
         comm_bytes: node -> (forward, backward) bytes its collectives move (whole tensors).
         link: what prices one collective on the tensor group: :func:`ring_seconds`'s
             ``(bandwidth_Bps, latency_s, half_bytes, allreduce_Bps, byte_scale)``.
+        overlap: chunks of the overlapped collectives (``parallel.tp_overlap``; 1: none).
+        sites: the overlapped sites by starting node (:func:`fxpipe.tensor.overlap.find_sites`).
+        weight_split: weight-matmul node -> the dimension of its weight split ``t`` ways (the
+            FP8 pricing's shard shape).
+        hidden_s: per carrying node, the (forward, backward) seconds its site hides, as the
+            last :func:`with_comm` over these pricings found them.
     """
 
     t: int
@@ -54,6 +70,10 @@ class TensorPricing:
     comm_s: dict[str, tuple[float, float]]
     comm_bytes: dict[str, tuple[float, float]]
     link: tuple = (1.0, 0.0, 0.0, None, 1.0)
+    overlap: int = 1
+    sites: dict[str, Site] = dataclasses.field(default_factory=dict)
+    hidden_s: dict[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
+    weight_split: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def seconds(self, comms) -> tuple[float, float]:
         """Forward and backward seconds of ``comms`` (:class:`~fxpipe.tensor.analysis.Comm`)
@@ -115,7 +135,7 @@ def _param_fractions(gm: fx.GraphModule, choice: TensorChoice, t: int) -> dict[s
 
 
 def tensor_pricing(gm: fx.GraphModule, t: int, *, sequence_parallel: bool,
-                   output_loss: str | None, trainable: set[str], intra_node_GBps: float,
+                   overlap: int = 1, output_loss: str | None, trainable: set[str], intra_node_GBps: float,
                    latency_s: float, strict: bool = True, half_bytes: float = 0.0,
                    allreduce_GBps: float | None = None, byte_scale: float = 1.0
                    ) -> TensorPricing:
@@ -125,6 +145,7 @@ def tensor_pricing(gm: fx.GraphModule, t: int, *, sequence_parallel: bool,
         gm: the traced graph.
         t: the degree.
         sequence_parallel: the spec's option.
+        overlap: ``parallel.tp_overlap`` (chunks; 1: no overlap).
         output_loss: the loss the executor computes on the model output (``train.loss``), or
             None when the model computes its own (its output is the loss).
         trainable: get_attr targets of the parameters that get gradients.
@@ -166,8 +187,16 @@ def tensor_pricing(gm: fx.GraphModule, t: int, *, sequence_parallel: bool,
                 bs, bb = bs + sec, bb + c.nbytes
         if fs or bs:
             comm_s[name], comm_bytes[name] = (fs, bs), (fb, bb)
+    weight_split = {}
+    for n in gm.graph.nodes:
+        w = fp8_weight(gm, n)
+        p = choice.params.get(n.args[1 if n.target is not aten.addmm.default else 2].target) \
+            if w is not None else None
+        if p is not None and p.sharded:
+            weight_split[n.name] = p.dim
     return TensorPricing(t, sequence_parallel, choice, sharding, fraction,
-                         _param_fractions(gm, choice, t), comm_s, comm_bytes, link)
+                         _param_fractions(gm, choice, t), comm_s, comm_bytes, link,
+                         overlap, find_sites(gm, sharding, overlap), weight_split=weight_split)
 
 
 def scaled_costs(costs: dict[str, NodeCost], tp: TensorPricing) -> dict[str, NodeCost]:
@@ -176,21 +205,46 @@ def scaled_costs(costs: dict[str, NodeCost], tp: TensorPricing) -> dict[str, Nod
     for name, c in costs.items():
         f = tp.fraction.get(name, 1.0)
         pf = tp.param_fraction.get(name, 1.0)
+        shape = c.fp8_shape
+        if shape is not None and name in tp.weight_split:
+            d = tp.weight_split[name]
+            shape = tuple(s // tp.t if i == d else s for i, s in enumerate(shape))
         out[name] = dataclasses.replace(
             c, fwd_flops=c.fwd_flops * f, bwd_flops=c.bwd_flops * f,
             bwd_weight_flops=c.bwd_weight_flops * f, out_bytes=int(c.out_bytes * f),
             in_bytes=int(c.in_bytes * f), saved_bytes=int(c.saved_bytes * f),
             param_bytes=int(c.param_bytes * pf), attn_scores=int(c.attn_scores * f),
+            fp8_shape=shape,
             ops=tuple((fl * f, b * f) for fl, b in c.ops))
     return out
 
 
+def hidden_seconds(times: dict[str, NodeTimes], tp: TensorPricing
+                   ) -> dict[str, tuple[float, float]]:
+    """Per carrying node, the (forward, backward) collective seconds its overlapped site hides
+    behind its matmuls' compute (``times``: the nodes' compute alone)."""
+    out: dict[str, tuple[float, float]] = {}
+    for site in tp.sites.values():
+        fc, bc = tp.seconds(site.comms)
+        fm = sum(times[m].fwd_s for m in site.matmuls if m in times)
+        bm = sum(times[m].bwd_input_s for m in site.matmuls if m in times)
+        hf = fc - exposed_seconds(fc, fm, tp.overlap)
+        hb = bc - exposed_seconds(bc, bm, tp.overlap)
+        if hf or hb:
+            pf, pb = out.get(site.carrier, (0.0, 0.0))
+            out[site.carrier] = (pf + hf, pb + hb)
+    return out
+
+
 def with_comm(times: dict[str, NodeTimes], tp: TensorPricing) -> dict[str, NodeTimes]:
-    """``times`` plus every node's tensor-group collectives."""
+    """``times`` plus every node's tensor-group collectives, less what overlapped sites hide
+    (:func:`hidden_seconds`)."""
     out = dict(times)
+    hidden = tp.hidden_s = hidden_seconds(times, tp)
     for name, (fs, bs) in tp.comm_s.items():
         t = out.get(name, NodeTimes())
-        out[name] = NodeTimes(t.fwd_s + fs, t.bwd_input_s + bs, t.bwd_weight_s)
+        hf, hb = hidden.get(name, (0.0, 0.0))
+        out[name] = NodeTimes(t.fwd_s + fs - hf, t.bwd_input_s + bs - hb, t.bwd_weight_s)
     return out
 
 

@@ -231,6 +231,8 @@ class Plan:
         tensor: tensor-parallel degree (ranks that split every layer of a stage; innermost in
             the rank layout).
         sequence_parallel: norms, dropout and residual adds run on a slice of the sequence.
+        tp_overlap: chunks each tensor-parallel matmul and its collective run in, overlapped
+            (:mod:`fxpipe.tensor.overlap`); 1: none.
         tensor_params: canonical parameter FQN -> its placement on the tensor group
             (:class:`fxpipe.tensor.placement.Placement` as text: ``S(0)`` split on dim 0 (a
             column-parallel weight's output features, an embedding's vocabulary), ``S(1)``,
@@ -275,6 +277,7 @@ class Plan:
     param_itemsize: int = 4
     tensor: int = 1
     sequence_parallel: bool = False
+    tp_overlap: int = 1
     tensor_params: dict[str, str] = field(default_factory=dict)
     tensor_replicated: list[list[str]] = field(default_factory=list)
     data_sharding: str = "none"

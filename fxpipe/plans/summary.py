@@ -203,6 +203,8 @@ def tensor_lines(plan: "Plan", shown: int = 12) -> list[str]:
         key = (re.sub(r"\.\d+\.", ".*.", name), text)
         groups[key] = groups.get(key, 0) + 1
     seq = " with sequence parallelism" if plan.sequence_parallel else ""
+    if plan.tp_overlap > 1:
+        seq += f", collectives overlapped in {plan.tp_overlap} chunks"
     out = [f"tensor parallelism {plan.tensor}{seq}: each rank of a tensor group holds its slice "
            "of these parameters (S(d): split on dim d; S(d,k): each of k blocks split), the "
            "others whole:"]

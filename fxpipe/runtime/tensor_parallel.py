@@ -139,7 +139,7 @@ def shard_stages(plan: Plan, stages: dict[int, nn.Module], mesh, loss_name: str 
             if p.sharded and p.dim == nd - 1:
                 classes = int(logits.meta["val"].shape[-1]) // t
                 loss = _vocab_loss(rank * classes, ignore_index, group)
-        out[s] = shard_stage(gm, sharding, group, rank, done)
+        out[s] = shard_stage(gm, sharding, group, rank, done, overlap=plan.tp_overlap)
         for name, param in out[s].named_parameters(remove_duplicate=False):
             if id(param) not in originals:  # a shard
                 shards.by_id[id(param)] = Placement.from_json(

@@ -270,6 +270,10 @@ class ParallelSpec_(_Section):
     be ``auto`` (the planner searches).
     ``sequence_parallel``: with ``tensor > 1``, norms, dropout and residual adds run on a slice of
     the sequence (reduce-scatter / all-gather instead of all-reduce; less activation memory).
+    ``tp_overlap``: with ``tensor > 1``, the number of chunks each tensor-parallel matmul and
+    its collective are split into along the tokens, so that one chunk's all-reduce / all-gather
+    / reduce-scatter runs while another chunk computes (async tensor parallelism:
+    :mod:`fxpipe.tensor.overlap`); 1 (default): no overlap.
     ``data_sharding``: what each stage's data-parallel replicas split among themselves instead
     of each holding it whole (ZeRO style, :mod:`fxpipe.runtime.data_sharding`): ``none``,
     ``optimizer`` (the optimizer state), ``gradients`` (and the gradients between steps),
@@ -288,6 +292,7 @@ class ParallelSpec_(_Section):
     schedule: Union[Literal[SCHEDULES], Auto] = "1f1b"  # type: ignore[valid-type]
     virtual_stages: Union[PositiveInt, Auto] = 1
     sequence_parallel: bool = False
+    tp_overlap: PositiveInt = 1
     data_sharding: Literal[DATA_SHARDING] = "none"  # type: ignore[valid-type]
     param_gather: Literal["auto", "stage", "block"] = "auto"
 
@@ -860,6 +865,11 @@ def _tensor_problems(spec: ParallelSpec) -> list[tuple[tuple[str, ...], str]]:
                     "sequence_parallel splits the sequence over a tensor-parallel group, but "
                     "parallel.tensor is 1; set parallel.tensor (e.g. 2, or 'auto') or drop "
                     "sequence_parallel"))
+    if par.tp_overlap > 1 and t == 1:
+        out.append((("parallel", "tp_overlap"),
+                    "tp_overlap overlaps tensor-parallel collectives with compute, but "
+                    "parallel.tensor is 1; set parallel.tensor (e.g. 2, or 'auto') or drop "
+                    "tp_overlap"))
     if not isinstance(t, int) or t == 1:
         return out
     dpn = cl.devices_per_node

@@ -238,6 +238,188 @@ def reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     return _ReduceScatter.apply(x, dim, group)
 
 
+# ------------------------------------------------- overlapped (chunked, asynchronous) forms
+class _Async:
+    """One collective in flight: :meth:`wait` returns its result (and reports its timing from
+    launch to completion)."""
+
+    def __init__(self, kind: str, nbytes: int, group, work, result: Callable[[], torch.Tensor]):
+        self.kind, self.nbytes, self.group, self.work, self.result = kind, nbytes, group, work, result
+        self.t0 = time.perf_counter()
+
+    def wait(self) -> torch.Tensor:
+        self.work.wait()
+        sink = self.group.recorder.sink if isinstance(self.group, TimedGroup) else None
+        if sink is not None:
+            sink(self.kind, self.nbytes, self.t0, time.perf_counter())
+        return self.result()
+
+
+def _launch(kind: str, x: torch.Tensor, dim: int, group) -> _Async:
+    """Start ``kind`` (``all_reduce``, ``all_gather`` or ``reduce_scatter`` along ``dim``) on
+    ``x`` without waiting."""
+    pg = _pg(group)
+    if kind == "all_reduce":
+        buf = x.contiguous().clone()
+        work = dist.all_reduce(buf, group=pg, async_op=True)
+        return _Async("all-reduce", buf.numel() * buf.element_size(), group, work, lambda: buf)
+    n = _world(group)
+    if kind == "all_gather":
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(n)]
+        work = dist.all_gather(parts, x, group=pg, async_op=True)
+        return _Async("all-gather", n * x.numel() * x.element_size(), group, work,
+                      lambda: torch.cat(parts, dim=dim))
+    moved = x.movedim(dim, 0).contiguous()
+    out = torch.empty((moved.shape[0] // n, *moved.shape[1:]), dtype=x.dtype, device=x.device)
+    work = _REDUCE_SCATTER(out, moved, group=pg, async_op=True)
+    return _Async("reduce-scatter", x.numel() * x.element_size(), group, work,
+                  lambda: out.movedim(0, dim).contiguous())
+
+
+class OverlapState:
+    """The collectives in flight of one overlapped site in one forward (or its backward): chunk
+    index -> :class:`_Async`. A new one per call of the site (``overlap_state``)."""
+
+    def __init__(self) -> None:
+        self.fwd: dict[int, _Async] = {}
+        self.bwd: dict[int, _Async] = {}
+
+
+#: a site's collective -> (forward kind or None, backward kind or None) per chunk
+_INPUT_KINDS = {"copy_to": (None, "all_reduce"), "gather": ("all_gather", None),
+                "gather_rs": ("all_gather", "reduce_scatter")}
+_REDUCE_KINDS = {"all_reduce": ("all_reduce", None),
+                 "reduce_scatter": ("reduce_scatter", "all_gather")}
+
+
+class _Ready:
+    """A value already there, waited for like an :class:`_Async`."""
+
+    def __init__(self, value: torch.Tensor):
+        self.value = value
+
+    def wait(self) -> torch.Tensor:
+        return self.value
+
+
+# The four functions below pass data between a site's nodes through its OverlapState; what
+# flows along the autograd edges between them is an empty token (the graph's order).
+class _ReduceStart(torch.autograd.Function):
+    """Forward: start chunk ``c``'s reduction of a row-parallel partial product. Backward: the
+    chunk's gradient (all-gathered under sequence parallelism, started by
+    :class:`_ReduceJoin`'s backward)."""
+
+    @staticmethod
+    def forward(ctx, y, state, c, kind, dim, group):
+        ctx.args = (state, c)
+        state.fwd[c] = _launch(_REDUCE_KINDS[kind][0], y, dim, group)
+        return y.new_empty(0)
+
+    @staticmethod
+    def backward(ctx, token):
+        state, c = ctx.args
+        return state.bwd.pop(c).wait(), None, None, None, None, None
+
+
+class _ReduceJoin(torch.autograd.Function):
+    """Forward: wait for every chunk's reduction, in order. Backward: each chunk's gradient to
+    its start (under sequence parallelism every chunk's all-gather started, last chunk first,
+    the order the backward engine takes the starts in)."""
+
+    @staticmethod
+    def forward(ctx, state, kind, dim, group, *tokens):
+        ctx.args = (state, kind, dim, group)
+        return tuple(state.fwd.pop(c).wait() for c in range(len(tokens)))
+
+    @staticmethod
+    def backward(ctx, *gs):
+        state, kind, dim, group = ctx.args
+        back = _REDUCE_KINDS[kind][1]
+        for c in reversed(range(len(gs))):
+            state.bwd[c] = _launch(back, gs[c], dim, group) if back else _Ready(gs[c])
+        return (None, None, None, None, *[g.new_empty(0) for g in gs])
+
+
+class _InputStart(torch.autograd.Function):
+    """Forward: split ``x`` into ``k`` chunks along ``dim`` and start every chunk's all-gather
+    (sequence parallelism). Backward: wait for every chunk's input-gradient collective, put the
+    chunks back together."""
+
+    @staticmethod
+    def forward(ctx, x, state, kind, dim, k, group):
+        ctx.args = (state, dim)
+        fwd = _INPUT_KINDS[kind][0]
+        for c, piece in enumerate(x.chunk(k, dim=dim)):
+            state.fwd[c] = _launch(fwd, piece, dim, group) if fwd else _Ready(piece.clone())
+        return tuple(x.new_empty(0) for _ in range(k))
+
+    @staticmethod
+    def backward(ctx, *tokens):
+        state, dim = ctx.args
+        parts = [state.bwd.pop(c).wait() for c in range(len(tokens))]
+        return torch.cat(parts, dim=dim), None, None, None, None, None
+
+
+class _InputWait(torch.autograd.Function):
+    """Forward: chunk ``c`` of the read value (its all-gather waited for). Backward: start the
+    chunk's input-gradient collective (all-reduce for ``f``, reduce-scatter after a gather) or
+    take this rank's rows (a gather read whole)."""
+
+    @staticmethod
+    def forward(ctx, token, state, c, kind, dim, group):
+        ctx.args = (state, c, kind, dim, group)
+        return state.fwd.pop(c).wait()
+
+    @staticmethod
+    def backward(ctx, g):
+        state, c, kind, dim, group = ctx.args
+        back = _INPUT_KINDS[kind][1]
+        if back:
+            state.bwd[c] = _launch(back, g, dim, group)
+        else:  # a gather read whole: this rank's rows of the chunk
+            state.bwd[c] = _Ready(_local(g, dim, 1, group))
+        return g.new_empty(0), None, None, None, None, None
+
+
+@_eager
+def overlap_state() -> OverlapState:
+    """A new :class:`OverlapState` (one per overlapped site per call)."""
+    return OverlapState()
+
+
+@_eager
+def reduce_start(y: torch.Tensor, state: OverlapState, c: int, kind: str, dim: int,
+                 group) -> torch.Tensor:
+    """Start reducing chunk ``c`` of a row-parallel partial product (``kind``:
+    ``all_reduce`` or ``reduce_scatter`` along ``dim``); returns a token for
+    :func:`reduce_join`."""
+    return _ReduceStart.apply(y, state, c, kind, dim, group)
+
+
+@_eager
+def reduce_join(state: OverlapState, kind: str, dim: int, group,
+                *tokens: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Every chunk's reduced value, in chunk order."""
+    return _ReduceJoin.apply(state, kind, dim, group, *tokens)
+
+
+@_eager
+def input_start(x: torch.Tensor, state: OverlapState, kind: str, dim: int, k: int,
+                group) -> tuple[torch.Tensor, ...]:
+    """Split ``x`` (this rank's part) into ``k`` chunks and start their collectives
+    (``kind``: ``copy_to``, ``gather``, ``gather_rs``); returns one token per chunk for
+    :func:`input_wait`."""
+    return _InputStart.apply(x, state, kind, dim, k, group)
+
+
+@_eager
+def input_wait(token: torch.Tensor, state: OverlapState, c: int, kind: str, dim: int,
+               group) -> torch.Tensor:
+    """Chunk ``c`` as the matmuls read it (gathered, for a gather)."""
+    return _InputWait.apply(token, state, c, kind, dim, group)
+
+
 def vocab_embedding(weight: torch.Tensor, ids: torch.Tensor, start: int,
                     padding_idx: int = -1) -> torch.Tensor:
     """Rows ``start .. start + len(weight)`` of a vocabulary-split embedding: the looked-up rows

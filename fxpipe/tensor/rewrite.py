@@ -10,6 +10,7 @@ holding this rank's slice (shared between the stages of one rank that tie it).
 
 from __future__ import annotations
 
+import operator
 from typing import Callable
 
 import torch
@@ -19,6 +20,7 @@ import torch.nn as nn
 from fxpipe.execution.rebuild import rebuilt
 from fxpipe.tensor import collectives as C
 from fxpipe.tensor.analysis import Edge, NodeShard, Sharding
+from fxpipe.tensor.overlap import MATMULS, Site, assemble, find_sites, take
 from fxpipe.tensor.placement import Placement
 
 aten = torch.ops.aten
@@ -90,6 +92,24 @@ class _Ops:
         if kind == "reduce_scatter":
             (dim,) = args
             return _named(lambda x: C.reduce_scatter(x, dim, g), "tp_reduce_scatter")
+        if kind == "overlap_state":
+            return _named(lambda: C.overlap_state(), "tp_overlap_state")
+        if kind == "reduce_start":
+            rkind, dim = args
+            return _named(lambda y, state, c: C.reduce_start(y, state, c, rkind, dim, g),
+                          "tp_reduce_start")
+        if kind == "reduce_join":
+            rkind, dim = args
+            return _named(lambda state, *tokens: C.reduce_join(state, rkind, dim, g, *tokens),
+                          "tp_reduce_join")
+        if kind == "input_start":
+            ikind, dim, k = args
+            return _named(lambda x, state: C.input_start(x, state, ikind, dim, k, g),
+                          "tp_input_start")
+        if kind == "input_wait":
+            ikind, dim = args
+            return _named(lambda token, state, c: C.input_wait(token, state, c, ikind, dim, g),
+                          "tp_input_wait")
         if kind == "vocab_embedding":
             start, pad = args
             return _named(lambda w, ids: C.vocab_embedding(w, ids, start, pad),
@@ -129,9 +149,12 @@ def shard_parameters(module: nn.Module, sharding: Sharding, rank: int,
 
 
 def shard_stage(gm: fx.GraphModule, sharding: Sharding, group, rank: int,
-                done: dict[int, nn.Parameter] | None = None) -> fx.GraphModule:
+                done: dict[int, nn.Parameter] | None = None, overlap: int = 1
+                ) -> fx.GraphModule:
     """The stage ``gm`` running on this rank's shards: parameters replaced
-    (:func:`shard_parameters`), the graph rewritten node by node as ``sharding`` decides.
+    (:func:`shard_parameters`), the graph rewritten node by node as ``sharding`` decides;
+    with ``overlap`` > 1 the collectives of :func:`fxpipe.tensor.overlap.find_sites`'s sites
+    run in that many chunks, overlapped with the matmuls.
     ``gm`` is not changed; the new module shares its unsharded parameters."""
     out = rebuilt(gm, gm.graph)  # new container modules, the same tensors
     shard_parameters(out, sharding, rank, {} if done is None else done)
@@ -139,6 +162,9 @@ def shard_stage(gm: fx.GraphModule, sharding: Sharding, group, rank: int,
     graph = fx.Graph()
     env: dict[str, fx.Node] = {}
     converted: dict[tuple, fx.Node] = {}
+    sites = find_sites(gm, sharding, overlap)
+    ahead: dict[str, fx.Node] = {}  # readers of an input site, emitted with its first reader
+    by_name = {n.name: n for n in gm.graph.nodes}
 
     def read(a: fx.Node, e: Edge | None) -> fx.Node:
         base = env[a.name]
@@ -167,6 +193,25 @@ def shard_stage(gm: fx.GraphModule, sharding: Sharding, group, rank: int,
         elif n.op == "output":
             args, _ = mapped(n, ns)
             graph.output(args[0])
+        elif n.name in ahead:
+            env[n.name] = ahead.pop(n.name)
+        elif n.name in sites and sites[n.name].kind == "reduce":
+            env[n.name] = _emit_reduce_site(graph, n, ns, mapped(n, ns), ops, sites[n.name],
+                                            overlap)
+        elif n.name in sites:
+            site = sites[n.name]
+            x = by_name[site.value]
+            readers = [by_name[u] for u in site.matmuls]
+
+            def args_of(u: fx.Node, piece: fx.Node):
+                nsu = sharding.nodes[u.name]
+                return fx.map_arg((u.args, u.kwargs), lambda a: piece if a is x
+                                  else read(a, nsu.edges.get(a.name)))
+            made = _emit_input_site(graph, env[x.name], readers, args_of, ops, site, overlap)
+            for u, node in zip(readers, made):
+                node.meta = dict(u.meta)
+                ahead[u.name] = node
+            env[n.name] = ahead.pop(n.name)
         else:
             env[n.name] = _emit(graph, n, ns, mapped(n, ns), ops, sharding.t)
         if n.op != "output":
@@ -213,3 +258,51 @@ def _reduce(graph: fx.Graph, y: fx.Node, ns: NodeShard, ops: _Ops) -> fx.Node:
     kind, dim = ns.reduce
     fn = ops.get(("reduce_from",)) if kind == "all_reduce" else ops.get(("reduce_scatter", dim))
     return graph.call_function(fn, (y,))
+
+
+def _emit_reduce_site(graph: fx.Graph, n: fx.Node, ns: NodeShard, mapped, ops: _Ops,
+                      site: Site, k: int) -> fx.Node:
+    """A row-parallel matmul in ``k`` chunks, each chunk's reduction started as soon as its
+    product is there (:mod:`fxpipe.tensor.overlap`)."""
+    args, kwargs = mapped
+    kind, dim = ns.reduce
+    i = MATMULS[n.target]
+    x = args[i]
+    if n.target is aten.linear.default:
+        bias = args[2] if len(args) > 2 else kwargs.get("bias")
+    else:
+        bias = args[0] if n.target is aten.addmm.default else None
+    w = args[1] if n.target is aten.linear.default else args[i + 1]
+    op = aten.linear.default if n.target is aten.linear.default else aten.mm.default
+    blocks = ops.t if kind == "reduce_scatter" else 1
+    state = graph.call_function(ops.get(("overlap_state",)), ())
+    start = ops.get(("reduce_start", kind, dim))
+    tokens = []
+    for c in range(k):
+        piece = graph.call_function(take, (x, site.dim, blocks, k, c))
+        y = graph.call_function(op, (piece, w))
+        tokens.append(graph.call_function(start, (y, state, c)))
+    joined = graph.call_function(ops.get(("reduce_join", kind, dim)), (state, *tokens))
+    parts = [graph.call_function(operator.getitem, (joined, c)) for c in range(k)]
+    y = graph.call_function(assemble, (parts, site.dim, 1))
+    return graph.call_function(aten.add.Tensor, (y, bias)) if bias is not None else y
+
+
+def _emit_input_site(graph: fx.Graph, x: fx.Node, readers: list[fx.Node], args_of,
+                     ops: _Ops, site: Site, k: int) -> list[fx.Node]:
+    """The column-parallel ``readers`` of ``x`` in ``k`` chunks: every chunk's all-gather
+    started first, each chunk's matmuls waiting for their own; backward, each chunk's
+    input-gradient collective started as soon as it is computed. Returns the readers' outputs."""
+    state = graph.call_function(ops.get(("overlap_state",)), ())
+    tokens = graph.call_function(ops.get(("input_start", site.collective, site.dim, k)),
+                                 (x, state))
+    wait = ops.get(("input_wait", site.collective, site.dim))
+    outs: list[list[fx.Node]] = [[] for _ in readers]
+    for c in range(k):
+        token = graph.call_function(operator.getitem, (tokens, c))
+        piece = graph.call_function(wait, (token, state, c))
+        for j, u in enumerate(readers):
+            args, kwargs = args_of(u, piece)
+            outs[j].append(graph.call_function(u.target, tuple(args), kwargs))
+    blocks = 1 if site.collective == "copy_to" else ops.t
+    return [graph.call_function(assemble, (parts, site.dim, blocks)) for parts in outs]
