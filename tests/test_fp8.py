@@ -189,3 +189,34 @@ def test_the_planner_prices_in_fp8_exactly_the_nodes_the_rewrite_takes():
     for n, shape in split.items():  # a's [64, 32] -> [32, 32]; b's [48, 64] -> [48, 32]
         assert (f8t[n].fwd_s < bft[n].fwd_s) == all(s % 16 == 0 for s in shape), (n, shape)
     assert any(s != costs[n].fp8_shape for n, s in split.items())
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+@pytest.mark.parametrize("overlap", [1, 2])
+def test_under_tensor_parallelism_the_priced_fp8_matmuls_are_the_converted_ones(name, overlap):
+    """GPT-2's row-parallel Conv1D becomes ``mm`` + bias after its reduction: converted and
+    priced alike; with overlapped collectives every chunk's matmul is converted."""
+    pytest.importorskip("transformers")
+    from fxpipe.execution.fp8 import fp8_shape_ok
+    from fxpipe.partitioner.cost import price
+    from fxpipe.partitioner.tensor_costs import scaled_costs, tensor_pricing
+    from fxpipe.tensor.rewrite import shard_stage
+
+    try:
+        import test_tensor_parallel as tp
+    except ImportError:  # tests/ collected as a package
+        from tests import test_tensor_parallel as tp
+    traced, _ = tp._trace_of(name)
+    _, sharding = tp._traced(name, 2)
+    trainable = {n.target for n in traced.gm.graph.nodes if n.op == "get_attr"}
+    pricing = tensor_pricing(traced.gm, 2, sequence_parallel=False, overlap=overlap,
+                             output_loss=None, trainable=trainable, intra_node_GBps=450.0,
+                             latency_s=1e-6)
+    shards = scaled_costs(price(traced), pricing)
+    priced = sum(1 for c in shards.values() if c.fp8_shape and fp8_shape_ok(c.fp8_shape))
+    chunked = {m for s in pricing.sites.values() for m in s.matmuls}
+    gm = shard_stage(traced.gm, sharding, None, 0, overlap=overlap)
+    converted = fp8_stage(gm, _config("tensorwise"))
+    chunks = sum(overlap - 1 for n, c in shards.items()
+                 if n in chunked and c.fp8_shape and fp8_shape_ok(c.fp8_shape))
+    assert priced > 0 and converted == priced + chunks, (priced, chunks, converted)

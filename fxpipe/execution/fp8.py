@@ -1,8 +1,8 @@
 """FP8 matmuls (spec ``train.precision: fp8``): a stage's weight matmuls through torchao's float8.
 
 Under ``fp8`` a stage computes in bf16 (autocast, fp32 master weights, as ``bf16``) and its
-weight matmuls, the ``linear`` and ``addmm`` nodes whose weight is one of the stage's
-parameters (GPT-2's ``Conv1D`` is an ``addmm``), run in float8 through torchao's float8
+weight matmuls, the ``linear``, ``addmm`` and ``mm`` nodes whose weight is one of the stage's
+parameters (GPT-2's ``Conv1D`` is an ``addmm``, its row-parallel shard an ``mm``), run in float8 through torchao's float8
 training (``torchao.float8``: the operands scaled into ``float8_e4m3fn`` per tensor
 (``tensorwise``) or per row (``rowwise``, ``train.fp8_scaling``), multiplied on the FP8 tensor
 cores by ``torch._scaled_mm``, the output in bf16; the backward's two matmuls likewise), the
@@ -65,15 +65,17 @@ def float8_config(scaling: str, emulate: bool = False):
 
 
 class Float8Matmul:
-    """``linear(x, weight, bias)`` or ``addmm(bias, x, weight)`` with the matmul in float8 (a
-    graph node's target; see the module doc)."""
+    """``linear(x, weight, bias)``, ``addmm(bias, x, weight)`` or ``mm(x, weight)`` with the
+    matmul in float8 (a graph node's target; see the module doc)."""
 
-    def __init__(self, config, transposed: bool):
+    def __init__(self, config, transposed: bool, bias: bool = True):
         from torchao.float8.float8_linear import LinearMMConfig
         from torchao.float8.float8_training_tensor import ScaledMMConfig
 
         self.config, self.transposed = config, transposed  # transposed: linear's [out, in]
-        self.__name__ = "float8_linear" if transposed else "float8_addmm"
+        self.bias = bias  # False: mm(x, weight) (a row-parallel addmm's matmul, its bias after)
+        self.__name__ = ("float8_linear" if transposed else "float8_addmm" if bias
+                         else "float8_mm")
 
         def mm(accum: bool) -> ScaledMMConfig:
             return ScaledMMConfig(config.emulate, accum, False, config.pad_inner_dim)
@@ -87,8 +89,10 @@ class Float8Matmul:
         if self.transposed:
             x, w, b = (*args, None)[:3]
             w = w.t()
-        else:
+        elif self.bias:
             b, x, w = args
+        else:
+            (x, w), b = args, None
         if torch.is_autocast_enabled(x.device.type):  # as autocast runs a matmul: bf16 in
             x = x.to(torch.get_autocast_dtype(x.device.type))
         lead = x.shape[:-1]
@@ -112,15 +116,18 @@ def _param_2d(gm: fx.GraphModule, node) -> torch.Tensor | None:
 
 
 def fp8_weight(gm: fx.GraphModule, node: fx.Node) -> torch.Tensor | None:
-    """The trained 2-D weight of a ``linear`` / ``addmm`` node of ``gm`` (a weight matmul the
-    rewrite takes when :func:`fp8_shape_ok`), else None. The planner prices the same nodes at
-    the FP8 rate (:mod:`fxpipe.partitioner.gpu_model`)."""
+    """The trained 2-D weight of a ``linear`` / ``addmm`` / ``mm`` node of ``gm`` (a weight
+    matmul the rewrite takes when :func:`fp8_shape_ok`; a tensor-parallel rewrite turns a
+    row-parallel ``addmm`` into ``mm`` and an add after the reduction), else None. The planner
+    prices the same nodes at the FP8 rate (:mod:`fxpipe.partitioner.gpu_model`)."""
     if node.op != "call_function" or node.kwargs:
         return None
     if node.target is _aten.linear.default and len(node.args) >= 2:
         return _param_2d(gm, node.args[1])
     if node.target is _aten.addmm.default and len(node.args) == 3:
         return _param_2d(gm, node.args[2])
+    if node.target is _aten.mm.default and len(node.args) == 2:
+        return _param_2d(gm, node.args[1])
     return None
 
 
@@ -133,13 +140,15 @@ def fp8_shape_ok(shape) -> bool:
 def fp8_stage(gm: fx.GraphModule, config) -> int:
     """Rewrite ``gm``'s weight matmuls (module doc) in place to :class:`Float8Matmul` under
     torchao ``config``; returns how many nodes now run in float8."""
-    linear, addmm = Float8Matmul(config, True), Float8Matmul(config, False)
+    targets = {_aten.linear.default: Float8Matmul(config, True),
+               _aten.addmm.default: Float8Matmul(config, False),
+               _aten.mm.default: Float8Matmul(config, False, bias=False)}
     count = 0
     for node in gm.graph.nodes:
         w = fp8_weight(gm, node)
         if w is None or not fp8_shape_ok(w.shape):
             continue
-        node.target = linear if node.target is _aten.linear.default else addmm
+        node.target = targets[node.target]
         count += 1
     if count:
         gm.recompile()

@@ -343,15 +343,32 @@ def _set_tensor(plan: Plan, pr: Priced, comms: list[list] | None) -> None:
         f" on another dim - row-parallel inputs, Conv1D columns){whole}; per micro-batch "
         f"{count} collectives over the tensor group move {human_bytes(fwd, True)} forward and "
         f"{human_bytes(bwd, True)} backward (whole tensors; ring on the intra-node link)")
-    if tp.overlap > 1:
-        comm = sum(f + b for f, b in tp.comm_s.values())
-        hidden = sum(f + b for f, b in tp.hidden_s.values())
-        plan.explain.append(
-            f"parallel.tp_overlap {tp.overlap}: the collectives of {len(tp.sites)} matmul sites "
-            f"run in {tp.overlap} chunks beside their matmuls (async tensor parallelism), hiding "
-            f"{hidden * 1e3:.3g} ms of the {comm * 1e3:.3g} ms they take per micro-batch; the "
-            "others (embedding, loss, matmuls without a token dimension divisible by "
-            f"{tp.overlap}) run whole")
+    plan.explain += overlap_notes(tp)
+
+
+def overlap_notes(tp) -> list[str]:
+    """What ``parallel.tp_overlap`` did in this plan (nothing to say at 1 unless ``auto``
+    chose it)."""
+    k, comm = tp.overlap, sum(f + b for f, b in tp.comm_s.values())
+    if tp.asked == "auto" and k == 1:
+        return ["parallel.tp_overlap auto: 1 (no overlap); running the tensor-parallel "
+                "collectives in 2, 4 or 8 chunks beside their matmuls would cost more launches, "
+                "copies and per-message latency than it hides here"]
+    if k == 1:
+        return []
+    head = f"parallel.tp_overlap {k}" + (" (auto)" if tp.asked == "auto" else "")
+    if not tp.sites:
+        return [f"{head} has no effect: no tensor-parallel matmul here has a token dimension "
+                f"divisible by {k} (per rank under sequence parallelism); they run whole"]
+    saved = sum(f + b for f, b in tp.hidden_s.values())
+    what = (f"saving {saved * 1e3:.3g} ms of the {comm * 1e3:.3g} ms of tensor-parallel "
+            "communication per micro-batch" if saved >= 0 else
+            f"costing {-saved * 1e3:.3g} ms per micro-batch more than running them whole (of "
+            f"{comm * 1e3:.3g} ms of tensor-parallel communication; the chunks' launches, copies "
+            "and per-message latency outweigh what they hide: use 1 or auto)")
+    return [f"{head}: the collectives of {len(tp.sites)} matmul sites run in {k} chunks beside "
+            f"their matmuls (async tensor parallelism), {what}; the others (embedding, loss, "
+            f"matmuls without a token dimension divisible by {k}) run whole"]
 
 def folded_record(pr: Priced, stage_of: list[int]) -> dict:
     """``Plan.folded`` of a folded partition (``stage_of``: the stage of every folded unit):

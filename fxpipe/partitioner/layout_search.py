@@ -330,6 +330,9 @@ def search_layouts(pr_at: Callable[[int], Priced], spec: ParallelSpec, prune: bo
     if spec.parallel.sequence_parallel and best.cand.tensor == 1:
         explain.append("parallel.sequence_parallel is off in this plan: it splits the sequence "
                        "over a tensor group, and the search chose tensor 1")
+    if spec.parallel.tp_overlap not in (1, "auto") and best.cand.tensor == 1:
+        explain.append("parallel.tp_overlap has no effect in this plan: it overlaps the "
+                       "collectives of a tensor group, and the search chose tensor 1")
     explain += _sharding_notes(priced[best.cand.tensor], spec, best.cand, ranked, failed)
     explain += _memory_schedule_notes(best.cand, fit)
     explain += _lever_notes(priced[best.cand.tensor], spec, best)

@@ -28,7 +28,7 @@ from fxpipe.partitioner.problem import Value
 from fxpipe.partitioner.profile import (SendCost, cache_dir, load_profile, load_send_cost,
                                         profile_graph, profile_key, save_profile)
 from fxpipe.partitioner.recompute import cheap_values
-from fxpipe.partitioner.tensor_costs import (TensorPricing, scaled_costs, scaled_times,
+from fxpipe.partitioner.tensor_costs import (TensorPricing, best_overlap, scaled_costs,
                                              tensor_pricing, with_comm)
 from fxpipe.partitioner.timing import NodeTimes, analytic_times, sum_times
 from fxpipe.partitioner.trace import TracedModel, trace
@@ -320,8 +320,12 @@ def at_degree(pr: Priced, spec: ParallelSpec, t: int) -> Priced:
         return pr
     cl, traced = spec.cluster, pr.traced
     trainable = {k for k, fqn in traced.param_fqns.items() if fqn not in traced.buffer_fqns}
+    auto = spec.parallel.tp_overlap == "auto"
     tp = tensor_pricing(traced.gm, t, sequence_parallel=spec.parallel.sequence_parallel,
-                        overlap=spec.parallel.tp_overlap,
+                        overlap=1 if auto else spec.parallel.tp_overlap,
+                        chunk_op_s=cl.op_overhead_s + (_gpu_rates(spec).matmul_fixed_s
+                                                       if cl.device == "cuda" else 0.0),
+                        memory_Bps=cl.memory_Bps,
                         output_loss=None if spec.train.loss == MODEL_LOSS else spec.train.loss,
                         trainable=trainable, intra_node_GBps=cl.links.intra_node_GBps,
                         latency_s=cl.links.latency_s, strict=spec.parallel.tensor != "auto",
@@ -330,9 +334,12 @@ def at_degree(pr: Priced, spec: ParallelSpec, t: int) -> Priced:
     loss = (pr.loss.scaled(tp.fraction.get(pr.loss_at, 1.0)) if pr.loss_at is not None
             else pr.loss)
     if cl.costs == "analytic":
-        times = with_comm(with_loss(_analytic_times(costs, spec), pr.loss_at, loss), tp)
+        alone = with_loss(_analytic_times(costs, spec), pr.loss_at, loss)
     else:
-        times = scaled_times(pr.times, tp)
+        alone = {n: x.scaled(tp.fraction.get(n, 1.0)) for n, x in pr.times.items()}
+    if auto:  # the chunk count that saves most (1: none)
+        tp = dataclasses.replace(best_overlap(alone, tp, traced.gm), asked="auto")
+    times = with_comm(alone, tp)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the degree-1 graph said what there is to say
         pg = build_graph(traced, costs)

@@ -12,9 +12,11 @@ collectives to the node's forward, backward ones to its input-gradient pass. A n
 replicated costs what it costs at degree 1 on every rank.
 
 With ``parallel.tp_overlap: k`` the collectives of :func:`fxpipe.tensor.overlap.find_sites`'s
-sites run in ``k`` chunks beside their matmuls' compute: :func:`with_comm` charges only the
-exposed part (:func:`fxpipe.tensor.overlap.exposed_seconds`, the matmuls' own forward or
-input-gradient seconds against the collective's), on the node that carries the collective.
+sites run in ``k`` chunks beside their matmuls' compute: :func:`with_comm` charges the exposed
+part (:func:`fxpipe.tensor.overlap.exposed_seconds`: the matmuls' own forward or
+input-gradient seconds against one chunk's collective, priced as its own message) plus what
+chunking adds (launches per chunk, the copies), on the node that carries the collective;
+``tp_overlap: auto`` takes the chunk count of 1, 2, 4, 8 that costs least (:func:`best_overlap`).
 
 The values between stages stay whole (every rank of a tensor group sends its copy to the same
 tensor rank of the next stage), so cut values keep their bytes.
@@ -57,8 +59,12 @@ class TensorPricing:
         sites: the overlapped sites by starting node (:func:`fxpipe.tensor.overlap.find_sites`).
         weight_split: weight-matmul node -> the dimension of its weight split ``t`` ways (the
             FP8 pricing's shard shape).
-        hidden_s: per carrying node, the (forward, backward) seconds its site hides, as the
-            last :func:`with_comm` over these pricings found them.
+        hidden_s: per carrying node, the (forward, backward) seconds its site saves (negative:
+            chunking costs more than it hides), as the last :func:`with_comm` found them.
+        asked: ``parallel.tp_overlap`` as the spec gave it (``auto``: :attr:`overlap` is the
+            planner's choice).
+        chunk_op_s: seconds one more op costs (a launch: ``cluster.op_overhead_us``, and on
+            a GPU a matmul's fixed ramp) and memory_Bps the copies' bandwidth.
     """
 
     t: int
@@ -74,6 +80,9 @@ class TensorPricing:
     sites: dict[str, Site] = dataclasses.field(default_factory=dict)
     hidden_s: dict[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
     weight_split: dict[str, int] = dataclasses.field(default_factory=dict)
+    chunk_op_s: float = 0.0
+    memory_Bps: float = float("inf")
+    asked: int | str = 1
 
     def seconds(self, comms) -> tuple[float, float]:
         """Forward and backward seconds of ``comms`` (:class:`~fxpipe.tensor.analysis.Comm`)
@@ -135,7 +144,8 @@ def _param_fractions(gm: fx.GraphModule, choice: TensorChoice, t: int) -> dict[s
 
 
 def tensor_pricing(gm: fx.GraphModule, t: int, *, sequence_parallel: bool,
-                   overlap: int = 1, output_loss: str | None, trainable: set[str], intra_node_GBps: float,
+                   overlap: int = 1, chunk_op_s: float = 0.0,
+                   memory_Bps: float = float("inf"), output_loss: str | None, trainable: set[str], intra_node_GBps: float,
                    latency_s: float, strict: bool = True, half_bytes: float = 0.0,
                    allreduce_GBps: float | None = None, byte_scale: float = 1.0
                    ) -> TensorPricing:
@@ -146,6 +156,8 @@ def tensor_pricing(gm: fx.GraphModule, t: int, *, sequence_parallel: bool,
         t: the degree.
         sequence_parallel: the spec's option.
         overlap: ``parallel.tp_overlap`` (chunks; 1: no overlap).
+        chunk_op_s, memory_Bps: what a further chunk's op and its copies cost (the
+            attributes of the same names).
         output_loss: the loss the executor computes on the model output (``train.loss``), or
             None when the model computes its own (its output is the loss).
         trainable: get_attr targets of the parameters that get gradients.
@@ -190,13 +202,14 @@ def tensor_pricing(gm: fx.GraphModule, t: int, *, sequence_parallel: bool,
     weight_split = {}
     for n in gm.graph.nodes:
         w = fp8_weight(gm, n)
-        p = choice.params.get(n.args[1 if n.target is not aten.addmm.default else 2].target) \
+        p = choice.params.get(n.args[2 if n.target is aten.addmm.default else 1].target) \
             if w is not None else None
         if p is not None and p.sharded:
             weight_split[n.name] = p.dim
     return TensorPricing(t, sequence_parallel, choice, sharding, fraction,
                          _param_fractions(gm, choice, t), comm_s, comm_bytes, link,
-                         overlap, find_sites(gm, sharding, overlap), weight_split=weight_split)
+                         overlap, find_sites(gm, sharding, overlap), weight_split=weight_split,
+                         chunk_op_s=chunk_op_s, memory_Bps=memory_Bps)
 
 
 def scaled_costs(costs: dict[str, NodeCost], tp: TensorPricing) -> dict[str, NodeCost]:
@@ -221,19 +234,40 @@ def scaled_costs(costs: dict[str, NodeCost], tp: TensorPricing) -> dict[str, Nod
 
 def hidden_seconds(times: dict[str, NodeTimes], tp: TensorPricing
                    ) -> dict[str, tuple[float, float]]:
-    """Per carrying node, the (forward, backward) collective seconds its overlapped site hides
-    behind its matmuls' compute (``times``: the nodes' compute alone)."""
+    """Per carrying node, the (forward, backward) seconds its overlapped site saves against
+    running whole (``times``: the nodes' compute alone): the collective's seconds less the
+    chunks' exposed communication and what chunking adds (module doc); negative where
+    chunking costs more than it hides."""
     out: dict[str, tuple[float, float]] = {}
+    k = tp.overlap
     for site in tp.sites.values():
         fc, bc = tp.seconds(site.comms)
+        fk, bk = tp.seconds([dataclasses.replace(c, nbytes=c.nbytes // k) for c in site.comms])
         fm = sum(times[m].fwd_s for m in site.matmuls if m in times)
         bm = sum(times[m].bwd_input_s for m in site.matmuls if m in times)
-        hf = fc - exposed_seconds(fc, fm, tp.overlap)
-        hb = bc - exposed_seconds(bc, bm, tp.overlap)
-        if hf or hb:
-            pf, pb = out.get(site.carrier, (0.0, 0.0))
-            out[site.carrier] = (pf + hf, pb + hb)
+        share = max((tp.fraction.get(m, 1.0) for m in site.matmuls), default=1.0)
+        copies = site.copy_bytes * share * tp.link[4] * 2 / tp.memory_Bps  # read + write
+        added = (k - 1) * site.extra_ops * tp.chunk_op_s + copies
+        hf = fc - exposed_seconds(fc, fm, k, fk) - added if fc else 0.0
+        hb = bc - exposed_seconds(bc, bm, k, bk) - added if bc else 0.0
+        pf, pb = out.get(site.carrier, (0.0, 0.0))
+        out[site.carrier] = (pf + hf, pb + hb)
     return out
+
+
+def best_overlap(times: dict[str, NodeTimes], tp: TensorPricing, gm: fx.GraphModule,
+                 choices: tuple[int, ...] = (1, 2, 4, 8)) -> TensorPricing:
+    """``tp`` at the chunk count of ``choices`` whose sites save most in all (``times``: the
+    nodes' compute alone); 1 (no overlap) unless one saves something."""
+    best, gain = dataclasses.replace(tp, overlap=1, sites={}), 0.0
+    for k in choices:
+        if k <= 1:
+            continue
+        trial = dataclasses.replace(tp, overlap=k, sites=find_sites(gm, tp.sharding, k))
+        total = sum(f + b for f, b in hidden_seconds(times, trial).values())
+        if total > gain:
+            best, gain = trial, total
+    return best
 
 
 def with_comm(times: dict[str, NodeTimes], tp: TensorPricing) -> dict[str, NodeTimes]:
@@ -245,14 +279,9 @@ def with_comm(times: dict[str, NodeTimes], tp: TensorPricing) -> dict[str, NodeT
         t = out.get(name, NodeTimes())
         hf, hb = hidden.get(name, (0.0, 0.0))
         out[name] = NodeTimes(t.fwd_s + fs - hf, t.bwd_input_s + bs - hb, t.bwd_weight_s)
+    for name in set(hidden) - set(tp.comm_s):  # pragma: no cover - a site carries its comms
+        raise AssertionError(f"overlapped site without collectives at {name}")
     return out
-
-
-def scaled_times(times: dict[str, NodeTimes], tp: TensorPricing) -> dict[str, NodeTimes]:
-    """Measured times scaled by each node's share (an op on ``1/t`` of the data takes about
-    ``1/t`` of the time), collectives added."""
-    out = {n: t.scaled(tp.fraction.get(n, 1.0)) for n, t in times.items()}
-    return with_comm(out, tp)
 
 
 def expand_blocks(text: dict[str, str], prefix: str, start: int, count: int) -> dict[str, str]:

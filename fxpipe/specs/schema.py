@@ -273,7 +273,9 @@ class ParallelSpec_(_Section):
     ``tp_overlap``: with ``tensor > 1``, the number of chunks each tensor-parallel matmul and
     its collective are split into along the tokens, so that one chunk's all-reduce / all-gather
     / reduce-scatter runs while another chunk computes (async tensor parallelism:
-    :mod:`fxpipe.tensor.overlap`); 1 (default): no overlap.
+    :mod:`fxpipe.tensor.overlap`); 1 (default): no overlap; ``auto``: the planner picks 1, 2,
+    4 or 8, whichever it prices fastest (more chunks hide more but add launches, copies and
+    per-message latency).
     ``data_sharding``: what each stage's data-parallel replicas split among themselves instead
     of each holding it whole (ZeRO style, :mod:`fxpipe.runtime.data_sharding`): ``none``,
     ``optimizer`` (the optimizer state), ``gradients`` (and the gradients between steps),
@@ -292,7 +294,7 @@ class ParallelSpec_(_Section):
     schedule: Union[Literal[SCHEDULES], Auto] = "1f1b"  # type: ignore[valid-type]
     virtual_stages: Union[PositiveInt, Auto] = 1
     sequence_parallel: bool = False
-    tp_overlap: PositiveInt = 1
+    tp_overlap: Union[PositiveInt, Auto] = 1
     data_sharding: Literal[DATA_SHARDING] = "none"  # type: ignore[valid-type]
     param_gather: Literal["auto", "stage", "block"] = "auto"
 
@@ -854,6 +856,10 @@ def _sharding_problems(spec: ParallelSpec) -> list[tuple[tuple[str, ...], str]]:
     return out
 
 
+#: the most chunks ``parallel.tp_overlap`` takes
+MAX_TP_OVERLAP = 64
+
+
 def _tensor_problems(spec: ParallelSpec) -> list[tuple[tuple[str, ...], str]]:
     """``parallel.tensor`` against the nodes (a tensor group inside one node), the devices and
     what it cannot combine with; ``sequence_parallel`` needs tensor parallelism."""
@@ -865,7 +871,12 @@ def _tensor_problems(spec: ParallelSpec) -> list[tuple[tuple[str, ...], str]]:
                     "sequence_parallel splits the sequence over a tensor-parallel group, but "
                     "parallel.tensor is 1; set parallel.tensor (e.g. 2, or 'auto') or drop "
                     "sequence_parallel"))
-    if par.tp_overlap > 1 and t == 1:
+    k = par.tp_overlap
+    if isinstance(k, int) and k > MAX_TP_OVERLAP:
+        out.append((("parallel", "tp_overlap"),
+                    f"tp_overlap={k} chunks: at most {MAX_TP_OVERLAP} (each chunk adds launches "
+                    "and a message of its own; 2 to 8 is the useful range, or 'auto')"))
+    if isinstance(k, int) and k > 1 and t == 1:
         out.append((("parallel", "tp_overlap"),
                     "tp_overlap overlaps tensor-parallel collectives with compute, but "
                     "parallel.tensor is 1; set parallel.tensor (e.g. 2, or 'auto') or drop "

@@ -23,12 +23,15 @@ matmuls, a chunk's all-reduce sums the same addends as the whole's, and the gath
 scattered rows are put back in order (strided chunks where the collective's own dimension is
 chunked: chunk ``c`` of a gathered sequence is the ``c``-th sub-chunk of every rank's slice).
 
-Price (:func:`exposed_seconds`): ``k`` chunks of compute ``M/k`` and communication ``C/k`` in a
-two-stage pipeline take ``M/k + (k-1) max(M, C)/k + C/k``; what exceeds ``M`` is the exposed
-communication (``C`` at ``k = 1``, ``C/k`` when compute dominates). The planner
-(:mod:`fxpipe.partitioner.tensor_costs`) subtracts the hidden part from the node that carries the
-collective; the runtime (:mod:`fxpipe.tensor.rewrite`) runs the same sites, found here on the
-stage's graph.
+Price (:func:`exposed_seconds`): ``k`` chunks of compute ``m = M/k`` and communication ``c``
+each in a two-stage pipeline take ``m + (k-1) max(m, c) + c``; what exceeds ``M`` is the exposed
+communication. ``c`` is one chunk's collective priced whole (its latency per hop and the link's
+message-size curve: ``k`` small messages cost more than one big one), and chunking adds work of
+its own (:attr:`Site.extra_ops` launches per chunk, the chunks' copies), so a site can cost more
+overlapped than not: on a CPU's gloo, or with too many chunks. The planner
+(:mod:`fxpipe.partitioner.tensor_costs`) charges the difference to the node that carries the
+collective and, under ``tp_overlap: auto``, picks the chunk count that gains most (1: none); the
+runtime (:mod:`fxpipe.tensor.rewrite`) runs the same sites, found here on the stage's graph.
 """
 
 from __future__ import annotations
@@ -61,6 +64,8 @@ class Site:
         carrier: the node whose :attr:`~fxpipe.tensor.analysis.NodeShard.comm` lists the
             collective (the matmul, or the first reader of the value).
         comms: the site's collectives (forward and backward), whole-tensor bytes.
+        copy_bytes: whole-tensor bytes the chunking copies (the matmul outputs put back
+            together; an ``f`` input's chunks, and its gradient's, put back together).
     """
 
     kind: str
@@ -70,6 +75,13 @@ class Site:
     collective: str
     carrier: str
     comms: tuple[Comm, ...]
+    copy_bytes: int = 0
+
+    @property
+    def extra_ops(self) -> int:
+        """Ops each further chunk launches, each way: per matmul its own, the chunk's slice and
+        its collective's start and wait."""
+        return len(self.matmuls) + 3
 
 
 def _data_input(n: fx.Node) -> fx.Node | None:
@@ -127,7 +139,8 @@ def find_sites(gm: fx.GraphModule, sharding: Sharding, k: int) -> dict[str, Site
                      *[c for c in ns.comm if c.kind == "all_gather" and c.phase == "bwd"
                        and c.nbytes == _nbytes(n)][:1])
         if d is not None:
-            out[n.name] = Site("reduce", n.name, (n.name,), d, kind, n.name, comms)
+            out[n.name] = Site("reduce", n.name, (n.name,), d, kind, n.name, comms,
+                               _nbytes(n))
     for x in gm.graph.nodes:
         readers = [u for u in x.users if u.op != "output"]
         edges = [sharding.nodes[u.name].edges.get(x.name) if u.name in sharding.nodes else None
@@ -165,17 +178,22 @@ def find_sites(gm: fx.GraphModule, sharding: Sharding, k: int) -> dict[str, Site
         if d is None:
             continue
         readers.sort(key=lambda u: order[u.name])
+        copies = sum(_nbytes(u) for u in readers) + (2 * _nbytes(x) if collective == "copy_to"
+                                                      else 0)
         out[first.name] = Site("input", x.name, tuple(u.name for u in readers), d, collective,
-                               first.name, comms)
+                               first.name, comms, copies)
     return out
 
 
-def exposed_seconds(comm_s: float, compute_s: float, k: int) -> float:
-    """The communication seconds left exposed when ``comm_s`` is split into ``k`` chunks that
-    pipeline with ``compute_s`` (see the module doc)."""
+def exposed_seconds(comm_s: float, compute_s: float, k: int,
+                    chunk_comm_s: float | None = None) -> float:
+    """The communication seconds left exposed when a collective of ``comm_s`` is split into
+    ``k`` chunks of ``chunk_comm_s`` each (default ``comm_s / k``) that pipeline with
+    ``compute_s`` of compute (see the module doc)."""
     if k <= 1 or comm_s <= 0:
         return comm_s
-    m, c = compute_s / k, comm_s / k
+    m = compute_s / k
+    c = comm_s / k if chunk_comm_s is None else chunk_comm_s
     return max(0.0, m + (k - 1) * max(m, c) + c - compute_s)
 
 
