@@ -144,3 +144,24 @@ def python_source_lm(batch_size: int = 16, seq_len: int = 128, seed: int = 0) ->
     """The standard library's sources as padded transformers-style LM batches; see
     :class:`LMBatches`."""
     return LMBatches(python_source_text(), batch_size, seq_len, seed)
+
+
+class LabelledBatches:
+    """Next-byte batches as a dict for a model that computes its own loss from aligned labels
+    (``fxpipe.examples.moe:MoEGPT`` with ``train.loss: model``): ``{"idx": bytes, "labels":
+    the next bytes}``, both int64 ``[batch_size, seq_len]``; the batches of
+    :class:`ByteBatches`."""
+
+    def __init__(self, text: bytes, batch_size: int, seq_len: int, seed: int = 0):
+        self.inner = ByteBatches(text, batch_size, seq_len, seed)
+
+    def get(self, step: int, split: str = "train") -> dict[str, torch.Tensor]:
+        x, y = self.inner.get(step, split)
+        return {"idx": x, "labels": y}
+
+
+def python_source_labelled(batch_size: int = 16, seq_len: int = 128, seed: int = 0
+                           ) -> LabelledBatches:
+    """The standard library's sources as ``{"idx", "labels"}`` batches; see
+    :class:`LabelledBatches`."""
+    return LabelledBatches(python_source_text(), batch_size, seq_len, seed)
