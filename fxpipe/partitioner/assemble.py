@@ -118,6 +118,7 @@ def assemble(pr: Priced, result: PartitionResult, cand: Candidate, spec: Paralle
         placement=cand.layout, data_sharding=cand.sharding,
     )
     _set_tensor(plan, pr, steps.tensor_comms)
+    _set_experts(plan, pr, spec)
     plan.explain += _selective_keeps_nothing(rc, pr.ridge)
     return plan
 
@@ -309,6 +310,25 @@ def offload_notes(plan: Plan) -> list[str]:
             f"(cluster.host_memory_gb {cl.host_memory_gb:g} per node, "
             f"{human_bytes(cl.host_bytes_per_device or 0, True)} per device) ({why})"]
 
+def _set_experts(plan: Plan, pr: Priced, spec: ParallelSpec) -> None:
+    """The plan's expert-parallel degree and what it says (:mod:`fxpipe.experts`)."""
+    n = spec.parallel.expert
+    if n <= 1 or pr.expert_bytes is None:
+        return
+    plan.expert = n
+    fo = pr.table.folding  # priced on two of the repeated blocks: every block's
+    scale = fo.run.count / 2 if fo is not None else 1.0
+    fwd, bwd = (b * scale for b in pr.expert_bytes)
+    plan.expert_bytes = [fwd, bwd]
+    plan.explain.append(
+        f"expert parallelism {n}: each MoE layer's experts split over groups of {n} "
+        f"data-parallel replicas ({plan.dp // n} group{'s' if plan.dp // n > 1 else ''}); "
+        f"per micro-batch the tokens' slots ({human_bytes(fwd, True)} forward, "
+        f"{human_bytes(bwd, True)} backward, of which each rank sends (N-1)/N) go to their "
+        "experts and back by all-to-all; the experts' weights, gradients and optimizer state "
+        f"cost 1/{n} on each rank")
+
+
 def _set_tensor(plan: Plan, pr: Priced, comms: list[list] | None) -> None:
     """The plan's tensor-parallel fields from the priced units' sharding, and what it says:
     how many parameters are split how, what stays whole, and the collectives per micro-batch
@@ -461,6 +481,7 @@ def assemble_folded(pr: Priced, result: PartitionResult, cand: Candidate, spec: 
         folded=record, placement=cand.layout, data_sharding=cand.sharding,
     )
     _set_tensor(plan, pr, steps.tensor_comms)
+    _set_experts(plan, pr, spec)
     plan.explain += _selective_keeps_nothing(rc, pr.ridge)
     # a plan of blocks names no values between its stages until a worker resolves it: the
     # bytes on each stage edge are recorded (what Plan.edge_bytes gives for it)

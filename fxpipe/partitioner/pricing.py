@@ -19,6 +19,7 @@ from fxpipe.execution.losses import MODEL_LOSS
 from fxpipe.execution.selective import ridge_of
 from fxpipe.partitioner.blocks import UnitTable, fold, fold_rows, saver_positions
 from fxpipe.partitioner.cost import NodeCost
+from fxpipe.partitioner.expert_costs import with_all_to_alls
 from fxpipe.partitioner.gpu_model import GpuRates, gpu_rates, gpu_times
 from fxpipe.partitioner.gpu_model import profile as gpu_profile
 from fxpipe.partitioner.graph import PricedGraph, build_graph
@@ -74,6 +75,10 @@ class Priced:
             and times above are then one rank's: :mod:`fxpipe.partitioner.tensor_costs`).
         ridge: the device's FLOPs per byte at which selective recomputation keeps an op's
             outputs (:func:`spec_ridge`); 0 keeps every matmul-like op's.
+        expert_comm: under expert parallelism, node -> the (forward, input-gradient) seconds of
+            its all-to-alls (:mod:`fxpipe.partitioner.expert_costs`).
+        expert_bytes: under expert parallelism, the bytes of the ``[E, C, ...]`` tensors one
+            micro-batch all-to-alls forward and backward (over the traced graph; None without).
     """
 
     traced: TracedModel
@@ -88,6 +93,8 @@ class Priced:
     loss_at: str | None = None
     tensor: TensorPricing | None = None
     ridge: float = 0.0
+    expert_bytes: list[float] | None = None
+    expert_comm: dict[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
     #: what is derived once from these figures (:mod:`fxpipe.partitioner.cut_tables`); not
     #: copied by ``dataclasses.replace``, whose copy derives its own
     cache: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
@@ -334,7 +341,8 @@ def at_degree(pr: Priced, spec: ParallelSpec, t: int) -> Priced:
     loss = (pr.loss.scaled(tp.fraction.get(pr.loss_at, 1.0)) if pr.loss_at is not None
             else pr.loss)
     if cl.costs == "analytic":
-        alone = with_loss(_analytic_times(costs, spec), pr.loss_at, loss)
+        alone = with_all_to_alls(with_loss(_analytic_times(costs, spec), pr.loss_at, loss),
+                                 pr.expert_comm)
     else:
         alone = {n: x.scaled(tp.fraction.get(n, 1.0)) for n, x in pr.times.items()}
     if auto:  # the chunk count that saves most (1: none)
@@ -344,7 +352,8 @@ def at_degree(pr: Priced, spec: ParallelSpec, t: int) -> Priced:
         warnings.simplefilter("ignore")  # the degree-1 graph said what there is to say
         pg = build_graph(traced, costs)
     out = Priced(traced, costs, times, pg, pr.cheap, pr.send, pr.batch, loss=loss,
-                 loss_at=pr.loss_at, tensor=tp, ridge=pr.ridge)
+                 loss_at=pr.loss_at, tensor=tp, ridge=pr.ridge, expert_bytes=pr.expert_bytes,
+                 expert_comm=pr.expert_comm)
     if pr.table.folding is not None:
         folded = fold(pg, pr.table.folding.run, out.table.times, pr.cheap,
                       out.table.selective, costs)

@@ -203,6 +203,8 @@ def candidates(spec: ParallelSpec, max_stages: int | None = None,
         dp = world // pp if par.data == "auto" else par.data
         if pp * dp != world or (dp == 1 and spec.train.updates == "async"):
             continue  # (async updates need several replicas)
+        if dp % par.expert:
+            continue  # an expert group is parallel.expert replicas
         per_replica = spec.data.batch_size // dp
         if spec.data.batch_size % dp:
             continue
@@ -247,6 +249,11 @@ def candidates(spec: ParallelSpec, max_stages: int | None = None,
                 f"{' x '.join(fixed)} x tensor {tensor} = {product} ranks, which "
                 f"{'is not' if both else 'does not divide'} the {world * tensor} devices; "
                 f"choose degrees whose product {'is' if both else 'divides'} them")
+    if not out and par.expert > 1:
+        raise PlanError(f"parallel.expert: {par.expert} splits the experts over that many "
+                        f"data-parallel replicas, and no layout of {world * tensor} devices "
+                        f"(tensor {tensor}) has a data-parallel degree divisible by it; give "
+                        "more devices or a smaller expert degree")
     if not out and par.param_gather == "block":
         where = spec_location(spec, "parallel.param_gather")
         raise PlanError(f"{where + ': ' if where else ''}parallel.param_gather: block needs "

@@ -16,6 +16,8 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from fxpipe.partitioner.blocks import check_run, find_block_run, fold, reduced
 from fxpipe.partitioner.cost import price
+from fxpipe.partitioner.expert_costs import (expert_link, expert_priced, expert_regions,
+                                             with_all_to_alls)
 from fxpipe.partitioner.graph import build_graph
 from fxpipe.partitioner.loss_cost import loss_node
 from fxpipe.partitioner.pricing import (Priced, at_degree, node_seconds, rebuilt_values,
@@ -120,6 +122,14 @@ class PricedUnits:
             _progress.info("pricing %d nodes", len(traced.gm.graph.nodes))
             costs = price(traced)
             times, loss = node_seconds(traced, costs, spec, real, tensor_inputs(a, kw))
+            moved, comm = None, {}
+            if spec.parallel.expert > 1:  # this rank's experts, the all-to-alls
+                n = spec.parallel.expert
+                regions = expert_regions(traced.gm, n, type(self.model).__name__)
+                costs, comm, moved = expert_priced(
+                    traced.gm, costs, regions, n, expert_link(spec),
+                    0.5 if spec.train.precision in ("bf16", "fp16", "fp8") else 1.0)
+                times = with_all_to_alls(times, comm)
         with warnings.catch_warnings(record=True) as held:
             warnings.simplefilter("always")
             pg = build_graph(traced, costs)
@@ -127,6 +137,7 @@ class PricedUnits:
                     size, loss=loss,
                     loss_at=loss_node(traced, costs) if loss.total_s > 0 else None,
                     ridge=spec_ridge(spec))
+        pr.expert_bytes, pr.expert_comm = moved, comm
         if short:
             pr.table = fold(pg, self.run, pr.table.times, pr.cheap, pr.table.selective,
                             pr.costs)

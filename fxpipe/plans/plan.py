@@ -233,6 +233,13 @@ class Plan:
         sequence_parallel: norms, dropout and residual adds run on a slice of the sequence.
         tp_overlap: chunks each tensor-parallel matmul and its collective run in, overlapped
             (:mod:`fxpipe.tensor.overlap`); 1: none.
+        expert: expert-parallel degree (data-parallel replicas whose ranks split each MoE
+            layer's experts, :mod:`fxpipe.experts`); 1: experts whole. The runtime finds the
+            expert layers on each stage's graph by the planner's rule
+            (:func:`fxpipe.experts.regions.find_regions`).
+        expert_bytes: with ``expert > 1``, the bytes of the token-slot tensors the MoE layers
+            all-to-all per micro-batch, forward and backward (whole tensors; each rank sends
+            ``(expert - 1) / expert`` of its own).
         tensor_params: canonical parameter FQN -> its placement on the tensor group
             (:class:`fxpipe.tensor.placement.Placement` as text: ``S(0)`` split on dim 0 (a
             column-parallel weight's output features, an embedding's vocabulary), ``S(1)``,
@@ -278,6 +285,8 @@ class Plan:
     tensor: int = 1
     sequence_parallel: bool = False
     tp_overlap: int = 1
+    expert: int = 1
+    expert_bytes: list[float] = field(default_factory=list)
     tensor_params: dict[str, str] = field(default_factory=dict)
     tensor_replicated: list[list[str]] = field(default_factory=list)
     data_sharding: str = "none"

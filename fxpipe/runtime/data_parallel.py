@@ -212,14 +212,22 @@ class GradSynchronizer:
         ready = [pid for pid in self._order
                  if pid not in self._launched_params and pid not in self._shared
                  and self._users[pid] <= self._done]
-        if ready:
-            self._launched_params.update(ready)
-            key = tuple(ready)
+        self._launched_params.update(ready)
+        experts = [p for p in ready if getattr(self._param[p], "fxpipe_expert", False)]
+        ready = [p for p in ready if p not in set(experts)]
+        # an expert's gradient already sums its group's tokens: summed over the replicas
+        # holding the same experts, divided by all replicas (the batch mean)
+        for ids, group, what in ((ready, self.mesh.dp_group, "data-parallel"),
+                                 (experts, getattr(self.mesh, "expert_dp_group", None),
+                                  "expert-replica")):
+            if not ids:
+                continue
+            key = tuple(ids)
             bucket = self._dp_buckets.get(key)
             if bucket is None:
                 bucket = self._dp_buckets[key] = GradBucket(
-                    f"stage {stage} data-parallel", [self._param[p] for p in ready],
-                    self.mesh.dp_group, self.mesh.dp, self.compression)
+                    f"stage {stage} {what}", [self._param[p] for p in ids], group,
+                    self.mesh.dp, self.compression)
             bucket.launch()
             self._buckets.append(bucket)
         for users, bucket in self._shared_buckets:

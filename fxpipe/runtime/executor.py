@@ -285,9 +285,12 @@ class PipelineExecutor:
         ranks = (range(mesh.world_size) if sync_gradients
                  else [mesh.global_rank(j) for j in range(mesh.pipeline)])
         self._loss_peers = [r for r in ranks if r != self.rank]
-        # the tensor group's collectives report to the mesh's recorder (timeline: _run_actions)
+        # the tensor group's collectives and the expert group's all-to-alls report to the
+        # mesh's recorder (timeline: _run_actions); bytes by kind, cumulative
         self._tp_recorder = (getattr(mesh, "tp_recorder", None)
-                             if getattr(mesh, "tensor", 1) > 1 else None)
+                             if max(getattr(mesh, "tensor", 1), getattr(mesh, "expert", 1)) > 1
+                             else None)
+        self.collective_bytes: dict[str, int] = {}
 
     def _float8(self, run: dict, blocks: set[int], config) -> dict[int, int]:
         """``precision: fp8``: each stage's weight matmuls rewritten to float8
@@ -483,9 +486,12 @@ class PipelineExecutor:
                     self._stage_done(a.stage)
 
     def _tp_event(self, kind: str, nbytes: int, t0: float, t1: float) -> None:
-        """A tensor-group collective of the running action, on the timeline's tensor lane."""
+        """A tensor-group collective (or an expert group's all-to-all) of the running action,
+        on the timeline's tensor lane; its bytes added to :attr:`collective_bytes`."""
+        self.collective_bytes[kind] = self.collective_bytes.get(kind, 0) + int(nbytes)
+        who = "EP" if kind == "all-to-all" else "TP"
         self.events.append(TimelineEvent(
-            self.rank, f"TP {kind} {human_bytes(nbytes)} s{self._action.stage}",
+            self.rank, f"{who} {kind} {human_bytes(nbytes)} s{self._action.stage}",
             self._clock0 + t0, self._clock0 + t1, "tensor"))
 
     def _prepare(self, inputs: dict[str, torch.Tensor], target,

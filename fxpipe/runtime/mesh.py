@@ -20,6 +20,11 @@ rank builds a :class:`Mesh` with the same arguments in the same order):
   (:mod:`fxpipe.tensor`); with ``tensor == 1`` none;
 * one **model-parallel group** per replica: its pipeline x tensor ranks (a gradient norm over the
   whole model, the loss);
+* with expert parallelism (``expert`` = ``N`` > 1), per (pipeline rank, tensor rank) one
+  **expert group** per ``N`` consecutive replicas (their ranks split each MoE layer's experts
+  and exchange tokens by all-to-all, :mod:`fxpipe.experts`) and one **expert-replica group**
+  per expert-group rank (the replicas holding the same experts: their gradients are reduced
+  over it);
 * on request (:meth:`Mesh.replica_group`), a group of the ranks holding a **shared parameter**
   (e.g. tied input embedding on pipeline rank 0 and output head on the last pipeline rank) in all
   replicas, per tensor rank, over which its gradient is summed (Megatron-LM's "embedding
@@ -139,6 +144,7 @@ class Mesh:
         servers: parameter servers (``train.updates: async``): the last ranks, after the grid.
             They build the mesh too (group creation is collective) but hold no grid place.
         tensor: tensor-parallel degree (``t``, innermost).
+        expert: expert-parallel degree (``N``, dividing ``dp``): replicas per expert group.
 
     Attributes:
         rank / world_size: global rank and ``pipeline * dp * tensor + servers``.
@@ -154,8 +160,11 @@ class Mesh:
         dp_ranks / pipe_ranks / tp_ranks / mp_ranks: global ranks of those groups, ascending.
         server_group: with ``servers``, the group of the parameter-server traffic
             (:func:`server_wire_group`; None: the world group), on every rank; else None.
+        ep_rank / ep_group / expert_dp_group: with ``expert > 1``, this rank's place in its
+            expert group (``dp_rank % expert``), the group, and the group of the replicas
+            holding the same experts (None when one rank).
         tp_recorder: the :class:`~fxpipe.tensor.collectives.CollectiveRecorder` the tensor
-            group's collectives report their timing to; tp_collectives: ``tp_group`` with it
+            group's collectives (and the expert group's all-to-alls) report their timing to; tp_collectives: ``tp_group`` with it
             (a :class:`~fxpipe.tensor.collectives.TimedGroup`, what tensor-parallel stages run
             their collectives over).
 
@@ -169,7 +178,7 @@ class Mesh:
 
     def __init__(self, pipeline: int, dp: int, device: torch.device | str | None = None,
                  timeout_s: float = 300.0, layout: str = "pipeline-inner", servers: int = 0,
-                 tensor: int = 1):
+                 tensor: int = 1, expert: int = 1):
         if pipeline < 1 or dp < 1 or tensor < 1:
             raise RuntimeFailure(f"Mesh(pipeline={pipeline}, dp={dp}, tensor={tensor}): all must "
                                  "be >= 1")
@@ -190,7 +199,9 @@ class Mesh:
                 f"{grid + servers}; launch {grid + servers} processes or change "
                 "parallel.pipeline / parallel.data / parallel.tensor"
             )
-        self.pipeline, self.dp, self.tensor = pipeline, dp, tensor
+        if expert < 1 or dp % expert:
+            raise RuntimeFailure(f"Mesh: expert={expert} must divide dp={dp}")
+        self.pipeline, self.dp, self.tensor, self.expert = pipeline, dp, tensor, expert
         self.world_size, self.layout = world, layout
         self.rank = 0 if single else dist.get_rank()
         self.server_ranks = list(range(grid, grid + servers))
@@ -221,6 +232,17 @@ class Mesh:
             self._mp_groups[d] = (self._pipe_groups[(d, 0)] if tensor == 1 else  # the same
                                   self._new(sorted(at(r, d, k) for r in range(pipeline)
                                                    for k in range(tensor))))
+        self._ep_groups: dict[tuple[int, int, int], object] = {}
+        self._expert_dp_groups: dict[tuple[int, int, int], object] = {}
+        if expert > 1:
+            for r in range(pipeline):
+                for k in range(tensor):
+                    for g in range(dp // expert):
+                        self._ep_groups[(r, k, g)] = self._new(
+                            [at(r, g * expert + i, k) for i in range(expert)])
+                    for i in range(expert):
+                        self._expert_dp_groups[(r, k, i)] = self._new(
+                            [at(r, g * expert + i, k) for g in range(dp // expert)])
         self._replica_groups: dict[tuple[int, ...], dict[int, object]] = {}
         self.server_group = (server_wire_group(self.device.type, timeout_s) if servers
                              else None)
@@ -228,6 +250,7 @@ class Mesh:
         if self.is_server:
             self.dp_ranks, self.pipe_ranks, self.tp_ranks, self.mp_ranks = [], [], [], []
             self.dp_group = self.pipe_group = self.tp_group = self.mp_group = None
+            self.ep_rank, self.ep_group, self.expert_dp_group = -1, None, None
             return
         r, d, k = self.pipe_rank, self.dp_rank, self.tp_rank
         self.dp_ranks = [at(r, e, k) for e in range(dp)]
@@ -238,12 +261,21 @@ class Mesh:
         self.pipe_group = self._pipe_groups[(d, k)]
         self.tp_group = self._tp_groups[(d, r)]
         self.mp_group = self._mp_groups[d]
+        self.ep_rank = d % expert
+        self.ep_group = self._ep_groups.get((r, k, d // expert))
+        self.expert_dp_group = self._expert_dp_groups.get((r, k, self.ep_rank))
 
     @property
     def tp_collectives(self) -> TimedGroup:
         """This rank's tensor group with :attr:`tp_recorder`, for the tensor-parallel stages'
         collectives (:mod:`fxpipe.tensor.collectives`)."""
         return TimedGroup(self.tp_group, self.tp_recorder)
+
+    @property
+    def ep_collectives(self) -> TimedGroup:
+        """This rank's expert group with :attr:`tp_recorder` (the all-to-alls of
+        :mod:`fxpipe.experts.all_to_all` report there)."""
+        return TimedGroup(self.ep_group, self.tp_recorder)
 
     def _at(self, pipe_rank: int, dp_rank: int, tp_rank: int) -> int:
         return global_rank(pipe_rank, dp_rank, self.pipeline, self.dp, self.layout, self.tensor,

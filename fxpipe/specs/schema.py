@@ -276,6 +276,10 @@ class ParallelSpec_(_Section):
     :mod:`fxpipe.tensor.overlap`); 1 (default): no overlap; ``auto``: the planner picks 1, 2,
     4 or 8, whichever it prices fastest (more chunks hide more but add launches, copies and
     per-message latency).
+    ``expert``: expert parallelism: the experts of each mixture-of-experts layer split over
+    groups of that many data-parallel replicas (each holds ``1/expert`` of them; tokens reach
+    their experts by all-to-all: :mod:`fxpipe.experts`); 1 (default): experts whole on every
+    rank. Divides ``data``.
     ``data_sharding``: what each stage's data-parallel replicas split among themselves instead
     of each holding it whole (ZeRO style, :mod:`fxpipe.runtime.data_sharding`): ``none``,
     ``optimizer`` (the optimizer state), ``gradients`` (and the gradients between steps),
@@ -295,6 +299,7 @@ class ParallelSpec_(_Section):
     virtual_stages: Union[PositiveInt, Auto] = 1
     sequence_parallel: bool = False
     tp_overlap: Union[PositiveInt, Auto] = 1
+    expert: PositiveInt = 1
     data_sharding: Literal[DATA_SHARDING] = "none"  # type: ignore[valid-type]
     param_gather: Literal["auto", "stage", "block"] = "auto"
 
@@ -666,6 +671,7 @@ def cross_section_problems(spec: ParallelSpec) -> list[tuple[tuple[str, ...], st
     p, d, m = par.pipeline, par.data, par.microbatches
     out += _tensor_problems(spec)
     out += _sharding_problems(spec)
+    out += _expert_problems(spec)
     t = par.tensor
     if isinstance(t, int) and t > 1 and world % t == 0:
         world //= t  # the pipeline x data grid: positions of t ranks each
@@ -902,6 +908,31 @@ def _tensor_problems(spec: ParallelSpec) -> list[tuple[tuple[str, ...], str]]:
                     "train.updates: async (parameter servers) with parallel.tensor > 1 is not "
                     "supported: a server would hold whole parameters that the replicas hold as "
                     "shards; use updates: sync, or tensor: 1"))
+    return out
+
+
+def _expert_problems(spec: ParallelSpec) -> list[tuple[tuple[str, ...], str]]:
+    """``parallel.expert`` against the data-parallel degree it splits and what it cannot
+    combine with yet."""
+    par, n = spec.parallel, spec.parallel.expert
+    if n == 1:
+        return []
+    out: list[tuple[tuple[str, ...], str]] = []
+    if isinstance(par.data, int) and par.data % n:
+        out.append((("parallel", "expert"),
+                    f"expert={n} splits the experts over groups of {n} data-parallel replicas, "
+                    f"but parallel.data={par.data} does not divide into them; use an expert "
+                    f"degree that divides data (e.g. {max(k for k in range(1, par.data + 1) if par.data % k == 0 and k <= n)})"))
+    if par.data_sharding != "none":
+        out.append((("parallel", "data_sharding"),
+                    f"data_sharding: {par.data_sharding} with parallel.expert > 1 is not "
+                    "supported yet: the experts' training state is already split over their "
+                    "group; use data_sharding: none"))
+    if spec.train.updates == "async":
+        out.append((("parallel", "expert"),
+                    "train.updates: async (parameter servers) with parallel.expert > 1 is not "
+                    "supported: a server would hold whole experts that the replicas split; use "
+                    "updates: sync"))
     return out
 
 

@@ -395,14 +395,18 @@ class CompiledPipeline:
             grads += [g for p, g in sharding.segment_grads()
                       if self.mesh.tp_rank <= 0 or id(p) in split]
         dev = self.device
-        if grads:
-            norms = [torch.linalg.vector_norm(g, norm_type) for g in grads]
-            if norm_type == float("inf"):
-                local = torch.stack(norms).max().to(torch.float64)
-            else:
-                local = (torch.stack(norms).to(torch.float64) ** norm_type).sum()
-        else:
-            local = torch.zeros((), dtype=torch.float64, device=dev)
+        experts = getattr(self.tensor_shards, "expert_ids", set())
+        mine = [p.grad for p in self._norm_params if id(p) in experts and p.grad is not None]
+        if experts:  # each rank of an expert group holds other experts: summed over it below
+            grads = [g for g in grads if not any(g is e for e in mine)]
+        local = self._norm_of(grads, norm_type, dev)
+        if experts:
+            part = self._norm_of(mine, norm_type, dev).reshape(1)
+            if self.mesh.ep_group is not None:
+                op = dist.ReduceOp.MAX if norm_type == float("inf") else dist.ReduceOp.SUM
+                dist.all_reduce(part, op=op, group=self.mesh.ep_group)
+            local = (torch.maximum(local, part[0]) if norm_type == float("inf")
+                     else local + part[0])
         local = local.reshape(1).to(dev)
         # every pipeline and tensor rank of the replica (with sharding, every replica too)
         group = self.mesh.mp_group if sharding is None else None
@@ -425,6 +429,16 @@ class CompiledPipeline:
             torch._foreach_mul_(every, coef.to(every[0].device))
         self._marks = self._grad_marks()
         return total
+
+    @staticmethod
+    def _norm_of(grads: list, norm_type: float, dev) -> torch.Tensor:
+        """The ``norm_type`` norm of ``grads`` to the power (the max for inf), float64."""
+        if not grads:
+            return torch.zeros((), dtype=torch.float64, device=dev)
+        norms = [torch.linalg.vector_norm(g, norm_type) for g in grads]
+        if norm_type == float("inf"):
+            return torch.stack(norms).max().to(torch.float64).to(dev)
+        return (torch.stack(norms).to(torch.float64) ** norm_type).sum().to(dev)
 
     # ------------------------------------------------------------------ modes
     def train(self, mode: bool = True) -> "CompiledPipeline":
@@ -715,9 +729,15 @@ def _broadcast_weights(pipe: CompiledPipeline) -> None:
                 off += t.numel()
 
     state = list(pipe.module.state_dict(keep_vars=True).values())
+    shards = pipe.tensor_shards
+    experts = getattr(shards, "expert_ids", set())
+    if experts:  # each from the first replica holding the same experts
+        mine = [t for t in state if id(t) in experts]
+        state = [t for t in state if id(t) not in experts]
+        if mesh.dp > mesh.expert:
+            bcast(mine, mesh.global_rank(mesh.pipe_rank, mesh.ep_rank), mesh.expert_dp_group)
     if mesh.dp > 1 and state:
         bcast(state, mesh.global_rank(mesh.pipe_rank, 0), mesh.dp_group)
-    shards = pipe.tensor_shards
     whole = [t for t in state if shards is None or id(t) not in shards.by_id]
     if mesh.tensor > 1 and whole:  # what every rank of a tensor group holds whole
         bcast(whole, mesh.tp_ranks[0], mesh.tp_group)
@@ -847,7 +867,8 @@ def _compile(model: nn.Module, spec_or_plan: Any, example_inputs: Any = None,
     layout = getattr(plan, "placement", None)  # how the grid lies on the ranks, when planned
     servers = len(plan.parameter_servers)  # train.updates: async
     mesh = Mesh(plan.pipeline, plan.dp, device=device, timeout_s=timeout, servers=servers,
-                tensor=plan.tensor, **({"layout": layout} if layout is not None else {}))
+                tensor=plan.tensor, expert=plan.expert,
+                **({"layout": layout} if layout is not None else {}))
     if mesh.is_server:  # this rank keeps parameters and optimizer state, no stage
         return ServerShare(model, plan, spec, mesh, mesh.server_group)
     traced = trace_for_plan(plan, model, device)  # resolves a plan made of repeated blocks,
@@ -867,6 +888,11 @@ def _compile(model: nn.Module, spec_or_plan: Any, example_inputs: Any = None,
             plan, stages, mesh, None if loss_fn is not None or model_loss else t.loss,
             t.ignore_index)
         loss = vocab if vocab is not None else loss
+    if plan.expert > 1:  # this rank's experts of its stages (fxpipe.experts)
+        from fxpipe.runtime.expert_parallel import ShardSet, shard_expert_stages
+
+        stages, experts = shard_expert_stages(stages, mesh)
+        shards = ShardSet(shards, experts)
     executor = PipelineExecutor(plan, schedule, stages, mesh, loss, None, timeout_s=timeout,
                                 grad_compression=Compression.from_train(t),
                                 precision=t.precision, needs_target=not model_loss,
