@@ -21,15 +21,17 @@ ALLOWED = {
     "examples": {"errors", "units"},
     "execution": {"errors", "specs"},
     "tensor": {"errors", "execution"},
+    "experts": {"errors", "execution", "tensor"},
     "data": {"errors", "units", "specs", "examples"},
     "plans": {"errors", "units", "specs", "tensor"},
     "schedule": {"errors", "units", "specs", "plans"},
     "reports": {"errors", "units", "specs", "plans", "schedule"},
-    "partitioner": {"errors", "units", "specs", "data", "execution", "tensor", "plans",
-                    "schedule", "examples"},
-    "runtime": {"errors", "units", "specs", "execution", "tensor", "plans", "schedule"},
-    "training": {"errors", "units", "specs", "data", "execution", "tensor", "plans", "schedule",
-                 "partitioner", "runtime", "reports", "examples"},
+    "partitioner": {"errors", "units", "specs", "data", "execution", "tensor", "experts",
+                    "plans", "schedule", "examples"},
+    "runtime": {"errors", "units", "specs", "execution", "tensor", "experts", "plans",
+                "schedule"},
+    "training": {"errors", "units", "specs", "data", "execution", "tensor", "experts", "plans",
+                 "schedule", "partitioner", "runtime", "reports", "examples"},
 }
 
 
