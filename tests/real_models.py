@@ -46,6 +46,17 @@ def hf_spec(name: str) -> dict | None:
             vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=8, intermediate_size=64, sliding_window=8,
             query_pre_attn_scalar=8, max_position_embeddings=T)},
+        # mixture of experts (not in NAMES: tests/test_moe_example.py), transformers' dropless
+        # experts (sorted rows, grouped matmul); Qwen2-MoE with a shared expert besides
+        "mixtral": {"hf": "MixtralForCausalLM", "config": dict(
+            vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, intermediate_size=64, num_local_experts=4,
+            num_experts_per_tok=2, max_position_embeddings=T)},
+        "qwen2_moe": {"hf": "Qwen2MoeForCausalLM", "config": dict(
+            vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, intermediate_size=64, moe_intermediate_size=32,
+            shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+            max_position_embeddings=T)},
         "t5": {"hf": "T5ForConditionalGeneration", "config": dict(
             vocab_size=V, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2,
             num_heads=4, dropout_rate=0.0, decoder_start_token_id=0)},
@@ -152,7 +163,7 @@ def batch(name: str, step: int):
     ids = torch.randint(1, V, (B, T), generator=g)
     lengths = torch.tensor([T, T // 2, T - 3, 5, T, 9, T - 1, 3])
     mask = (torch.arange(T)[None, :] < lengths[:, None]).long()
-    if name in ("gpt2", "llama", "gpt2_deep", "gemma2"):
+    if name in ("gpt2", "llama", "gpt2_deep", "gemma2", "mixtral", "qwen2_moe"):
         return (), {"input_ids": ids * mask, "attention_mask": mask,
                     "labels": (ids * mask).masked_fill(mask == 0, -100)}, None
     if name == "bert":

@@ -10,6 +10,15 @@ dimension ``E`` it reads. Every op inside keeps dimension 0 as the expert and di
 slot, so it can run on any subset of the experts and any number of slots: what expert
 parallelism needs (:mod:`fxpipe.experts.rewrite`).
 
+The **dropless** form (transformers 5's Mixtral, Qwen2-MoE, ...: every token's choices kept, no
+capacity) sorts the ``R`` (token, choice) rows by expert and runs each expert's rows through a
+grouped matmul (``grouped_mm(rows, weight, offsets)``, ``offsets`` the cumulative rows per
+expert; the weight a parameter with leading dimension ``E``, possibly transposed in its last
+two dimensions). Its region is the row-wise ops between the sorted rows and the last grouped
+matmul's output (gates, activations, element-wise products: each row on its own), with the
+shared ``offsets``; how many rows each expert gets depends on the routing, so its all-to-alls
+exchange the counts first (:mod:`fxpipe.experts.all_to_all`).
+
 :func:`find_regions` walks the graph from each ``bmm`` of an activation by a weight with a leading
 expert dimension; :class:`NoExperts` says why a model has none (a model with no MoE layer, or
 one written with per-expert loops and data-dependent shapes, which torch.export cannot trace
@@ -43,7 +52,10 @@ class Region:
     """One MoE layer's per-expert computation (see the module doc).
 
     Attributes:
-        experts: ``E``. slots: ``C`` (the capacity of one forward).
+        experts: ``E``. slots: ``C`` (the capacity of one forward; the dropless form: ``R``,
+            the rows of one forward).
+        kind: ``capacity`` (``[E, C, ...]`` slots) or ``dropless`` (rows sorted by expert).
+        offsets: the dropless form's offsets node (cumulative rows per expert), else None.
         nodes: the region's nodes, in graph order.
         entries: names of the ``[E, C, ...]`` values read from outside.
         exits: names of the region's values read outside it.
@@ -56,6 +68,8 @@ class Region:
     entries: list[str]
     exits: list[str]
     weights: list[str]
+    kind: str = "capacity"
+    offsets: str | None = None
 
 
 def _shape(n) -> tuple[int, ...] | None:
@@ -72,6 +86,97 @@ def _weight(gm: fx.GraphModule, n, e: int) -> bool:
     except AttributeError:
         return False
     return p.requires_grad and p.dim() >= 2 and p.shape[0] == e
+
+
+#: row-wise ops a dropless region may hold besides its grouped matmuls
+_PER_ROW = {aten.silu.default, aten.gelu.default, aten.relu.default, aten.sigmoid.default,
+            aten.tanh.default, aten.mul.Tensor, aten.add.Tensor, aten.sub.Tensor,
+            aten.div.Tensor, aten.to.dtype, aten._to_copy.default, aten.clone.default,
+            aten.contiguous.default, aten.chunk.default, aten.split.Tensor,
+            aten._assert_tensor_metadata.default, operator.getitem}
+
+
+def _grouped_mm(n: fx.Node) -> bool:
+    return n.op == "call_function" and "grouped_mm" in str(n.target) \
+        and "backward" not in str(n.target) and len(n.args) >= 3
+
+
+def _weight_view(gm: fx.GraphModule, n, e: int) -> str | None:
+    """The get_attr target of the expert weight ``n`` reads (itself, or a transpose of its
+    last two dimensions), else None."""
+    while isinstance(n, fx.Node) and n.op == "call_function" and n.target in (
+            aten.transpose.int, aten.t.default):
+        dims = [d % 3 for d in n.args[1:3]] if n.target is aten.transpose.int else [1, 2]
+        if 0 in dims:
+            return None
+        n = n.args[0]
+    return n.target if _weight(gm, n, e) else None
+
+
+def _dropless_regions(gm: fx.GraphModule, order: dict[str, int]) -> list[Region]:
+    """The dropless regions (module doc): grouped matmuls sharing offsets, and the row-wise ops
+    between them."""
+    out = []
+    by_offsets: dict[str, list[fx.Node]] = {}
+    for n in gm.graph.nodes:
+        if _grouped_mm(n) and isinstance(n.args[2], fx.Node):
+            sx = _shape(n.args[0])
+            so = _shape(n.args[2])
+            if sx is None or so is None or len(so) != 1:
+                continue
+            if _weight_view(gm, n.args[1], so[0]) is not None:
+                by_offsets.setdefault(n.args[2].name, []).append(n)
+    for offs, mms in by_offsets.items():
+        e = _shape(mms[0].args[2])[0]
+        rows = _shape(mms[0].args[0])[0]
+        weight_nodes: set[str] = set()
+        for m in mms:  # the weight and its views
+            w = m.args[1]
+            while w.op != "get_attr":
+                weight_nodes.add(w.name)
+                w = w.args[0]
+        inside = {m.name for m in mms}
+        # the row-wise ops from the first grouped matmul's output to the last one's input
+        last = max(mms, key=lambda m: order[m.name])
+        stack = [u for m in mms if m is not last for u in m.users]
+        while stack:
+            n = stack.pop()
+            if n.name in inside or order[n.name] > order[last.name]:
+                continue
+            s = _shape(n)
+            rowwise = n.target in _PER_ROW and (
+                s is None and n.target in (aten.chunk.default, aten.split.Tensor)
+                or n.target is operator.getitem or (s is not None and s[:1] == (rows,))
+                or n.target is aten._assert_tensor_metadata.default)
+            if not rowwise:
+                break
+            inside.add(n.name)
+            stack.extend(n.users)
+        else:
+            nodes = sorted(inside, key=order.get)
+            by_name = {n.name: n for n in gm.graph.nodes}
+            entries, exits, weights = [], [], []
+            for name in nodes:
+                n = by_name[name]
+                for a in n.all_input_nodes:
+                    if a.name in inside or a.name == offs or a.name in weight_nodes:
+                        if a.name in weight_nodes:
+                            t = _weight_view(gm, a, e)
+                            if t not in weights:
+                                weights.append(t)
+                        continue
+                    if a.op == "get_attr" and _weight(gm, a, e):
+                        if a.target not in weights:
+                            weights.append(a.target)
+                    elif a.name not in entries:
+                        entries.append(a.name)
+                if any(u.name not in inside for u in n.users) and name not in exits:
+                    exits.append(name)
+            ok = all(_shape(by_name[x]) is not None and _shape(by_name[x])[:1] == (rows,)
+                     for x in entries + exits)
+            if ok and entries and exits:
+                out.append(Region(e, rows, nodes, entries, exits, weights, "dropless", offs))
+    return out
 
 
 def find_regions(gm: fx.GraphModule) -> list[Region]:
@@ -135,7 +240,7 @@ def find_regions(gm: fx.GraphModule) -> list[Region]:
             continue
         taken |= inside
         regions.append(Region(e, c, nodes, entries, exits, weights))
-    return regions
+    return regions + _dropless_regions(gm, order)
 
 
 def require_regions(gm: fx.GraphModule, model_name: str) -> list[Region]:

@@ -63,24 +63,43 @@ def shard_experts(gm: fx.GraphModule, group, rank: int, n: int,
         names.append(name)
     send = _named(lambda x: all_to_all.dispatch(x, group), "ep_dispatch")
     back = _named(lambda y: all_to_all.combine(y, group), "ep_combine")
+    rows_in = _named(lambda x, offs, st, e: all_to_all.rows_dispatch(x, offs, st, e, group),
+                     "ep_rows_dispatch")
+    rows_out = _named(lambda y, st: all_to_all.rows_combine(y, st, group), "ep_rows_combine")
     graph = fx.Graph()
     env: dict[str, fx.Node] = {}
     inside = {name: r for r in regions for name in r.nodes}
     entry = {name for r in regions for name in r.entries}
-    exits = {name for r in regions for name in r.exits}
+    exits = {name: r for r in regions for name in r.exits}
     sent: dict[str, fx.Node] = {}
     combined: dict[str, fx.Node] = {}
+    states: dict[int, fx.Node] = {}  # a dropless region's exchange, per call
+    local_offsets: dict[int, fx.Node] = {}
     for node in gm.graph.nodes:
-        in_region = node.name in inside
+        region = inside.get(node.name)
+        in_region = region is not None
 
         def read(a: fx.Node) -> fx.Node:
+            if in_region and region.kind == "dropless" and a.name == region.offsets:
+                return local_offsets[id(region)]
             if in_region and a.name in entry:
                 if a.name not in sent:
-                    sent[a.name] = graph.call_function(send, (env[a.name],))
+                    if region.kind == "dropless":
+                        st = states.setdefault(id(region), graph.call_function(
+                            all_to_all.rows_state, ()))
+                        sent[a.name] = graph.call_function(
+                            rows_in, (env[a.name], env[region.offsets], st, region.experts))
+                        local_offsets.setdefault(id(region), graph.call_function(
+                            all_to_all.rows_offsets, (sent[a.name], st)))
+                    else:
+                        sent[a.name] = graph.call_function(send, (env[a.name],))
                 return sent[a.name]
             if not in_region and a.name in exits:
                 if a.name not in combined:
-                    combined[a.name] = graph.call_function(back, (env[a.name],))
+                    r = exits[a.name]
+                    combined[a.name] = graph.call_function(
+                        rows_out, (env[a.name], states[id(r)])) if r.kind == "dropless" \
+                        else graph.call_function(back, (env[a.name],))
                 return combined[a.name]
             return env[a.name]
 

@@ -10,7 +10,9 @@ and each exit combined by an all-to-all, forward and (the inverse) backward: a r
 latencies`` on the link the group uses (inside a node where ``N`` replicas' ranks fit in one,
 with the spec's fixed pipeline and tensor degrees; else the inter-node link). Added to the
 region's first node (dispatch) and last node (combine): their forward and input-gradient
-seconds.
+seconds. The dropless form's rows (:mod:`fxpipe.experts.regions`) are priced at balanced
+routing (each rank's rows spread evenly over the experts, so ``(N-1)/N`` of them leave it); how
+many a step really sends follows the router.
 """
 
 from __future__ import annotations
@@ -74,8 +76,12 @@ def expert_priced(gm: fx.GraphModule, costs: dict[str, NodeCost], regions: list[
     costs = dict(costs)
     comm: dict[str, tuple[float, float]] = {}
     moved = [0.0, 0.0]
-    for r in regions:
-        for name in r.nodes:
+    readers: dict[str, list[str]] = {}
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            readers.setdefault(node.target, []).extend(u.name for u in node.users)
+    for r in regions:  # the nodes charged with the expert weights (their first readers)
+        for name in {*r.nodes, *(u for w in r.weights for u in readers.get(w, []))}:
             c = costs.get(name)
             if c is not None and c.param_bytes:
                 costs[name] = dataclasses.replace(c, param_bytes=c.param_bytes // n)
