@@ -212,3 +212,33 @@ def test_pipe_split_is_a_node_under_plain_torch_tracers():
     assert sum(is_pipe_split(n) for n in gm.graph.nodes) == 1
     ep = torch.export.export(m, (_idx(),), strict=False)
     assert sum(is_pipe_split(n) for n in ep.module().graph.nodes) == 1
+
+
+class _WritesFresh(torch.nn.Module):
+    """An in-place write of a fresh value (transformers' MoE routing does this), and one
+    through a view (which must stay in place)."""
+
+    def forward(self, x):
+        y = x * 2
+        y.add_(1)
+        z = x + 1
+        z.view(-1)[::2].mul_(3.0)
+        return y * 3 + z
+
+
+def test_in_place_writes_of_fresh_values_are_traced_out_of_place():
+    from fxpipe.partitioner.boundaries import stage_boundaries
+    from fxpipe.partitioner.trace import trace
+
+    x = torch.randn(2, 4)
+    traced = trace(_WritesFresh(), (x,), "export")
+    calls = [n for n in traced.gm.graph.nodes if n.op == "call_function"]
+    mutable = [str(n.target) for n in calls if getattr(n.target, "_schema", None) is not None
+               and n.target._schema.is_mutable]
+    assert mutable == ["aten.mul_.Tensor"]  # the write through a view stays
+    torch.testing.assert_close(traced.gm(x)[0] if isinstance(traced.gm(x), tuple)
+                               else traced.gm(x), _WritesFresh()(x))
+    # a cut between the value and the (former) in-place op is a valid split now
+    names = [n.name for n in calls]
+    cut = names.index(next(n.name for n in calls if str(n.target) == "aten.add.Tensor"))
+    stage_boundaries(traced.gm, {n: (0 if i < cut else 1) for i, n in enumerate(names)}, 2)

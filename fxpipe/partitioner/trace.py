@@ -39,6 +39,7 @@ from torch.utils import _pytree as pytree
 from fxpipe.errors import TraceError
 from fxpipe.execution.rebuild import rebuilt
 from fxpipe.partitioner import annotations as ann
+from fxpipe.partitioner.in_place import out_of_place
 from fxpipe.partitioner.trace_errors import trace_error
 
 __all__ = ["TracedModel", "trace", "FakeInterpreter", "COMPUTE_OPS", "module_path_of"]
@@ -603,6 +604,7 @@ def trace(model: nn.Module, example_inputs: tuple, tracer: str = "export", *,
             gm = _trace_fx(model, example_inputs, example_kwargs, leaf_modules)
 
     _keep_output(gm, output, type(model).__name__)
+    out_of_place(gm)  # in-place writes of fresh values: no cut can separate them
     split_after = _remove_pipe_splits(gm)
     gm.graph.lint()
     gm.recompile()  # once, after every edit above
