@@ -279,3 +279,31 @@ def test_transformers_dropless_moe_under_expert_2_trains_like_one_process(world4
     assert set(params) == set(ref_params)
     worst = max(float(np.abs(v - ref_params[n].numpy()).max()) for n, v in params.items())
     assert worst < param_tol, (name, worst, param_tol)
+
+
+def test_accumulated_expert_gradients_are_set_aside_and_empty_microbatches_still_run():
+    """Under gradient accumulation what earlier calls left of an expert's gradient is set
+    aside (it is summed over fewer replicas than it is divided by: reducing it again would
+    scale it by 1/N per call), and a micro-batch whose targets all are ignored still runs its
+    backward (a zero loss) where experts are split, so its all-to-alls meet the group's."""
+    import torch.nn as nn
+
+    from fxpipe.runtime.executor import PipelineExecutor
+    from fxpipe.runtime.step_grads import StepGrads
+
+    dense, expert = nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(2, 2))
+    expert.fxpipe_expert = True
+    grads = StepGrads({0: [dense, expert]}, None, shared=())
+    assert grads._aside_ids == [id(expert)]
+
+    class _Mesh:
+        expert = 2
+
+    ex = PipelineExecutor.__new__(PipelineExecutor)
+    ex.mesh, ex.m, ex.loss_fn = _Mesh(), 2, lambda out, target: out.mean()
+    out = torch.full((3,), float("nan"), requires_grad=True)
+    loss = ex._microbatch_loss(out, None, 0.0)
+    assert loss is not None and float(loss) == 0.0
+    loss.backward()  # the backward runs (and adds nothing)
+    _Mesh.expert = 1
+    assert ex._microbatch_loss(out, None, 0.0) is None

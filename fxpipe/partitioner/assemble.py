@@ -320,13 +320,16 @@ def _set_experts(plan: Plan, pr: Priced, spec: ParallelSpec) -> None:
     scale = fo.run.count / 2 if fo is not None else 1.0
     fwd, bwd = (b * scale for b in pr.expert_bytes)
     plan.expert_bytes = [fwd, bwd]
+    groups = plan.dp // n
     plan.explain.append(
         f"expert parallelism {n}: each MoE layer's experts split over groups of {n} "
-        f"data-parallel replicas ({plan.dp // n} group{'s' if plan.dp // n > 1 else ''}); "
-        f"per micro-batch the tokens' slots ({human_bytes(fwd, True)} forward, "
-        f"{human_bytes(bwd, True)} backward, of which each rank sends (N-1)/N) go to their "
-        "experts and back by all-to-all; the experts' weights, gradients and optimizer state "
-        f"cost 1/{n} on each rank")
+        f"data-parallel replicas ({groups} group{'s' if groups > 1 else ''} per pipeline "
+        f"stage); per micro-batch one replica's stages send the tokens to their experts and "
+        f"back by all-to-all, {human_bytes(fwd, True)} forward and {human_bytes(bwd, True)} "
+        f"backward of whole tensors (fp32 as traced; each rank sends ({n}-1)/{n} of its "
+        "stage's share; dropless experts at balanced routing), added to the stages' compute "
+        f"time; the experts' weights, gradients and optimizer state cost 1/{n} on each rank; "
+        "under tensor parallelism the experts run whole on each tensor rank")
 
 
 def _set_tensor(plan: Plan, pr: Priced, comms: list[list] | None) -> None:

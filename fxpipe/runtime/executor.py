@@ -393,7 +393,10 @@ class PipelineExecutor:
             self._warmed = True
             warm_up({s: self.work[s].module for s in self.compiled.compiled},
                     lambda s: self._example_args(s, st), self._autocast, self.mesh,
-                    waves=self.sync_gradients, retain=self._split,
+                    # in waves the first replica compiles while the others wait: its experts'
+                    # all-to-alls need them too (parallel.expert), so all compile at once
+                    waves=self.sync_gradients and getattr(self.mesh, "expert", 1) <= 1,
+                    retain=self._split,
                     failed=self._compile_failed if self.compile_setting.fallback else None)
         self.grads.begin()
         self._run_actions(self._train_actions, st)
@@ -591,9 +594,12 @@ class PipelineExecutor:
         or ``weight``; None when the weight is 0 (nothing counts, no backward from it)."""
         if weight is None:
             return self.loss_fn(output, target) / self.m
-        if weight == 0:
+        if weight == 0 and getattr(self.mesh, "expert", 1) <= 1:
             return None
-        return self.loss_fn(output, target) * weight
+        loss = self.loss_fn(output, target)
+        if weight == 0:  # the backward runs anyway: its all-to-alls meet the expert group's
+            return torch.nan_to_num(loss) * 0.0
+        return loss * weight
 
     def _autocast(self):
         """``torch.autocast`` for this rank's device with the precision's dtype (off for fp32)."""

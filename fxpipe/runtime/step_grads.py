@@ -46,7 +46,10 @@ class StepGrads:
         self._unscaled: set[int] = set()
         shared = set(shared)
         exact_sum = loss_scaler is None and exact
-        self._aside_ids = [pid for pid in self.users if not exact_sum or pid in shared]
+        # an expert's gradient (parallel.expert) is summed over fewer replicas than it is
+        # divided by: what earlier calls left is set aside, not reduced again
+        self._aside_ids = [pid for pid in self.users if not exact_sum or pid in shared
+                           or getattr(self.users[pid][0], "fxpipe_expert", False)]
         self._aside: dict[int, torch.Tensor] = {}
 
     def begin(self) -> None:
