@@ -64,7 +64,7 @@ def planned(run) -> list[dict]:
     return rows
 
 
-def _spec(folder: Path, k: int, steps: int) -> Path:
+def _spec(folder: Path, k: int) -> Path:
     text = SPEC.read_text().replace(
         "parallel: {pipeline: 2, data: 2, microbatches: 4, schedule: 1f1b, virtual_stages: 1}",
         f"parallel: {{pipeline: 2, data: 1, tensor: 2, microbatches: 4, schedule: 1f1b, "
@@ -82,7 +82,7 @@ def _cpu_prediction() -> str:
     steps = {}
     for k in (1, 2):
         with tempfile.TemporaryDirectory() as tmp:
-            spec = yaml.safe_load(_spec(Path(tmp), k, 0).read_text())
+            spec = yaml.safe_load(_spec(Path(tmp), k).read_text())
         spec["data"].pop("dataset", None)
         seq = spec["data"]["seq_len"]
         with torch.device("meta"):
@@ -124,7 +124,7 @@ def main() -> None:
     runs: dict[int, list[dict]] = {1: [], 2: []}
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        specs = {k: _spec(folder, k, steps) for k in runs}
+        specs = {k: _spec(folder, k) for k in runs}
         for i in range(pairs):
             for k in ((2, 1) if i % 2 == 0 else (1, 2)):
                 runs[k].append(_run(specs[k], folder / f"k{k}-{i}", steps))

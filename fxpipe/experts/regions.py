@@ -113,7 +113,29 @@ def _weight_view(gm: fx.GraphModule, n, e: int) -> str | None:
     return n.target if _weight(gm, n, e) else None
 
 
-def _dropless_regions(gm: fx.GraphModule, order: dict[str, int]) -> list[Region]:
+def _boundary(nodes: list[fx.Node], inside: set[str], weight_of, skip: set[str] = frozenset(),
+              entry_ok=lambda a: True) -> tuple[list[str], list[str], list[str]]:
+    """A region's entries (the values it reads from outside that ``entry_ok`` takes, ``skip``
+    and weights aside), exits (its values read outside) and weights (``weight_of(node)``: the
+    get_attr target of an expert weight the node reads, else None), in graph order."""
+    entries, exits, weights = [], [], []
+    for n in nodes:
+        for a in n.all_input_nodes:
+            if a.name in inside or a.name in skip:
+                continue
+            w = weight_of(a)
+            if w is not None:
+                if w not in weights:
+                    weights.append(w)
+            elif entry_ok(a) and a.name not in entries:
+                entries.append(a.name)
+        if any(u.name not in inside for u in n.users) and n.name not in exits:
+            exits.append(n.name)
+    return entries, exits, weights
+
+
+def _dropless_regions(gm: fx.GraphModule, order: dict[str, int],
+                      by_name: dict[str, fx.Node]) -> list[Region]:
     """The dropless regions (module doc): grouped matmuls sharing offsets, and the row-wise ops
     between them."""
     out = []
@@ -153,29 +175,18 @@ def _dropless_regions(gm: fx.GraphModule, order: dict[str, int]) -> list[Region]
             inside.add(n.name)
             stack.extend(n.users)
         else:
-            nodes = sorted(inside, key=order.get)
-            by_name = {n.name: n for n in gm.graph.nodes}
-            entries, exits, weights = [], [], []
-            for name in nodes:
-                n = by_name[name]
-                for a in n.all_input_nodes:
-                    if a.name in inside or a.name == offs or a.name in weight_nodes:
-                        if a.name in weight_nodes:
-                            t = _weight_view(gm, a, e)
-                            if t not in weights:
-                                weights.append(t)
-                        continue
-                    if a.op == "get_attr" and _weight(gm, a, e):
-                        if a.target not in weights:
-                            weights.append(a.target)
-                    elif a.name not in entries:
-                        entries.append(a.name)
-                if any(u.name not in inside for u in n.users) and name not in exits:
-                    exits.append(name)
+            nodes = [by_name[x] for x in sorted(inside, key=order.get)]
+
+            def weight_of(a: fx.Node) -> str | None:
+                if a.name in weight_nodes:
+                    return _weight_view(gm, a, e)
+                return a.target if _weight(gm, a, e) else None
+            entries, exits, weights = _boundary(nodes, inside, weight_of, {offs})
             ok = all(_shape(by_name[x]) is not None and _shape(by_name[x])[:1] == (rows,)
                      for x in entries + exits)
             if ok and entries and exits:
-                out.append(Region(e, rows, nodes, entries, exits, weights, "dropless", offs))
+                out.append(Region(e, rows, [n.name for n in nodes], entries, exits, weights,
+                                  "dropless", offs))
     return out
 
 
@@ -189,6 +200,7 @@ def find_regions(gm: fx.GraphModule) -> list[Region]:
             if sx is not None and _weight(gm, w, sx[0]) and not _weight(gm, x, sx[0]):
                 seeds.append(n)
     order = {n.name: i for i, n in enumerate(gm.graph.nodes)}
+    by_name = {n.name: n for n in gm.graph.nodes}
     taken: set[str] = set()
     regions = []
     for seed in seeds:
@@ -221,26 +233,13 @@ def find_regions(gm: fx.GraphModule) -> list[Region]:
                 continue
             inside.add(n.name)
             stack.extend(u for u in n.users if u.name not in inside)
-        nodes = sorted(inside, key=order.get)
-        by_name = {n.name: n for n in gm.graph.nodes}
-        entries, exits, weights = [], [], []
-        for name in nodes:
-            n = by_name[name]
-            for a in n.all_input_nodes:
-                if a.name in inside:
-                    continue
-                if _weight(gm, a, e):
-                    if a.target not in weights:
-                        weights.append(a.target)
-                elif _shape(a) is not None and _shape(a)[:2] == (e, c) and a.name not in entries:
-                    entries.append(a.name)
-            if any(u.name not in inside for u in n.users) and name not in exits:
-                exits.append(name)
-        if any(by_name[u].target is operator.getitem for u in exits):  # pragma: no cover
-            continue
+        nodes = [by_name[x] for x in sorted(inside, key=order.get)]
+        entries, exits, weights = _boundary(
+            nodes, inside, lambda a: a.target if _weight(gm, a, e) else None,
+            entry_ok=lambda a: _shape(a) is not None and _shape(a)[:2] == (e, c))
         taken |= inside
-        regions.append(Region(e, c, nodes, entries, exits, weights))
-    return regions + _dropless_regions(gm, order)
+        regions.append(Region(e, c, [n.name for n in nodes], entries, exits, weights))
+    return regions + _dropless_regions(gm, order, by_name)
 
 
 def require_regions(gm: fx.GraphModule, model_name: str) -> list[Region]:

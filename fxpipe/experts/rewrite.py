@@ -11,8 +11,6 @@ it. The region's ops keep dimension 0 as the expert and act per expert, so they 
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 import torch.fx as fx
 import torch.nn as nn
@@ -20,17 +18,13 @@ import torch.nn as nn
 from fxpipe.execution.rebuild import rebuilt
 from fxpipe.experts import all_to_all
 from fxpipe.experts.regions import Region, find_regions
+from fxpipe.tensor.rewrite import named
 
 
 def local_experts(t: torch.Tensor, rank: int, n: int) -> torch.Tensor:
     """Rank ``rank``'s experts (of ``n`` ranks) of a weight with a leading expert dimension
     (a copy)."""
     return t.detach().chunk(n, dim=0)[rank].clone()
-
-
-def _named(fn: Callable, name: str) -> Callable:
-    fn.__name__ = fn.__qualname__ = name
-    return fn
 
 
 def shard_experts(gm: fx.GraphModule, group, rank: int, n: int,
@@ -61,11 +55,11 @@ def shard_experts(gm: fx.GraphModule, group, rank: int, n: int,
             mod = getattr(mod, item)
         mod._parameters[leaf] = done[id(old)]
         names.append(name)
-    send = _named(lambda x: all_to_all.dispatch(x, group), "ep_dispatch")
-    back = _named(lambda y: all_to_all.combine(y, group), "ep_combine")
-    rows_in = _named(lambda x, offs, st, e: all_to_all.rows_dispatch(x, offs, st, e, group),
+    send = named(lambda x: all_to_all.dispatch(x, group), "ep_dispatch")
+    back = named(lambda y: all_to_all.combine(y, group), "ep_combine")
+    rows_in = named(lambda x, offs, st, e: all_to_all.rows_dispatch(x, offs, st, e, group),
                      "ep_rows_dispatch")
-    rows_out = _named(lambda y, st: all_to_all.rows_combine(y, st, group), "ep_rows_combine")
+    rows_out = named(lambda y, st: all_to_all.rows_combine(y, st, group), "ep_rows_combine")
     graph = fx.Graph()
     env: dict[str, fx.Node] = {}
     inside = {name: r for r in regions for name in r.nodes}

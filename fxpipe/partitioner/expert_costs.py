@@ -27,12 +27,6 @@ from fxpipe.partitioner.cost import NodeCost
 from fxpipe.partitioner.timing import NodeTimes
 
 
-def _nbytes(gm: fx.GraphModule, name: str) -> int:
-    n = next(x for x in gm.graph.nodes if x.name == name)
-    v = n.meta.get("val")
-    return int(v.numel()) * v.element_size() if v is not None else 0
-
-
 def expert_link(spec) -> tuple[float, float]:
     """``(bytes per second, latency)`` of the expert group's all-to-alls (module doc)."""
     cl, par = spec.cluster, spec.parallel
@@ -77,9 +71,12 @@ def expert_priced(gm: fx.GraphModule, costs: dict[str, NodeCost], regions: list[
     comm: dict[str, tuple[float, float]] = {}
     moved = [0.0, 0.0]
     readers: dict[str, list[str]] = {}
+    size: dict[str, int] = {}
     for node in gm.graph.nodes:
         if node.op == "get_attr":
             readers.setdefault(node.target, []).extend(u.name for u in node.users)
+        v = node.meta.get("val")
+        size[node.name] = int(v.numel()) * v.element_size() if hasattr(v, "numel") else 0
     for r in regions:  # the nodes charged with the expert weights (their first readers)
         for name in {*r.nodes, *(u for w in r.weights for u in readers.get(w, []))}:
             c = costs.get(name)
@@ -87,12 +84,11 @@ def expert_priced(gm: fx.GraphModule, costs: dict[str, NodeCost], regions: list[
                 costs[name] = dataclasses.replace(c, param_bytes=c.param_bytes // n)
         ends = [(r.nodes[0], e) for e in r.entries] + [(r.nodes[-1], x) for x in r.exits]
         for at, value in ends:
-            size = _nbytes(gm, value)
-            sec = all_to_all_seconds(size, n, link, byte_scale)
+            sec = all_to_all_seconds(size[value], n, link, byte_scale)
             f, b = comm.get(at, (0.0, 0.0))
             comm[at] = (f + sec, b + sec)
-            moved[0] += size
-            moved[1] += size
+            moved[0] += size[value]
+            moved[1] += size[value]
     return costs, comm, moved
 
 

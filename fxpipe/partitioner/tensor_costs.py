@@ -279,8 +279,6 @@ def with_comm(times: dict[str, NodeTimes], tp: TensorPricing) -> dict[str, NodeT
         t = out.get(name, NodeTimes())
         hf, hb = hidden.get(name, (0.0, 0.0))
         out[name] = NodeTimes(t.fwd_s + fs - hf, t.bwd_input_s + bs - hb, t.bwd_weight_s)
-    for name in set(hidden) - set(tp.comm_s):  # pragma: no cover - a site carries its comms
-        raise AssertionError(f"overlapped site without collectives at {name}")
     return out
 
 

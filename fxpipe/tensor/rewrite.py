@@ -58,7 +58,8 @@ def _set(root: nn.Module, path: str, value: nn.Parameter) -> None:
         setattr(mod, leaf, value)
 
 
-def _named(fn: Callable, name: str) -> Callable:
+def named(fn: Callable, name: str) -> Callable:
+    """``fn`` named ``name`` (a graph node's target: what the printed graph and errors show)."""
     fn.__name__ = fn.__qualname__ = name
     return fn
 
@@ -79,40 +80,40 @@ class _Ops:
     def _make(self, kind: str, *args) -> Callable:
         g = self.group
         if kind == "copy_to":
-            return _named(lambda x: C.copy_to(x, g), "tp_copy_to")
+            return named(lambda x: C.copy_to(x, g), "tp_copy_to")
         if kind == "reduce_from":
-            return _named(lambda x: C.reduce_from(x, g), "tp_all_reduce")
+            return named(lambda x: C.reduce_from(x, g), "tp_all_reduce")
         if kind == "gather":
             dim, blocks, partial = args
-            return _named(lambda x: C.gather(x, dim, blocks, partial, g),
+            return named(lambda x: C.gather(x, dim, blocks, partial, g),
                           "tp_all_gather_rs" if partial else "tp_all_gather")
         if kind == "scatter":
             dim, blocks = args
-            return _named(lambda x: C.scatter(x, dim, blocks, g), "tp_scatter")
+            return named(lambda x: C.scatter(x, dim, blocks, g), "tp_scatter")
         if kind == "reduce_scatter":
             (dim,) = args
-            return _named(lambda x: C.reduce_scatter(x, dim, g), "tp_reduce_scatter")
+            return named(lambda x: C.reduce_scatter(x, dim, g), "tp_reduce_scatter")
         if kind == "overlap_state":
-            return _named(lambda: C.overlap_state(), "tp_overlap_state")
+            return named(lambda: C.overlap_state(), "tp_overlap_state")
         if kind == "reduce_start":
             rkind, dim = args
-            return _named(lambda y, state, c: C.reduce_start(y, state, c, rkind, dim, g),
+            return named(lambda y, state, c: C.reduce_start(y, state, c, rkind, dim, g),
                           "tp_reduce_start")
         if kind == "reduce_join":
             rkind, dim = args
-            return _named(lambda state, *tokens: C.reduce_join(state, rkind, dim, g, *tokens),
+            return named(lambda state, *tokens: C.reduce_join(state, rkind, dim, g, *tokens),
                           "tp_reduce_join")
         if kind == "input_start":
             ikind, dim, k = args
-            return _named(lambda x, state: C.input_start(x, state, ikind, dim, k, g),
+            return named(lambda x, state: C.input_start(x, state, ikind, dim, k, g),
                           "tp_input_start")
         if kind == "input_wait":
             ikind, dim = args
-            return _named(lambda token, state, c: C.input_wait(token, state, c, ikind, dim, g),
+            return named(lambda token, state, c: C.input_wait(token, state, c, ikind, dim, g),
                           "tp_input_wait")
         if kind == "vocab_embedding":
             start, pad = args
-            return _named(lambda w, ids: C.vocab_embedding(w, ids, start, pad),
+            return named(lambda w, ids: C.vocab_embedding(w, ids, start, pad),
                           "tp_vocab_embedding")
         if kind == "vocab_cross_entropy":
             (start,) = args
@@ -120,7 +121,7 @@ class _Ops:
             def ce(logits, target, weight=None, reduction=1, ignore_index=-100,
                    label_smoothing=0.0):
                 return C.vocab_cross_entropy(logits, target, start, ignore_index, reduction, g)
-            return _named(ce, "tp_vocab_cross_entropy")
+            return named(ce, "tp_vocab_cross_entropy")
         raise ValueError(kind)
 
 
