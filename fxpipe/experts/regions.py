@@ -250,7 +250,8 @@ def require_regions(gm: fx.GraphModule, model_name: str) -> list[Region]:
             f"{model_name} has no expert layer fxpipe can split: expert parallelism looks for "
             "experts held as weights with a leading expert dimension, multiplied with bmm on "
             "the tokens dispatched to them ([experts, capacity, features], the static GShard "
-            "form of fxpipe.examples.moe:MoEGPT); a model without mixture-of-experts layers, or "
-            "one that loops over its experts with data-dependent shapes, has none "
+            "form of fxpipe.examples.moe:MoEGPT) or with a grouped matmul on rows sorted by "
+            "expert (transformers' Mixtral, Qwen2-MoE); a model without mixture-of-experts "
+            "layers, or one that loops over its experts with data-dependent shapes, has none "
             "(parallel.expert: 1)")
     return regions
