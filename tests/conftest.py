@@ -59,7 +59,7 @@ def tiny_run(tmp_path_factory):
 HEAVY_FIRST = ("test_compiled_stages.py", "test_resume.py", "test_multinode.py",
                "test_real_models.py",
                "test_tensor_parallel.py", "test_tensor_resume.py", "test_real_model_inputs.py",
-               "test_moe_example.py",
+               "test_moe_example.py", "test_context_parallel.py",
                "test_compiled.py", "test_data_sharding.py",
                "test_user_data.py", "test_check.py", "test_gpu_check_dry_run.py",
                "test_faults.py", "test_bench_planning_smoke.py", "test_cli.py",

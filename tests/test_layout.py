@@ -22,16 +22,18 @@ ALLOWED = {
     "execution": {"errors", "specs"},
     "tensor": {"errors", "execution"},
     "experts": {"errors", "execution", "tensor"},
+    "context": {"errors", "tensor"},
     "data": {"errors", "units", "specs", "examples"},
     "plans": {"errors", "units", "specs", "tensor"},
     "schedule": {"errors", "units", "specs", "plans"},
     "reports": {"errors", "units", "specs", "plans", "schedule"},
     "partitioner": {"errors", "units", "specs", "data", "execution", "tensor", "experts",
-                    "plans", "schedule", "examples"},
-    "runtime": {"errors", "units", "specs", "execution", "tensor", "experts", "plans",
-                "schedule"},
-    "training": {"errors", "units", "specs", "data", "execution", "tensor", "experts", "plans",
-                 "schedule", "partitioner", "runtime", "reports", "examples"},
+                    "context", "plans", "schedule", "examples"},
+    "runtime": {"errors", "units", "specs", "execution", "tensor", "experts", "context",
+                "plans", "schedule"},
+    "training": {"errors", "units", "specs", "data", "execution", "tensor", "experts",
+                 "context", "plans", "schedule", "partitioner", "runtime", "reports",
+                 "examples"},
 }
 
 

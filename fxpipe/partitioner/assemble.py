@@ -10,6 +10,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from fxpipe.context.analysis import Seq
 from fxpipe.errors import TraceError
 from fxpipe.partitioner.blocks import KEEP
 from fxpipe.partitioner.boundaries import GUARDS_FN, stage_boundaries
@@ -106,7 +107,7 @@ def assemble(pr: Priced, result: PartitionResult, cand: Candidate, spec: Paralle
               for k, v in bounds.values.items()}
     plan = Plan(
         model=traced.model_name or type(traced.gm).__name__,
-        num_stages=cand.num_stages, pipeline=cand.pipeline, dp=cand.dp,
+        num_stages=cand.num_stages, pipeline=cand.pipeline, dp=cand.dp, context=cand.context,
         microbatches=cand.microbatches, schedule=cand.schedule,
         virtual_stages=stages_per_rank(cand.schedule, cand.virtual_stages),
         microbatch_size=microbatch_size, stages=stages, values=values,
@@ -119,6 +120,7 @@ def assemble(pr: Priced, result: PartitionResult, cand: Candidate, spec: Paralle
     )
     _set_tensor(plan, pr, steps.tensor_comms)
     _set_experts(plan, pr, spec)
+    _set_context(plan, pr, spec)
     plan.explain += _selective_keeps_nothing(rc, pr.ridge)
     return plan
 
@@ -332,6 +334,36 @@ def _set_experts(plan: Plan, pr: Priced, spec: ParallelSpec) -> None:
         "under tensor parallelism the experts run whole on each tensor rank")
 
 
+def _set_context(plan: Plan, pr: Priced, spec: ParallelSpec) -> None:
+    """The plan's context-parallel fields and what it says (:mod:`fxpipe.context`)."""
+    n, split = plan.context, pr.context_split
+    if n <= 1 or split is None:
+        return
+    fo = pr.table.folding  # priced on two of the repeated blocks: every block's
+    scale = fo.run.count / 2 if fo is not None else 1.0
+    fwd, bwd = (b * scale for b in pr.context_bytes)
+    plan.context_bytes = [fwd, bwd]
+    for name, v in plan.values.items():  # what a rank sends of a split value
+        if isinstance(split.place(name), Seq):
+            plan.values[name] = dataclasses.replace(v, nbytes=v.nbytes // n)
+    gathers = sorted({value for _, value, _ in split.gathers()})
+    whole = [k for k, ns in split.nodes.items() if ns.out is None and ns.localize]
+    h = split.seq // (2 * n)
+    plan.explain.append(
+        f"context parallelism {n}: each micro-batch's {split.seq}-token sequences split over "
+        f"{n} ranks (two chunks of {h} tokens each, a head and the mirrored tail, so causal "
+        f"attention costs every rank the same); per micro-batch one replica's stages "
+        f"all-gather {human_bytes(fwd, True)} of keys and values along the sequence forward and "
+        f"reduce-scatter {human_bytes(bwd, True)} of their gradients backward (whole tensors "
+        f"as traced; each rank receives ({n}-1)/{n}), added to the attention layers' time, not "
+        f"overlapped; activations and the work of every token-local layer cost 1/{n} per rank, "
+        "the gathered keys and values are held whole until the backward; the ranks of a "
+        f"context group are replicas that share samples: gradients averaged over "
+        f"{plan.replicas} replicas"
+        + (f"; gathered: {', '.join(gathers[:4])}{' ...' if len(gathers) > 4 else ''}"
+           if gathers else ""))
+
+
 def _set_tensor(plan: Plan, pr: Priced, comms: list[list] | None) -> None:
     """The plan's tensor-parallel fields from the priced units' sharding, and what it says:
     how many parameters are split how, what stays whole, and the collectives per micro-batch
@@ -473,7 +505,8 @@ def assemble_folded(pr: Priced, result: PartitionResult, cand: Candidate, spec: 
                           for s in range(cand.num_stages))]
     plan = Plan(
         model=pr.traced.model_name, num_stages=cand.num_stages, pipeline=cand.pipeline,
-        dp=cand.dp, microbatches=cand.microbatches, schedule=cand.schedule,
+        dp=cand.dp, context=cand.context, microbatches=cand.microbatches,
+        schedule=cand.schedule,
         virtual_stages=stages_per_rank(cand.schedule, cand.virtual_stages),
         microbatch_size=mbs, stages=stages, values=values,
         model_inputs=list(one.model_inputs), model_output=one.model_outputs[0],
@@ -485,6 +518,7 @@ def assemble_folded(pr: Priced, result: PartitionResult, cand: Candidate, spec: 
     )
     _set_tensor(plan, pr, steps.tensor_comms)
     _set_experts(plan, pr, spec)
+    _set_context(plan, pr, spec)
     plan.explain += _selective_keeps_nothing(rc, pr.ridge)
     # a plan of blocks names no values between its stages until a worker resolves it: the
     # bytes on each stage edge are recorded (what Plan.edge_bytes gives for it)
@@ -496,7 +530,7 @@ def assemble_folded(pr: Priced, result: PartitionResult, cand: Candidate, spec: 
 def placement_note(plan: Plan, spec: ParallelSpec) -> str:
     """Which groups the chosen layout keeps inside a node, and which cross nodes."""
     dpn = grid_slots_per_node(spec.cluster.devices_per_node, plan.tensor)
-    p, d = plan.pipeline, plan.dp
+    p, d = plan.pipeline, plan.replicas
     pairs = [(a, a + 1) for a in range(p - 1)]
     crossing = [f"{a}->{b}" for a, b in pairs
                 if pair_crosses_nodes(a, b, p, d, dpn, plan.placement)]

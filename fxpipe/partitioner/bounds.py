@@ -80,8 +80,8 @@ def cut_bound(prefix: np.ndarray, result: PartitionResult, cand: Candidate, spec
         work[r] += f[j] + b[j] + w[j]
         fb[r] += f[j] + b[j] + (0.0 if split else w[j])
         low[r] = min(low[r], j)
-        ars[r].append(_ring_s(result.param_bytes[j] * floor, cand.dp, spec, cand.pipeline,
-                              cand.dp, cand.layout, tensor=cand.tensor))
+        ars[r].append(_ring_s(result.param_bytes[j] * floor, cand.replicas, spec,
+                              cand.pipeline, cand.replicas, cand.layout, tensor=cand.tensor))
     fcum = np.concatenate([[0.0], np.cumsum(f)])
     bcum = np.concatenate([[0.0], np.cumsum(b)])
     best = 0.0
@@ -150,8 +150,8 @@ def candidate_bound(cand: Candidate, scale: float, spec: ParallelSpec, total: fl
     if shares is not None:
         total = shares[0]
     work = m * max(total / cand.pipeline, biggest, stage_floor)
-    ring = _ring_s(total_params / cand.pipeline * reduce_floor(spec, cand), cand.dp, spec,
-                   cand.pipeline, cand.dp,
+    ring = _ring_s(total_params / cand.pipeline * reduce_floor(spec, cand), cand.replicas, spec,
+                   cand.pipeline, cand.replicas,
                    cand.layout, latency=False, tensor=cand.tensor)
     if cand.num_stages == cand.pipeline:
         fill = (scale * fastest * _fill_drain_floor(shares[0], shares[1], shares[2],

@@ -77,7 +77,7 @@ def reduction_for(spec: ParallelSpec, cand: Candidate) -> Reduction:
     """How the candidate's replicas reduce gradients (``train``, its sharding, the parameter
     servers of async updates)."""
     servers = spec.cluster.parameter_servers if spec.train.updates == "async" else 0
-    return Reduction.of(spec.train, cand.dp, cand.sharding, servers)
+    return Reduction.of(spec.train, cand.replicas, cand.sharding, servers)
 
 
 def cut_steps(pr: Priced, prefix: np.ndarray, problem: CutProblem, result: PartitionResult,
@@ -176,7 +176,8 @@ def simulate_cut(pr: Priced, prefix: np.ndarray, problem: CutProblem,
     sched = _full_schedule(cand.schedule, cand.pipeline, cand.microbatches,
                            cand.virtual_stages, frozenset(fwd_bytes), frozenset(grad_bytes))
     red = reduction_for(spec, cand)
-    links = links_of(spec.cluster, cand.pipeline, cand.dp, cand.tensor, cand.layout, red.servers)
+    links = links_of(spec.cluster, cand.pipeline, cand.replicas, cand.tensor, cand.layout,
+                     red.servers)
     servers = (even_server_bytes([s.param_bytes for s in steps.stages], red.servers)
                if red.servers else None)
     return price_step(sched, steps.stages, fwd_bytes, grad_bytes, links, red, servers,

@@ -33,7 +33,7 @@ def _boundary_bandwidths(spec: ParallelSpec, cand: Candidate, stage_to_rank: lis
     for a, b in zip(stage_to_rank[:-1], stage_to_rank[1:]):
         if a == b:
             out.append(float("inf"))
-        elif pair_crosses_nodes(a, b, cand.pipeline, cand.dp, dpn, cand.layout):
+        elif pair_crosses_nodes(a, b, cand.pipeline, cand.replicas, dpn, cand.layout):
             out.append(links.inter_node_GBps * 1e9)
         else:
             out.append(links.intra_node_GBps * 1e9)
@@ -48,7 +48,7 @@ def slowdowns(spec: ParallelSpec, cand: Candidate, stage_to_rank: list[int]) -> 
         return [1.0] * len(stage_to_rank)
     slots = grid_slots_per_node(cl.devices_per_node, cand.tensor)
     return [max(cl.device_tflops / cl.node_tflops[nd] for nd in nodes_of_stage_rank(
-        r, cand.pipeline, cand.dp, slots, cand.layout)) for r in stage_to_rank]
+        r, cand.pipeline, cand.replicas, slots, cand.layout)) for r in stage_to_rank]
 
 def fastest_slowdown(spec: ParallelSpec) -> float:
     """The smallest per-stage slowdown any layout can give (:func:`slowdowns`): 1 without

@@ -119,7 +119,7 @@ def _ranks_beside(spec: ParallelSpec, cand: Candidate) -> tuple[list[int], list[
     cl = spec.cluster
     if cl.device != "cpu" or cand.pipeline < 2:
         return None
-    nodes = [node_of(global_rank(r, 0, cand.pipeline, cand.dp, cand.layout),
+    nodes = [node_of(global_rank(r, 0, cand.pipeline, cand.replicas, cand.layout),
                      grid_slots_per_node(cl.devices_per_node, cand.tensor))
              for r in range(cand.pipeline)]
     if len(set(nodes)) == len(nodes):

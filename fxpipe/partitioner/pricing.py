@@ -8,6 +8,7 @@ import dataclasses
 import logging
 import warnings
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -79,6 +80,9 @@ class Priced:
             its all-to-alls (:mod:`fxpipe.partitioner.expert_costs`).
         expert_bytes: under expert parallelism, the bytes of the ``[E, C, ...]`` tensors one
             micro-batch all-to-alls forward and backward (over the traced graph; None without).
+        context_split: under context parallelism, the placements of the traced graph's values
+            (:class:`fxpipe.context.analysis.ContextSplit`); context_bytes: the whole bytes
+            one micro-batch all-gathers forward and reduce-scatters backward (None without).
     """
 
     traced: TracedModel
@@ -95,6 +99,8 @@ class Priced:
     ridge: float = 0.0
     expert_bytes: list[float] | None = None
     expert_comm: dict[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
+    context_split: Any = None
+    context_bytes: list[float] | None = None
     #: what is derived once from these figures (:mod:`fxpipe.partitioner.cut_tables`); not
     #: copied by ``dataclasses.replace``, whose copy derives its own
     cache: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)

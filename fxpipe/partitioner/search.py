@@ -47,6 +47,14 @@ class Candidate:
     #: above the device's ridge point (fxpipe.partitioner.pricing.selective_levels); 0: the
     #: ridge point
     keep_ridge: float = 0.0
+    #: context-parallel degree (parallel.context): replicas per context group, which share
+    #: samples; the grid has dp x context replicas
+    context: int = 1
+
+    @property
+    def replicas(self) -> int:
+        """Replicas of every stage on the grid: ``dp * context``."""
+        return self.dp * self.context
 
     @property
     def num_stages(self) -> int:
@@ -63,6 +71,7 @@ class Candidate:
             r += f"@{self.keep_ridge:.0f}"
         lay = " data-inner" if self.layout == "data-inner" else ""
         tp = f"tp={self.tensor} " if self.tensor > 1 else ""
+        tp += f"cp={self.context} " if self.context > 1 else ""
         zero = f" shard={self.sharding}" if self.sharding != "none" else ""
         zero += "/block" if self.gather == "block" else ""
         return (f"{tp}pp={self.pipeline} dp={self.dp} m={self.microbatches} {self.schedule}{v}"
@@ -194,7 +203,9 @@ def candidates(spec: ParallelSpec, max_stages: int | None = None,
         ScheduleError: fixed (not ``auto``) schedule and micro-batches that the schedule rejects.
     """
     par = spec.parallel
-    world = spec.cluster.trainers // tensor  # the parameter servers do not train
+    context = par.context
+    # the parameter servers do not train; a context group takes one grid position
+    world = spec.cluster.trainers // (tensor * context)
     pps = _divisors(world) if par.pipeline == "auto" else [par.pipeline]
     spread = spec.cluster.nodes > 1  # only then does the layout decide which link a group uses
     out = []
@@ -230,10 +241,11 @@ def candidates(spec: ParallelSpec, max_stages: int | None = None,
                         continue
                     for z, gather in _levels_and_gathers(spec, dp):
                         out.append(Candidate(pp, dp, m, s, v, tensor=tensor, sharding=z,
-                                             gather=gather))
-                        if spread and pp > 1 and dp > 1:  # several nodes: the other way too
+                                             gather=gather, context=context))
+                        if spread and pp > 1 and dp * context > 1:  # the other way too
                             out.append(Candidate(pp, dp, m, s, v, layout="data-inner",
-                                                 tensor=tensor, sharding=z, gather=gather))
+                                                 tensor=tensor, sharding=z, gather=gather,
+                                                 context=context))
     if not out and too_many is not None and max_stages is not None:
         fits = [d for d in _divisors(world) if spec.data.batch_size % d == 0]  # 1 always
         if par.pipeline == "auto" and par.data == "auto" and world // max(fits) > max_stages:

@@ -15,6 +15,8 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensor
 
 from fxpipe.partitioner.blocks import check_run, find_block_run, fold, reduced
+from fxpipe.partitioner.context_costs import (context_link, context_priced, context_split,
+                                              scaled_loss)
 from fxpipe.partitioner.cost import price
 from fxpipe.partitioner.expert_costs import (expert_link, expert_priced, expert_regions,
                                              with_all_to_alls)
@@ -36,6 +38,11 @@ def resize(t: Any, size: int) -> Any:
         return t[:size]
     reps = -(-size // t.shape[0])
     return t.repeat(reps, *([1] * (t.dim() - 1)))[:size]
+
+def _byte_scale(spec: ParallelSpec) -> float:
+    """Bytes of a value as the run holds it per byte as traced (fp32): half under bf16/fp16."""
+    return 0.5 if spec.train.precision in ("bf16", "fp16", "fp8") else 1.0
+
 
 def is_fake(model: nn.Module) -> bool:
     return any(isinstance(t, FakeTensor) for t in [*model.parameters(), *model.buffers()])
@@ -121,14 +128,25 @@ class PricedUnits:
             traced = trace(m, a, spec.model.tracer, example_kwargs=kw, output=spec.loss_output)
             _progress.info("pricing %d nodes", len(traced.gm.graph.nodes))
             costs = price(traced)
+            split, frac, cp_comm, cp_moved = None, {}, {}, None
+            if spec.parallel.context > 1:  # this rank's share of every sequence
+                split = context_split(traced.gm, spec.parallel.context)
+                costs, frac, cp_comm, cp_moved = context_priced(
+                    traced.gm, costs, split, context_link(spec), _byte_scale(spec))
             times, loss = node_seconds(traced, costs, spec, real, tensor_inputs(a, kw))
+            if split is not None:
+                if spec.cluster.costs != "analytic":  # measured whole: each node's share
+                    times = {n: x.scaled(frac.get(n, 1.0)) for n, x in times.items()}
+                else:  # the loss reads this rank's share of the logits
+                    at = loss_node(traced, costs)
+                    times, loss = scaled_loss(times, at, loss, frac.get(at, 1.0))
+                times = with_all_to_alls(times, cp_comm)
             moved, comm = None, {}
             if spec.parallel.expert > 1:  # this rank's experts, the all-to-alls
                 n = spec.parallel.expert
                 regions = expert_regions(traced.gm, n, type(self.model).__name__)
                 costs, comm, moved = expert_priced(
-                    traced.gm, costs, regions, n, expert_link(spec),
-                    0.5 if spec.train.precision in ("bf16", "fp16", "fp8") else 1.0)
+                    traced.gm, costs, regions, n, expert_link(spec), _byte_scale(spec))
                 times = with_all_to_alls(times, comm)
         with warnings.catch_warnings(record=True) as held:
             warnings.simplefilter("always")
@@ -138,6 +156,7 @@ class PricedUnits:
                     loss_at=loss_node(traced, costs) if loss.total_s > 0 else None,
                     ridge=spec_ridge(spec))
         pr.expert_bytes, pr.expert_comm = moved, comm
+        pr.context_split, pr.context_bytes = split, cp_moved
         if short:
             pr.table = fold(pg, self.run, pr.table.times, pr.cheap, pr.table.selective,
                             pr.costs)

@@ -240,6 +240,13 @@ class Plan:
         expert_bytes: with ``expert > 1``, the bytes of the token-slot tensors the MoE layers
             all-to-all per micro-batch, forward and backward (whole tensors; each rank sends
             ``(expert - 1) / expert`` of its own).
+        context: context-parallel degree (ranks splitting every micro-batch's sequence,
+            :mod:`fxpipe.context`); they are replicas of the grid that share samples: the
+            grid has ``dp * context`` replicas (:attr:`replicas`), ``dp`` of them apart in data.
+        context_bytes: with ``context > 1``, the bytes of the keys and values (and any other
+            split values) one replica's stages all-gather along the sequence per micro-batch,
+            forward, and reduce-scatter backward (whole tensors; each rank sends
+            ``(context - 1) / context`` of them).
         tensor_params: canonical parameter FQN -> its placement on the tensor group
             (:class:`fxpipe.tensor.placement.Placement` as text: ``S(0)`` split on dim 0 (a
             column-parallel weight's output features, an embedding's vocabulary), ``S(1)``,
@@ -287,6 +294,8 @@ class Plan:
     tp_overlap: int = 1
     expert: int = 1
     expert_bytes: list[float] = field(default_factory=list)
+    context: int = 1
+    context_bytes: list[float] = field(default_factory=list)
     tensor_params: dict[str, str] = field(default_factory=dict)
     tensor_replicated: list[list[str]] = field(default_factory=list)
     data_sharding: str = "none"
@@ -294,8 +303,14 @@ class Plan:
     # ------------------------------------------------------------------ derived views
     @property
     def world_size(self) -> int:
-        """Number of ranks: ``pipeline * dp * tensor`` plus the parameter servers."""
-        return self.pipeline * self.dp * self.tensor + len(self.parameter_servers)
+        """Number of ranks: ``pipeline * dp * context * tensor`` plus the parameter servers."""
+        return self.pipeline * self.replicas * self.tensor + len(self.parameter_servers)
+
+    @property
+    def replicas(self) -> int:
+        """Replicas of every stage on the grid: ``dp * context`` (a context group's ranks
+        hold the same stage and the same samples, each its part of the sequence)."""
+        return self.dp * self.context
 
     def stage_of_node(self) -> dict[str, int]:
         """Map FX node name -> stage index."""

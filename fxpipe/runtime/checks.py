@@ -22,9 +22,9 @@ def check_fits(plan: Plan, schedule: Schedule, mesh: Mesh) -> None:
     """Raise ScheduleError unless the schedule and the mesh have the plan's ranks, stages and
     micro-batches."""
     problems = []
-    if plan.pipeline != mesh.pipeline or plan.dp != mesh.dp:
-        problems.append(f"plan is pipeline={plan.pipeline} x dp={plan.dp} but the mesh is "
-                        f"{mesh.pipeline} x {mesh.dp}; build Mesh(plan.pipeline, plan.dp)")
+    if plan.pipeline != mesh.pipeline or plan.replicas != mesh.dp:
+        problems.append(f"plan is pipeline={plan.pipeline} x dp={plan.replicas} but the mesh is "
+                        f"{mesh.pipeline} x {mesh.dp}; build Mesh(plan.pipeline, plan.replicas)")
     if getattr(mesh, "layout", "pipeline-inner") != plan.placement:
         problems.append(f"plan places its ranks {plan.placement} but the mesh is "
                         f"{getattr(mesh, 'layout', None)}; build Mesh(..., layout=plan.placement)")

@@ -288,9 +288,15 @@ class PipelineExecutor:
         # the tensor group's collectives and the expert group's all-to-alls report to the
         # mesh's recorder (timeline: _run_actions); bytes by kind, cumulative
         self._tp_recorder = (getattr(mesh, "tp_recorder", None)
-                             if max(getattr(mesh, "tensor", 1), getattr(mesh, "expert", 1)) > 1
-                             else None)
+                             if max(getattr(mesh, "tensor", 1), getattr(mesh, "expert", 1),
+                                    getattr(mesh, "context", 1)) > 1 else None)
         self.collective_bytes: dict[str, int] = {}
+
+    @property
+    def _grouped(self) -> bool:
+        """The ranks of an expert or context group run collectives inside every forward and
+        backward: each must run all of them, together."""
+        return max(getattr(self.mesh, "expert", 1), getattr(self.mesh, "context", 1)) > 1
 
     def _float8(self, run: dict, blocks: set[int], config) -> dict[int, int]:
         """``precision: fp8``: each stage's weight matmuls rewritten to float8
@@ -395,7 +401,7 @@ class PipelineExecutor:
                     lambda s: self._example_args(s, st), self._autocast, self.mesh,
                     # in waves the first replica compiles while the others wait: its experts'
                     # all-to-alls need them too (parallel.expert), so all compile at once
-                    waves=self.sync_gradients and getattr(self.mesh, "expert", 1) <= 1,
+                    waves=self.sync_gradients and not self._grouped,
                     retain=self._split,
                     failed=self._compile_failed if self.compile_setting.fallback else None)
         self.grads.begin()
@@ -492,7 +498,8 @@ class PipelineExecutor:
         """A tensor-group collective (or an expert group's all-to-all) of the running action,
         on the timeline's tensor lane; its bytes added to :attr:`collective_bytes`."""
         self.collective_bytes[kind] = self.collective_bytes.get(kind, 0) + int(nbytes)
-        who = "EP" if kind == "all-to-all" else "TP"
+        who = ("EP" if kind == "all-to-all" else "CP" if kind.startswith("context")
+               else "TP")
         self.events.append(TimelineEvent(
             self.rank, f"{who} {kind} {human_bytes(nbytes)} s{self._action.stage}",
             self._clock0 + t0, self._clock0 + t1, "tensor"))
@@ -594,10 +601,10 @@ class PipelineExecutor:
         or ``weight``; None when the weight is 0 (nothing counts, no backward from it)."""
         if weight is None:
             return self.loss_fn(output, target) / self.m
-        if weight == 0 and getattr(self.mesh, "expert", 1) <= 1:
+        if weight == 0 and not self._grouped:
             return None
         loss = self.loss_fn(output, target)
-        if weight == 0:  # the backward runs anyway: its all-to-alls meet the expert group's
+        if weight == 0:  # the backward runs anyway: its collectives meet the group's
             return torch.nan_to_num(loss) * 0.0
         return loss * weight
 

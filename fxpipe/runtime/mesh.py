@@ -25,6 +25,10 @@ rank builds a :class:`Mesh` with the same arguments in the same order):
   and exchange tokens by all-to-all, :mod:`fxpipe.experts`) and one **expert-replica group**
   per expert-group rank (the replicas holding the same experts: their gradients are reduced
   over it);
+* with context parallelism (``context`` = ``N`` > 1), per (pipeline rank, tensor rank) one
+  **context group** per ``N`` consecutive replicas: they hold the same samples, each its part
+  of every sequence (:mod:`fxpipe.context`), and all-gather keys and values over it; as
+  replicas they average their gradients over the data-parallel group with the others;
 * on request (:meth:`Mesh.replica_group`), a group of the ranks holding a **shared parameter**
   (e.g. tied input embedding on pipeline rank 0 and output head on the last pipeline rank) in all
   replicas, per tensor rank, over which its gradient is summed (Megatron-LM's "embedding
@@ -145,6 +149,8 @@ class Mesh:
             They build the mesh too (group creation is collective) but hold no grid place.
         tensor: tensor-parallel degree (``t``, innermost).
         expert: expert-parallel degree (``N``, dividing ``dp``): replicas per expert group.
+        context: context-parallel degree (dividing ``dp``): consecutive replicas per context
+            group, which share samples (``dp / context`` of them apart in data).
 
     Attributes:
         rank / world_size: global rank and ``pipeline * dp * tensor + servers``.
@@ -163,6 +169,9 @@ class Mesh:
         ep_rank / ep_group / expert_dp_group: with ``expert > 1``, this rank's place in its
             expert group (``dp_rank % expert``), the group, and the group of the replicas
             holding the same experts (None when one rank).
+        cp_rank / cp_group: with ``context > 1``, this rank's place in its context group
+            (``dp_rank % context``) and the group; sample_replica: which share of the batch the
+            rank's replica takes (``dp_rank // context``).
         tp_recorder: the :class:`~fxpipe.tensor.collectives.CollectiveRecorder` the tensor
             group's collectives (and the expert group's all-to-alls) report their timing to; tp_collectives: ``tp_group`` with it
             (a :class:`~fxpipe.tensor.collectives.TimedGroup`, what tensor-parallel stages run
@@ -178,7 +187,7 @@ class Mesh:
 
     def __init__(self, pipeline: int, dp: int, device: torch.device | str | None = None,
                  timeout_s: float = 300.0, layout: str = "pipeline-inner", servers: int = 0,
-                 tensor: int = 1, expert: int = 1):
+                 tensor: int = 1, expert: int = 1, context: int = 1):
         if pipeline < 1 or dp < 1 or tensor < 1:
             raise RuntimeFailure(f"Mesh(pipeline={pipeline}, dp={dp}, tensor={tensor}): all must "
                                  "be >= 1")
@@ -201,7 +210,10 @@ class Mesh:
             )
         if expert < 1 or dp % expert:
             raise RuntimeFailure(f"Mesh: expert={expert} must divide dp={dp}")
+        if context < 1 or dp % context:
+            raise RuntimeFailure(f"Mesh: context={context} must divide dp={dp}")
         self.pipeline, self.dp, self.tensor, self.expert = pipeline, dp, tensor, expert
+        self.context = context
         self.world_size, self.layout = world, layout
         self.rank = 0 if single else dist.get_rank()
         self.server_ranks = list(range(grid, grid + servers))
@@ -243,6 +255,13 @@ class Mesh:
                     for i in range(expert):
                         self._expert_dp_groups[(r, k, i)] = self._new(
                             [at(r, g * expert + i, k) for g in range(dp // expert)])
+        self._cp_groups: dict[tuple[int, int, int], object] = {}
+        if context > 1:
+            for r in range(pipeline):
+                for k in range(tensor):
+                    for g in range(dp // context):
+                        self._cp_groups[(r, k, g)] = self._new(
+                            [at(r, g * context + i, k) for i in range(context)])
         self._replica_groups: dict[tuple[int, ...], dict[int, object]] = {}
         self.server_group = (server_wire_group(self.device.type, timeout_s) if servers
                              else None)
@@ -251,6 +270,7 @@ class Mesh:
             self.dp_ranks, self.pipe_ranks, self.tp_ranks, self.mp_ranks = [], [], [], []
             self.dp_group = self.pipe_group = self.tp_group = self.mp_group = None
             self.ep_rank, self.ep_group, self.expert_dp_group = -1, None, None
+            self.cp_rank, self.cp_group, self.sample_replica = -1, None, -1
             return
         r, d, k = self.pipe_rank, self.dp_rank, self.tp_rank
         self.dp_ranks = [at(r, e, k) for e in range(dp)]
@@ -264,6 +284,8 @@ class Mesh:
         self.ep_rank = d % expert
         self.ep_group = self._ep_groups.get((r, k, d // expert))
         self.expert_dp_group = self._expert_dp_groups.get((r, k, self.ep_rank))
+        self.cp_rank, self.sample_replica = d % context, d // context
+        self.cp_group = self._cp_groups.get((r, k, d // context))
 
     @property
     def tp_collectives(self) -> TimedGroup:
@@ -276,6 +298,12 @@ class Mesh:
         """This rank's expert group with :attr:`tp_recorder` (the all-to-alls of
         :mod:`fxpipe.experts.all_to_all` report there)."""
         return TimedGroup(self.ep_group, self.tp_recorder)
+
+    @property
+    def cp_collectives(self) -> TimedGroup:
+        """This rank's context group with :attr:`tp_recorder` (the all-gathers and
+        reduce-scatters of :mod:`fxpipe.context.collectives` report there)."""
+        return TimedGroup(self.cp_group, self.tp_recorder)
 
     def _at(self, pipe_rank: int, dp_rank: int, tp_rank: int) -> int:
         return global_rank(pipe_rank, dp_rank, self.pipeline, self.dp, self.layout, self.tensor,

@@ -48,17 +48,18 @@ def _cluster(plan: Plan) -> ClusterSpec:
     if plan.spec is not None:
         return plan.spec.cluster
     # a plan made by hand: one node holding the grid (the schema's other defaults)
-    return ClusterSpec(devices_per_node=plan.pipeline * plan.dp * plan.tensor)
+    return ClusterSpec(devices_per_node=plan.pipeline * plan.replicas * plan.tensor)
 
 
 def reduction_of(plan: Plan) -> Reduction:
     """How the plan's replicas reduce gradients (its spec's ``train`` section, its sharding)."""
-    return Reduction.of(_train(plan), plan.dp, plan.data_sharding, len(plan.parameter_servers))
+    return Reduction.of(_train(plan), plan.replicas, plan.data_sharding,
+                        len(plan.parameter_servers))
 
 
 def links_from_plan(plan: Plan) -> Links:
     """The links of the plan's layout on the cluster it was planned for."""
-    return links_of(_cluster(plan), plan.pipeline, plan.dp, plan.tensor, plan.placement,
+    return links_of(_cluster(plan), plan.pipeline, plan.replicas, plan.tensor, plan.placement,
                     len(plan.parameter_servers))
 
 

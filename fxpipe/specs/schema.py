@@ -280,6 +280,12 @@ class ParallelSpec_(_Section):
     groups of that many data-parallel replicas (each holds ``1/expert`` of them; tokens reach
     their experts by all-to-all: :mod:`fxpipe.experts`); 1 (default): experts whole on every
     rank. Divides ``data``.
+    ``context``: context parallelism: every micro-batch's sequence split over that many ranks
+    (each holds two chunks of ``1/(2 context)``, a head and the mirrored tail, which balances
+    causal attention; attention all-gathers keys and values along the sequence, everything else
+    runs on the rank's tokens: :mod:`fxpipe.context`); the ranks of a context group hold the same
+    stage and the same samples, so the devices are ``pipeline x data x context x tensor``. 1
+    (default): whole sequences.
     ``data_sharding``: what each stage's data-parallel replicas split among themselves instead
     of each holding it whole (ZeRO style, :mod:`fxpipe.runtime.data_sharding`): ``none``,
     ``optimizer`` (the optimizer state), ``gradients`` (and the gradients between steps),
@@ -300,6 +306,7 @@ class ParallelSpec_(_Section):
     sequence_parallel: bool = False
     tp_overlap: Union[PositiveInt, Auto] = 1
     expert: PositiveInt = 1
+    context: PositiveInt = 1
     data_sharding: Literal[DATA_SHARDING] = "none"  # type: ignore[valid-type]
     param_gather: Literal["auto", "stage", "block"] = "auto"
 
@@ -672,9 +679,12 @@ def cross_section_problems(spec: ParallelSpec) -> list[tuple[tuple[str, ...], st
     out += _tensor_problems(spec)
     out += _sharding_problems(spec)
     out += _expert_problems(spec)
+    out += _context_problems(spec)
     t = par.tensor
     if isinstance(t, int) and t > 1 and world % t == 0:
         world //= t  # the pipeline x data grid: positions of t ranks each
+    if par.context > 1 and world % par.context == 0:
+        world //= par.context  # and of a context group each
     speeds = spec.cluster.node_tflops
     if speeds is not None and len(speeds) != spec.cluster.nodes:
         out.append((("cluster", "node_tflops"),
@@ -689,14 +699,18 @@ def cross_section_problems(spec: ParallelSpec) -> list[tuple[tuple[str, ...], st
                         "devices (it must divide the devices of a node); change "
                         "parallel.pipeline or parallel.data"))
     elif fixed(p) and fixed(d) and p * d != world:
-        ranks = p * d * (t if tp else 1)
+        c = par.context
+        ranks = p * d * (t if tp else 1) * c
+        cp = f" x {c}" if c > 1 else ""
         out.append((("parallel", "pipeline"),
-                    f"pipeline x data{' x tensor' if tp else ''} = {p} x {d}{tp} = {ranks} "
+                    f"pipeline x data{' x context' if cp else ''}{' x tensor' if tp else ''} = "
+                    f"{p} x {d}{cp}{tp} = {ranks} "
                     f"ranks, but the cluster has {spec.cluster.trainers} "
                     f"devices (cluster.nodes x cluster.devices_per_node = "
                     f"{spec.cluster.nodes} x {spec.cluster.devices_per_node}"
                     + (f", minus {servers} parameter servers" if servers else "") + "); make "
-                    f"parallel.pipeline x parallel.data{' x parallel.tensor' if tp else ''} "
+                    f"parallel.pipeline x parallel.data{' x parallel.context' if cp else ''}"
+                    f"{' x parallel.tensor' if tp else ''} "
                     "equal the device count, or set one of them to 'auto'"))
     for name, k in (("pipeline", p), ("data", d)):
         other = "data" if name == "pipeline" else "pipeline"
@@ -933,6 +947,35 @@ def _expert_problems(spec: ParallelSpec) -> list[tuple[tuple[str, ...], str]]:
                     "train.updates: async (parameter servers) with parallel.expert > 1 is not "
                     "supported: a server would hold whole experts that the replicas split; use "
                     "updates: sync"))
+    return out
+
+
+def _context_problems(spec: ParallelSpec) -> list[tuple[tuple[str, ...], str]]:
+    """``parallel.context`` against the devices and what it cannot combine with yet (whether
+    it divides the sequence is known once the model is traced: the planner says)."""
+    par, c = spec.parallel, spec.parallel.context
+    if c == 1:
+        return []
+    out: list[tuple[tuple[str, ...], str]] = []
+    t = par.tensor if isinstance(par.tensor, int) else 1
+    if spec.cluster.trainers % (c * t):
+        out.append((("parallel", "context"),
+                    f"context={c}{f' x tensor={t}' if t > 1 else ''} does not divide the "
+                    f"{spec.cluster.trainers} training devices"))
+    others = [(k, why) for k, on, why in (
+        ("tensor", par.tensor != 1, "parallel.tensor: 1"),
+        ("expert", par.expert > 1, "parallel.expert: 1"),
+        ("data_sharding", par.data_sharding != "none", "data_sharding: none"),
+    ) if on]
+    for k, why in others:
+        out.append((("parallel", k),
+                    f"parallel.context > 1 with parallel.{k} is not supported yet; use {why} or "
+                    "context: 1"))
+    if spec.train.updates == "async":
+        out.append((("parallel", "context"),
+                    "train.updates: async (parameter servers) with parallel.context > 1 is not "
+                    "supported: the ranks of a context group hold parts of the same samples; "
+                    "use updates: sync"))
     return out
 
 

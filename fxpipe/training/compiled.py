@@ -520,9 +520,10 @@ class CompiledPipeline:
         except SpecError as e:
             raise UsageError(str(e).replace("feed batches like the ones planned",
                                             "pass inputs like the example inputs")) from None
-        weights = microbatch_weights(b, self.replica, plan.dp, plan.microbatches, self._count)
+        share = self.mesh.sample_replica  # a context group's replicas take the same samples
+        weights = microbatch_weights(b, share, plan.dp, plan.microbatches, self._count)
         per = plan.microbatches * plan.microbatch_size
-        mine = b.slice(self.replica * per, (self.replica + 1) * per).to(self.device)
+        mine = b.slice(share * per, (share + 1) * per).to(self.device)
         return (mine.named(plan.model_inputs, plan.input_kwargs), mine.target,
                 [w * scale for w in weights])
 
@@ -866,8 +867,8 @@ def _compile(model: nn.Module, spec_or_plan: Any, example_inputs: Any = None,
         _same_plan_everywhere(plan)
     layout = getattr(plan, "placement", None)  # how the grid lies on the ranks, when planned
     servers = len(plan.parameter_servers)  # train.updates: async
-    mesh = Mesh(plan.pipeline, plan.dp, device=device, timeout_s=timeout, servers=servers,
-                tensor=plan.tensor, expert=plan.expert,
+    mesh = Mesh(plan.pipeline, plan.replicas, device=device, timeout_s=timeout,
+                servers=servers, tensor=plan.tensor, expert=plan.expert, context=plan.context,
                 **({"layout": layout} if layout is not None else {}))
     if mesh.is_server:  # this rank keeps parameters and optimizer state, no stage
         return ServerShare(model, plan, spec, mesh, mesh.server_group)
@@ -878,8 +879,15 @@ def _compile(model: nn.Module, spec_or_plan: Any, example_inputs: Any = None,
     model_loss = loss_fn is None and t.loss == MODEL_LOSS
     count = batch_counter(plan.model_inputs, plan.input_kwargs, t.ignore_index,
                           target_counter(traced.gm) if model_loss else None, model_loss)
-    del traced
     loss = loss_fn if loss_fn is not None else resolve_loss(t.loss, t.ignore_index)
+    run_plan = plan  # the plan as this rank runs it (values split along the sequence: local)
+    if plan.context > 1:  # this rank's share of every sequence (fxpipe.context)
+        from fxpipe.runtime.context_parallel import split_sequences
+
+        stages, loss, run_plan = split_sequences(
+            plan, traced.gm, stages, mesh, loss, t.loss if loss_fn is None else None,
+            model_loss, t.ignore_index)
+    del traced
     shards = None
     if plan.tensor > 1:  # this rank's shards of its stages (fxpipe.tensor)
         from fxpipe.runtime.tensor_parallel import shard_stages
@@ -893,7 +901,7 @@ def _compile(model: nn.Module, spec_or_plan: Any, example_inputs: Any = None,
 
         stages, experts = shard_expert_stages(stages, mesh)
         shards = ShardSet(shards, experts)
-    executor = PipelineExecutor(plan, schedule, stages, mesh, loss, None, timeout_s=timeout,
+    executor = PipelineExecutor(run_plan, schedule, stages, mesh, loss, None, timeout_s=timeout,
                                 grad_compression=Compression.from_train(t),
                                 precision=t.precision, needs_target=not model_loss,
                                 sync_gradients=not servers,

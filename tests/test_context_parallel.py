@@ -1,0 +1,302 @@
+"""Context parallelism (issue 38): every micro-batch's sequence split over ``parallel.context``
+ranks (a head and a mirrored tail chunk each), attention all-gathering keys and values.
+
+* In process: the layout (each position held once, head and tail, the gathered order), the
+  chunked causal attention of one rank equal to its rows of whole-sequence attention (grouped
+  queries too), the analysis of the bundled GPT and tiny Llama (queries split, keys and values
+  gathered, position tables and masks indexed, the label shift kept whole, the mean loss made a
+  share), the plan's pricing (work 1/N, the gathers' bytes and seconds).
+* On 4 gloo ranks (pipeline 2 x context 2), under 1F1B and ZB-V: a long-sequence CharGPT (the
+  spec's cross entropy, ``-100`` targets, clipping) and tiny Llama (its own loss, a padding
+  mask, grouped-query attention, rotary positions) train like one process (fp32, the bounds of
+  tests/tolerances.py); the bytes the run all-gathers and reduce-scatters equal the plan's; a
+  checkpoint saved at context 2 loads into the plain model.
+* Bad input, one line each: a context degree that does not split the sequence, an attention
+  it cannot split, context with tensor parallelism.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fxpipe
+from fxpipe.context.analysis import PARTIAL, Seq, analyse
+from fxpipe.context.layout import causal_mask, check, gathered_order, positions
+from fxpipe.context.rewrite import cp_causal_attention
+from fxpipe.examples.gpt import CharGPT
+from fxpipe.partitioner.trace import pick_output, trace, trace_kwargs
+from fxpipe.plans.plan import Plan
+from fxpipe.runtime.local_ranks import run_ranks
+
+try:
+    import real_models as zoo
+    from shared_models import exact_bounds
+except ImportError:  # tests/ collected as a package
+    from tests import real_models as zoo
+    from tests.shared_models import exact_bounds
+
+pytest.importorskip("transformers")
+
+GPT = {"vocab_size": 64, "block_size": 64, "n_layer": 2, "n_head": 2, "n_embd": 32}
+GPT_B, GPT_T = 4, 64  # a longer sequence than the other tests' 16
+STEPS, LR, CLIP = 3, 0.2, 0.5
+
+
+def _gpt() -> CharGPT:
+    torch.manual_seed(0)
+    return CharGPT(**GPT)
+
+
+def _gpt_batch(step: int):
+    g = torch.Generator().manual_seed(500 + step)
+    x = torch.randint(0, 64, (GPT_B, GPT_T), generator=g)
+    y = torch.randint(0, 64, (GPT_B, GPT_T), generator=g).masked_fill(
+        torch.rand(GPT_B, GPT_T, generator=g) < 0.2, -100)
+    return x, y
+
+
+# ----------------------------------------------------------------------------- in process
+@pytest.mark.parametrize("n,seq", [(2, 16), (4, 64), (3, 12)])
+def test_each_position_is_held_once_as_a_head_and_a_mirrored_tail(n, seq):
+    held = [positions(r, n, seq) for r in range(n)]
+    assert sorted(torch.cat(held).tolist()) == list(range(seq))
+    h = seq // (2 * n)
+    for r, p in enumerate(held):
+        assert p[:h].tolist() == list(range(r * h, (r + 1) * h))
+        assert p[h:].tolist() == list(range((2 * n - 1 - r) * h, (2 * n - r) * h))
+        # every rank reads as many (query, key) pairs under causal attention
+        assert int(causal_mask(r, n, seq).sum()) == int(causal_mask(0, n, seq).sum())
+    joined = torch.cat(held)
+    assert torch.equal(joined[gathered_order(n, seq)], torch.arange(seq))
+    assert check(seq, n) is None
+    assert "2 x 3 = 6 equal chunks" in check(16, 3)
+
+
+@pytest.mark.parametrize("n,gqa", [(2, False), (4, True)])
+def test_a_ranks_chunked_causal_attention_is_its_rows_of_the_whole(n, gqa):
+    g = torch.Generator().manual_seed(0)
+    seq, kv = 32, (2 if gqa else 4)
+    q = torch.randn(2, 4, seq, 8, generator=g)
+    k, v = torch.randn(2, kv, seq, 8, generator=g), torch.randn(2, kv, seq, 8, generator=g)
+    whole = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    for r in range(n):
+        mine = positions(r, n, seq)
+        got = cp_causal_attention(q[:, :, mine], k, v, r, n, seq, enable_gqa=gqa)
+        # the same softmax over the same keys, summed in another order: float32 rounding
+        assert torch.allclose(got, whole[:, :, mine], atol=1e-6, rtol=1e-5)
+
+
+def test_the_analysis_splits_tokens_and_gathers_keys_and_values():
+    tr = trace(_gpt(), (torch.randint(0, 64, (2, GPT_T)),), "export")
+    split = analyse(tr.gm, 2, GPT_T)
+    attn = [n for n in tr.gm.graph.nodes if "scaled_dot_product" in str(n.target)]
+    assert len(attn) == GPT["n_layer"]
+    for node in attn:
+        ns = split.nodes[node.name]
+        assert ns.out == Seq(2) and ns.causal
+        assert set(ns.gather) == {node.args[1].name, node.args[2].name}  # keys, values
+    wpe = next(n for n in tr.gm.graph.nodes if n.target == torch.ops.aten.embedding.default
+               and "wpe" in str(n.args[0]))
+    assert split.place(wpe.name) is None  # the position table: whole, indexed where added
+    assert any(wpe.name in ns.localize for ns in split.nodes.values())
+    assert isinstance(split.place(tr.output_names[0]), Seq)  # the logits
+
+
+def test_tiny_llamas_loss_is_a_share_and_its_label_shift_stays_whole():
+    model = zoo.build("llama")
+    _, kwargs, _ = zoo.batch("llama", 0)
+    tr = trace(model, (), "export", example_kwargs={k: v[:2] for k, v in kwargs.items()},
+               output="loss")
+    split = analyse(tr.gm, 2, zoo.T)
+    loss = next(n for n in tr.gm.graph.nodes if "cross_entropy" in str(n.target))
+    assert split.place(loss.name) == PARTIAL and split.nodes[loss.name].loss_count == "whole"
+    pad = next(n for n in tr.gm.graph.nodes if n.target == torch.ops.aten.pad.default)
+    assert split.place(pad.name) is None  # labels shifted whole, indexed at the loss
+    attn = [n for n in tr.gm.graph.nodes if "scaled_dot_product" in str(n.target)]
+    for node in attn:  # the padding mask's query rows indexed, keys and values gathered
+        ns = split.nodes[node.name]
+        assert len(ns.gather) == 2 and len(ns.localize) == 1 and not ns.causal
+
+
+def _gpt_spec(schedule: str, context: int = 2, **par) -> dict:
+    return {"model": {"factory": "fxpipe.examples.gpt:CharGPT", "args": GPT},
+            "data": {"batch_size": GPT_B, "seq_len": GPT_T},
+            "parallel": {"pipeline": 2, "data": 1, "context": context, "microbatches": 2,
+                         "schedule": schedule, **par},
+            "cluster": {"nodes": 1, "devices_per_node": 2 * context, "memory_gb": 4,
+                        "device_tflops": 0.02, "links": {"intra_node_GBps": 5}},
+            "train": {"optimizer": "sgd", "loss": "cross_entropy", "timeout_s": 120}}
+
+
+def _plan(case) -> dict:
+    name, schedule = case
+    if name == "llama":
+        return zoo.plan("llama", 2, 1, 2, schedule, parallel__context=2,
+                        cluster__devices_per_node=4).to_dict()
+    with torch.device("meta"):
+        model = CharGPT(**GPT)
+    return fxpipe.plan(model, _gpt_spec(schedule), (_gpt_batch(0)[0][:1],)).to_dict()
+
+
+def test_the_plan_prices_a_share_of_the_work_and_the_gathers():
+    one = fxpipe.plan(CharGPT(**GPT), _gpt_spec("1f1b", context=1),
+                      (_gpt_batch(0)[0][:1],))
+    two = Plan.from_dict(_plan(("gpt", "1f1b")))
+    assert (two.context, two.dp, two.replicas, two.world_size) == (2, 1, 2, 4)
+    # keys and values of every layer, one micro-batch of 2 samples: [2, heads, 64, 16] fp32
+    kv = 2 * GPT["n_layer"] * 2 * GPT["n_head"] * GPT_T * (GPT["n_embd"] // GPT["n_head"]) * 4
+    assert two.context_bytes == [kv, kv]
+    assert any(line.startswith("context parallelism 2:") for line in two.explain)
+    for a, b in zip(one.stages, two.stages):
+        assert b.fwd_flops == pytest.approx(a.fwd_flops / 2, rel=0.02)
+    split = [v for v in two.values.values() if v.producer >= 0]
+    assert split and all(v.nbytes * 2 == one.values[v.name].nbytes for v in split)
+
+
+# ----------------------------------------------------------------------------- 4 ranks
+#: (model, schedule), each at pipeline 2 x context 2
+CASES = [("gpt", "1f1b"), ("gpt", "zb-v"), ("llama", "1f1b"), ("llama", "zb-v")]
+SAVED = 0  # the case whose trained model is also saved
+
+
+def _reference(name: str):
+    model = _gpt() if name == "gpt" else zoo.build(name)
+    init = {k: v.detach().clone() for k, v in model.named_parameters()}
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    losses = []
+    for step in range(STEPS):
+        if name == "gpt":
+            x, y = _gpt_batch(step)
+            loss = F.cross_entropy(model(x).reshape(-1, 64), y.reshape(-1))
+        else:
+            _, kwargs, _ = zoo.batch(name, step)
+            loss = pick_output(model(**trace_kwargs(model, kwargs)), "loss", name)
+        loss.backward()
+        if name == "gpt":
+            nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    final = {k: v.detach() for k, v in model.named_parameters()}
+    return losses, final, exact_bounds(losses, init, final,
+                                       GPT_B if name == "gpt" else zoo.B, STEPS)
+
+
+def _worker(rank: int, plans: list, ckpt: str) -> list:
+    from fxpipe.training.checkpoint import save_checkpoint
+
+    out = []
+    for i, plan in enumerate(plans):
+        name = CASES[i][0]
+        pipe = fxpipe.compile(_gpt() if name == "gpt" else zoo.build(name), Plan.from_dict(plan))
+        opt = torch.optim.SGD(pipe.parameters(), lr=LR, momentum=0.9)
+        losses, sent = [], {}
+        for step in range(STEPS):
+            batch = _gpt_batch(step) if name == "gpt" else (zoo.batch(name, step)[1], None)
+            losses.append(pipe.step(*batch))
+            if step == 0:
+                sent = dict(pipe.executor.collective_bytes)
+            if name == "gpt":
+                pipe.clip_grad_norm_(CLIP)
+            opt.step()
+            pipe.zero_grad()
+        if i == SAVED:
+            save_checkpoint(pipe.module, ckpt, STEPS, optimizer=opt)
+        out.append({"losses": losses, "sent": sent, "replica": pipe.mesh.dp_rank,
+                    "params": {k: v.numpy().copy() for k, v in pipe.state_dict().items()}})
+    return out
+
+
+@pytest.fixture(scope="module")
+def world4(tmp_path_factory):
+    ckpt = str(tmp_path_factory.mktemp("cp-ckpt"))
+    plans = [_plan(c) for c in CASES]
+    return ckpt, plans, run_ranks(_worker, 4, plans, ckpt, timeout_s=300, dist_timeout_s=120)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("i", range(len(CASES)), ids=["-".join(c) for c in CASES])
+def test_context_2_trains_like_one_process(world4, i):
+    _, _, results = world4
+    name = CASES[i][0]
+    ref_losses, ref_params, (loss_tol, param_tol) = _reference(name)
+    params: dict[str, np.ndarray] = {}
+    for r in results:
+        row = r[i]
+        worst = max(abs(a - b) for a, b in zip(row["losses"], ref_losses))
+        assert worst < loss_tol, (CASES[i], row["losses"], ref_losses, loss_tol)
+        params.update({n: v for n, v in row["params"].items() if n in ref_params})
+    assert set(params) == set(ref_params)
+    worst = max(float(np.abs(v - ref_params[n].numpy()).max()) for n, v in params.items())
+    assert worst < param_tol, (CASES[i], worst, param_tol)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("i", range(len(CASES)), ids=["-".join(c) for c in CASES])
+def test_the_gathered_bytes_are_the_planned_ones(world4, i):
+    """One replica's pipeline ranks all-gather (forward) and reduce-scatter (backward) the
+    bytes the plan priced, per micro-batch (counted by the run's collective recorder)."""
+    _, plans, results = world4
+    plan = Plan.from_dict(plans[i])
+    per_replica: dict[int, list[int]] = {}
+    for r in results:
+        row = r[i]
+        got = per_replica.setdefault(row["replica"], [0, 0])
+        got[0] += row["sent"].get("context all-gather", 0)
+        got[1] += row["sent"].get("context reduce-scatter", 0)
+    want = [plan.microbatches * b for b in plan.context_bytes]
+    assert want[0] > 0 and len(per_replica) == 2
+    for replica, got in per_replica.items():
+        assert got == pytest.approx(want, rel=1e-9), (CASES[i], replica, got, want)
+
+
+@pytest.mark.distributed
+def test_a_checkpoint_saved_at_context_2_loads_into_the_plain_model(world4):
+    from fxpipe.training.checkpoint import load_into_model
+
+    ckpt, _, results = world4
+    model = _gpt()
+    load_into_model(model, ckpt)
+    trained = {}
+    for r in results:
+        trained.update(r[SAVED]["params"])
+    for name, p in model.state_dict().items():
+        if name in trained:
+            assert np.array_equal(p.numpy(), trained[name]), name
+    assert set(dict(model.named_parameters())) <= set(trained) | {"head.weight"}
+
+
+# ----------------------------------------------------------------------------- bad input
+class _LinearAttentionGPT(nn.Module):
+    """Causal linear attention through a cumulative sum over the sequence: an attention
+    context parallelism has no split for."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.qkv, self.head = nn.Embedding(64, 16), nn.Linear(16, 48), nn.Linear(16, 64)
+
+    def forward(self, idx):
+        q, k, v = self.qkv(self.emb(idx)).chunk(3, dim=-1)
+        kv = torch.cumsum(k.unsqueeze(-1) * v.unsqueeze(-2), dim=1)
+        return self.head(torch.einsum("btd,btde->bte", q.softmax(-1), kv))
+
+
+def test_context_bad_input_is_one_line():
+    from fxpipe.errors import PlanError, SpecError
+
+    with pytest.raises(PlanError, match=r"parallel.context: 3: each sequence is cut into 2 x 3"):
+        spec = _gpt_spec("1f1b", context=3)
+        fxpipe.plan(CharGPT(**GPT), spec, (_gpt_batch(0)[0][:1],))
+    with pytest.raises(PlanError, match=r"cannot split cumsum at .*test_context_parallel.py"):
+        fxpipe.plan(_LinearAttentionGPT(), _gpt_spec("1f1b"), (_gpt_batch(0)[0][:1],))
+    with pytest.raises(SpecError, match="parallel.context > 1 with parallel.tensor"):
+        fxpipe.load_spec({**_gpt_spec("1f1b"), "parallel": {
+            **_gpt_spec("1f1b")["parallel"], "tensor": 2}})
+    for bad in (0, "two"):
+        with pytest.raises(SpecError, match="context"):
+            fxpipe.load_spec({**_gpt_spec("1f1b"), "parallel": {
+                **_gpt_spec("1f1b")["parallel"], "context": bad}})
