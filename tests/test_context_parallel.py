@@ -101,8 +101,9 @@ def test_the_analysis_splits_tokens_and_gathers_keys_and_values():
         assert set(ns.gather) == {node.args[1].name, node.args[2].name}  # keys, values
     wpe = next(n for n in tr.gm.graph.nodes if n.target == torch.ops.aten.embedding.default
                and "wpe" in str(n.args[0]))
-    assert split.place(wpe.name) is None  # the position table: whole, indexed where added
-    assert any(wpe.name in ns.localize for ns in split.nodes.values())
+    # the position table is looked up for this rank's positions only (its arange indexed)
+    assert split.place(wpe.name) == Seq(0)
+    assert split.nodes[wpe.name].localize == {wpe.args[1].name: Seq(0)}
     assert isinstance(split.place(tr.output_names[0]), Seq)  # the logits
 
 
@@ -117,9 +118,12 @@ def test_tiny_llamas_loss_is_a_share_and_its_label_shift_stays_whole():
     pad = next(n for n in tr.gm.graph.nodes if n.target == torch.ops.aten.pad.default)
     assert split.place(pad.name) is None  # labels shifted whole, indexed at the loss
     attn = [n for n in tr.gm.graph.nodes if "scaled_dot_product" in str(n.target)]
-    for node in attn:  # the padding mask's query rows indexed, keys and values gathered
-        ns = split.nodes[node.name]
-        assert len(ns.gather) == 2 and len(ns.localize) == 1 and not ns.causal
+    for node in attn:  # keys and values gathered; the padding mask made for this rank's
+        ns = split.nodes[node.name]  # query rows only (from its positions, never whole)
+        assert len(ns.gather) == 2 and not ns.localize and not ns.causal
+        assert split.place(node.args[3].name) == Seq(2)
+    arange = [n.name for n in tr.gm.graph.nodes if n.target == torch.ops.aten.arange.default]
+    assert any(a in ns.localize for ns in split.nodes.values() for a in arange)
 
 
 def _gpt_spec(schedule: str, context: int = 2, **par) -> dict:

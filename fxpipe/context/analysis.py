@@ -702,7 +702,112 @@ def analyse(gm: fx.GraphModule, n: int, seq: int, inputs: dict[str, Place] | Non
         except Unsupported as e:
             ns = _gathered(node, w, str(e))
         w.nodes[node.name] = ns
+    _localize_early(gm, w)
+    _gather_early(gm, w)
     return ContextSplit(n, seq, w.nodes)
+
+
+#: ops that only rearrange or repeat a value (an attention's keys and values after
+#: grouped-query ``repeat_kv``): an all-gather moves before them, on fewer bytes
+_REARRANGE = {aten.expand.default, aten.unsqueeze.default, aten.view.default,
+              aten.reshape.default, aten._unsafe_view.default, aten.transpose.int,
+              aten.permute.default, aten.clone.default, aten.contiguous.default}
+
+
+def _gather_early(gm: fx.GraphModule, w: _Walk) -> None:
+    """An all-gather of a value made only by rearranging another split value for this one
+    reader (grouped-query attention repeats its key/value heads before attention) gathers
+    that value instead, and the rearranging runs on the whole of it: the same result for
+    ``1/repeats`` of the bytes."""
+    nodes = {x.name: x for x in gm.graph.nodes}
+    for reader in gm.graph.nodes:
+        ns = w.nodes.get(reader.name)
+        if ns is None or not ns.gather:
+            continue
+        for name in list(ns.gather):
+            chain, v = [], nodes[name]  # the rearranging nodes, from the reader up
+            while (v.op == "call_function" and v.target in _REARRANGE and len(v.users) == 1
+                   and isinstance(w.p(v.args[0]), Seq) and not w.nodes[v.name].localize
+                   and not w.nodes[v.name].gather):
+                chain.append(v)
+                v = v.args[0]
+            if not chain:
+                continue
+            del ns.gather[name]  # the reader reads the chain's end whole
+            for c in chain[:-1]:
+                w.nodes[c.name] = NodeSplit()
+            w.nodes[chain[-1].name] = NodeSplit(gather={v.name: w.p(v)})
+
+
+def _localize_early(gm: fx.GraphModule, w: _Walk) -> None:
+    """A whole value every reader indexes by this rank's positions alike is computed on them
+    instead, from its inputs' positions (back through pointwise ops, ``unsqueeze``,
+    ``expand``, ``cat`` and embedding lookups to where it starts: an ``arange``, a parameter, a model input):
+    a causal mask ``[.., S, S]`` built from position ids is then ``[.., S/N, S]`` on each rank,
+    never whole, and a rotary table ``1/N`` of it."""
+    for v in reversed(list(gm.graph.nodes)):
+        ns = w.nodes.get(v.name)
+        if v.op != "call_function" or ns is None or ns.out is not None or not v.users:
+            continue
+        wanted = {w.nodes[u.name].localize.get(v.name) if u.name in w.nodes else None
+                  for u in v.users}
+        if len(wanted) != 1 or None in wanted or any(
+                w.nodes[u.name].loss_count == "whole" for u in v.users):
+            continue  # (a mean loss counts its targets on the whole of them)
+        s = wanted.pop()
+        try:
+            edges, shape = _inputs_at(v, s, w)
+        except Unsupported:
+            continue
+        ns.out, ns.shape = s, shape
+        ns.localize.update(edges)
+        for u in v.users:
+            del w.nodes[u.name].localize[v.name]
+
+
+def _inputs_at(v: fx.Node, s: Seq, w: _Walk) -> tuple[dict[str, Seq], list | None]:
+    """What ``v`` (whole) reads of each input to compute its positions ``s`` instead, and its
+    new shape argument; Unsupported where it cannot."""
+    t, out = v.target, _shape(v)
+    nd = len(out)
+    edges: dict[str, Seq] = {}
+
+    def aligned(a: fx.Node, j: int) -> None:
+        shape = _shape(a)
+        if j < 0 or shape[j] == 1:
+            return
+        if shape[j] != out[s.dim] or w.p(a) is not None:
+            raise Unsupported("not aligned")
+        edges[a.name] = Seq(j, s.inner)
+
+    if t is aten.unsqueeze.default:
+        d = v.args[1] % nd
+        if d == s.dim:
+            raise Unsupported("the new dimension")
+        aligned(v.args[0], s.dim if s.dim < d else s.dim - 1)
+        return edges, None
+    if t is aten.expand.default:
+        src = v.args[0]
+        aligned(src, s.dim - (nd - _val(src).dim()))
+        shape = list(v.args[1])
+        if shape[s.dim] != -1:
+            shape[s.dim] = out[s.dim] // w.n
+        return edges, shape
+    if t is aten.embedding.default and s.dim < _val(v.args[1]).dim():
+        aligned(v.args[1], s.dim)  # the rows of this rank's ids
+        return edges, None
+    if t is aten.cat.default:
+        if (v.args[1] if len(v.args) > 1 else 0) % nd == s.dim:
+            raise Unsupported("along the sequence")
+        for a in v.args[0]:
+            aligned(a, s.dim)
+        return edges, None
+    if isinstance(t, torch._ops.OpOverload) and (torch.Tag.pointwise in t.tags
+                                                 or t in _POINTWISE_EXTRA):
+        for a in _tensor_args(v):
+            aligned(a, s.dim - (nd - _val(a).dim()))
+        return edges, None
+    raise Unsupported("no rule")
 
 
 def _placed(w: _Walk, a: fx.Node) -> bool:

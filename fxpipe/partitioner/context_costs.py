@@ -9,8 +9,9 @@ head-and-tail layout gives every rank the same share of the causal work.
 What the split adds, per all-gather of a split value along the sequence (attention's keys and
 values; ids a label shift reads): forward an all-gather, backward a reduce-scatter of its
 gradient (none for integer ids), each ``(N-1)/N x whole bytes / bandwidth + (N-1) latencies``
-on the link the group uses (inside a node where ``N`` replicas' ranks fit one, with the
-spec's fixed pipeline and tensor degrees; else the inter-node link), added to the reading
+on the link the group uses (inside a node where ``N x tensor`` ranks fit one: the search then
+keeps only the layout that puts a stage's replicas on adjacent ranks, ``data-inner``; else
+the inter-node link), added to the reading
 node's forward and input-gradient seconds, not overlapped with compute. The gathered value is
 held whole until the backward (autograd saves the keys and values attention read): the
 reading node's saved bytes grow by ``(N-1)/N`` of the whole value.
@@ -31,13 +32,18 @@ from fxpipe.partitioner.expert_costs import all_to_all_seconds
 from fxpipe.partitioner.timing import NodeTimes
 
 
+def context_in_node(spec) -> bool:
+    """A context group's ranks fit in one node (one node, or ``context x tensor`` devices
+    dividing a node's: with the replicas of a stage on adjacent ranks they stay inside it)."""
+    cl, par = spec.cluster, spec.parallel
+    k = par.context * (par.tensor if isinstance(par.tensor, int) else 1)
+    return cl.nodes == 1 or cl.devices_per_node % k == 0
+
+
 def context_link(spec) -> tuple[float, float]:
     """``(bytes per second, latency)`` of the context group's collectives (module doc)."""
-    cl, par = spec.cluster, spec.parallel
-    p = par.pipeline if isinstance(par.pipeline, int) else None
-    t = par.tensor if isinstance(par.tensor, int) else 1
-    inside = cl.nodes == 1 or (p is not None and par.context * p * t <= cl.devices_per_node)
-    gbps = cl.links.intra_node_GBps if inside else cl.links.inter_node_GBps
+    cl = spec.cluster
+    gbps = cl.links.intra_node_GBps if context_in_node(spec) else cl.links.inter_node_GBps
     return gbps * 1e9, cl.links.latency_s
 
 

@@ -15,6 +15,7 @@ import functools
 from dataclasses import dataclass
 
 from fxpipe.errors import PlanError
+from fxpipe.partitioner.context_costs import context_in_node
 from fxpipe.plans.placement import stage_to_rank
 from fxpipe.schedule.actions import Op
 from fxpipe.schedule.generators import compute_schedule, v_memory_limit
@@ -208,6 +209,9 @@ def candidates(spec: ParallelSpec, max_stages: int | None = None,
     world = spec.cluster.trainers // (tensor * context)
     pps = _divisors(world) if par.pipeline == "auto" else [par.pipeline]
     spread = spec.cluster.nodes > 1  # only then does the layout decide which link a group uses
+    # context groups (consecutive replicas) all-gather in every attention layer: where they fit
+    # a node, only the layout that keeps them there (data-inner: replicas on adjacent ranks)
+    cp_inside = context > 1 and context_in_node(spec)
     out = []
     too_many: tuple[int, int, int] | None = None  # (stages, pipeline, stages per rank), smallest
     for pp in pps:
@@ -240,8 +244,9 @@ def candidates(spec: ParallelSpec, max_stages: int | None = None,
                             compute_schedule(s, pp, m, v)  # raises, explaining the rule
                         continue
                     for z, gather in _levels_and_gathers(spec, dp):
-                        out.append(Candidate(pp, dp, m, s, v, tensor=tensor, sharding=z,
-                                             gather=gather, context=context))
+                        if not (spread and pp > 1 and cp_inside):
+                            out.append(Candidate(pp, dp, m, s, v, tensor=tensor, sharding=z,
+                                                 gather=gather, context=context))
                         if spread and pp > 1 and dp * context > 1:  # the other way too
                             out.append(Candidate(pp, dp, m, s, v, layout="data-inner",
                                                  tensor=tensor, sharding=z, gather=gather,
