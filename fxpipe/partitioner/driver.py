@@ -29,6 +29,7 @@ from fxpipe.data.batches import check_vocabulary, example_microbatch
 from fxpipe.errors import PlanError, SpecError, TraceError
 from fxpipe.partitioner.assemble import assemble, assemble_folded, finish_plan, model_notes
 from fxpipe.partitioner.cutting import cut_problem, recompute_modes, solve_fitting
+from fxpipe.partitioner.degree_search import plan_degrees, searches_degrees
 from fxpipe.partitioner.layout_search import search_layouts
 from fxpipe.partitioner.measured import refine_by_stages
 from fxpipe.partitioner.partial import check_has_blocks
@@ -77,6 +78,9 @@ def plan_with_graph(model: nn.Module, spec: Any, example_inputs: Any = None,
     :func:`planning_units`). The global random number generators are as before afterwards
     (profiling draws random targets and runs dropout)."""
     spec = as_spec(spec)
+    if searches_degrees(spec) and cuts is None and not units_only:
+        return plan_degrees(spec, lambda one: plan_with_graph(
+            model, one, example_inputs, example_kwargs))
     cuda = spec.cluster.device == "cuda" and torch.cuda.is_available()
     with torch.random.fork_rng(devices=[torch.cuda.current_device()] if cuda else []), \
             collector_paused():  # millions of short-lived objects, few of them in cycles

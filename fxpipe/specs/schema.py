@@ -279,13 +279,15 @@ class ParallelSpec_(_Section):
     ``expert``: expert parallelism: the experts of each mixture-of-experts layer split over
     groups of that many data-parallel replicas (each holds ``1/expert`` of them; tokens reach
     their experts by all-to-all: :mod:`fxpipe.experts`); 1 (default): experts whole on every
-    rank. Divides ``data``.
+    rank. Divides ``data``. ``auto``: the planner plans each degree that can work (1, 2, 4...
+    dividing the devices) and keeps the fastest (:mod:`fxpipe.partitioner.degree_search`).
     ``context``: context parallelism: every micro-batch's sequence split over that many ranks
     (each holds two chunks of ``1/(2 context)``, a head and the mirrored tail, which balances
     causal attention; attention all-gathers keys and values along the sequence, everything else
     runs on the rank's tokens: :mod:`fxpipe.context`); the ranks of a context group hold the same
     stage and the same samples, so the devices are ``pipeline x data x context x tensor``. 1
-    (default): whole sequences.
+    (default): whole sequences. ``auto``: the planner plans 1 and each degree whose groups fit
+    a node, and keeps the fastest.
     ``data_sharding``: what each stage's data-parallel replicas split among themselves instead
     of each holding it whole (ZeRO style, :mod:`fxpipe.runtime.data_sharding`): ``none``,
     ``optimizer`` (the optimizer state), ``gradients`` (and the gradients between steps),
@@ -305,8 +307,8 @@ class ParallelSpec_(_Section):
     virtual_stages: Union[PositiveInt, Auto] = 1
     sequence_parallel: bool = False
     tp_overlap: Union[PositiveInt, Auto] = 1
-    expert: PositiveInt = 1
-    context: PositiveInt = 1
+    expert: Union[PositiveInt, Auto] = 1
+    context: Union[PositiveInt, Auto] = 1
     data_sharding: Literal[DATA_SHARDING] = "none"  # type: ignore[valid-type]
     param_gather: Literal["auto", "stage", "block"] = "auto"
 
@@ -683,7 +685,7 @@ def cross_section_problems(spec: ParallelSpec) -> list[tuple[tuple[str, ...], st
     t = par.tensor
     if isinstance(t, int) and t > 1 and world % t == 0:
         world //= t  # the pipeline x data grid: positions of t ranks each
-    if par.context > 1 and world % par.context == 0:
+    if isinstance(par.context, int) and par.context > 1 and world % par.context == 0:
         world //= par.context  # and of a context group each
     speeds = spec.cluster.node_tflops
     if speeds is not None and len(speeds) != spec.cluster.nodes:
@@ -698,8 +700,12 @@ def cross_section_problems(spec: ParallelSpec) -> list[tuple[tuple[str, ...], st
                         f"pipeline x data = {p} x {d} leaves no tensor degree for the {world} "
                         "devices (it must divide the devices of a node); change "
                         "parallel.pipeline or parallel.data"))
-    elif fixed(p) and fixed(d) and p * d != world:
-        c = par.context
+    elif fixed(p) and fixed(d) and par.context == "auto" and world % (p * d):
+        out.append((("parallel", "context"),
+                    f"pipeline x data = {p} x {d} does not divide the {world} devices, so no "
+                    "context degree fills them; change parallel.pipeline or parallel.data"))
+    elif fixed(p) and fixed(d) and par.context != "auto" and p * d != world:
+        c = par.context if isinstance(par.context, int) else 1
         ranks = p * d * (t if tp else 1) * c
         cp = f" x {c}" if c > 1 else ""
         out.append((("parallel", "pipeline"),
@@ -929,8 +935,8 @@ def _expert_problems(spec: ParallelSpec) -> list[tuple[tuple[str, ...], str]]:
     """``parallel.expert`` against the data-parallel degree it splits and what it cannot
     combine with yet."""
     par, n = spec.parallel, spec.parallel.expert
-    if n == 1:
-        return []
+    if n == 1 or n == "auto":
+        return []  # (auto tries only the degrees that can work)
     out: list[tuple[tuple[str, ...], str]] = []
     if isinstance(par.data, int) and par.data % n:
         out.append((("parallel", "expert"),
@@ -954,8 +960,8 @@ def _context_problems(spec: ParallelSpec) -> list[tuple[tuple[str, ...], str]]:
     """``parallel.context`` against the devices and what it cannot combine with yet (whether
     it divides the sequence is known once the model is traced: the planner says)."""
     par, c = spec.parallel, spec.parallel.context
-    if c == 1:
-        return []
+    if c == 1 or c == "auto":
+        return []  # (auto tries only the degrees that can work)
     out: list[tuple[tuple[str, ...], str]] = []
     t = par.tensor if isinstance(par.tensor, int) else 1
     if spec.cluster.trainers % (c * t):

@@ -1,0 +1,104 @@
+"""``parallel.expert: auto`` and ``parallel.context: auto``: the planner plans each degree that
+can work and keeps the fastest plan.
+
+Each degree changes what every rank holds and runs (:mod:`fxpipe.partitioner.expert_costs`,
+:mod:`fxpipe.partitioner.context_costs`), so each is planned whole (its own trace-and-price
+pass and layout search, a second or so for a model planned as blocks). Degrees tried:
+expert 1 and powers of two up to the training devices (over the tensor degree) that divide
+them, context 1 and the divisors of a node's devices (over the tensor degree: its groups then
+stay in a node); only 1 where the spec combines them with what they do not support (the
+other of the two above 1, tensor parallelism or data sharding for context, data sharding
+for experts, asynchronous updates). A degree that cannot work for the model (experts that do
+not divide, a sequence that does not split into ``2 x context`` chunks, no memory) is left out
+and the plan says why; the plan's explanation ranks the others by predicted step.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from fxpipe.errors import PlanError, SpecError
+from fxpipe.plans.plan import Plan
+from fxpipe.specs.schema import ParallelSpec
+
+
+def searches_degrees(spec: ParallelSpec) -> bool:
+    """Whether the spec asks for ``auto`` expert or context degrees."""
+    return "auto" in (spec.parallel.expert, spec.parallel.context)
+
+
+def _powers(limit: int) -> list[int]:
+    out, k = [], 1
+    while k <= limit:
+        out.append(k)
+        k *= 2
+    return out
+
+
+def degree_options(spec: ParallelSpec) -> list[tuple[int, int]]:
+    """The ``(expert, context)`` pairs to plan (module doc)."""
+    par, cl, t = spec.parallel, spec.cluster, spec.parallel.tensor
+    tensor = t if isinstance(t, int) else 1
+    per = cl.trainers // tensor
+    sync = spec.train.updates == "sync"
+    if par.expert == "auto":
+        experts = ([e for e in _powers(per) if per % e == 0]
+                   if sync and par.data_sharding == "none" else [1])
+    else:
+        experts = [par.expert]
+    if par.context == "auto":
+        ok = sync and par.data_sharding == "none" and t == 1
+        node = cl.devices_per_node
+        contexts = ([c for c in range(1, node + 1) if node % c == 0 and per % c == 0]
+                    if ok else [1])
+        p, d = par.pipeline, par.data
+        if isinstance(p, int) and isinstance(d, int):  # the devices left over them
+            contexts = [c for c in contexts if p * d * c == per] or [per // (p * d)]
+    else:
+        contexts = [par.context]
+    return [(e, c) for e in experts for c in contexts if e == 1 or c == 1]
+
+
+def _label(spec: ParallelSpec, e: int, c: int) -> str:
+    parts = []
+    if spec.parallel.expert == "auto":
+        parts.append(f"expert {e}")
+    if spec.parallel.context == "auto":
+        parts.append(f"context {c}")
+    return " x ".join(parts)
+
+
+def plan_degrees(spec: ParallelSpec, plan_one: Callable[[ParallelSpec], tuple]) -> tuple:
+    """Plan each degree of :func:`degree_options` with ``plan_one(spec at that degree)``
+    (returning ``(plan, graph)``) and return the fastest's result, its plan explaining the
+    choice.
+
+    Raises:
+        PlanError: no degree gives a plan (each one's reason listed).
+    """
+    made: list[tuple[float, str, tuple]] = []
+    left_out: list[str] = []
+    for e, c in degree_options(spec):
+        par = spec.parallel.model_copy(update={"expert": e, "context": c})
+        one = spec.model_copy(update={"parallel": par})
+        label = _label(spec, e, c)
+        try:
+            result = plan_one(one)
+        except (PlanError, SpecError) as err:
+            left_out.append(f"{label}: {str(err).splitlines()[0]}")
+            continue
+        plan: Plan = result[0]
+        made.append((plan.predicted.step_time_s if plan.predicted else float("inf"), label,
+                     result))
+    if not made:
+        raise PlanError("no expert / context degree gives a plan:\n  " + "\n  ".join(left_out))
+    made.sort(key=lambda x: x[0])
+    best_s, best, result = made[0]
+    asked = " and ".join(f"parallel.{k}: auto" for k in ("expert", "context")
+                         if getattr(spec.parallel, k) == "auto")
+    lines = [f"{asked}: chose {best} ({best_s * 1e3:.2f} ms/step predicted)"]
+    lines += [f"  {label}: {s * 1e3:.2f} ms/step ({(s / best_s - 1) * 100:+.1f}%)"
+              for s, label, _ in made[1:]]
+    lines += [f"  {why}" for why in left_out]
+    result[0].explain[:0] = lines
+    return result
