@@ -126,30 +126,32 @@ def test_tiny_llamas_loss_is_a_share_and_its_label_shift_stays_whole():
     assert any(a in ns.localize for ns in split.nodes.values() for a in arange)
 
 
-def _gpt_spec(schedule: str, context: int = 2, **par) -> dict:
+def _gpt_spec(schedule: str, context: int = 2, attention: str = "all-gather", **par) -> dict:
     return {"model": {"factory": "fxpipe.examples.gpt:CharGPT", "args": GPT},
             "data": {"batch_size": GPT_B, "seq_len": GPT_T},
             "parallel": {"pipeline": 2, "data": 1, "context": context, "microbatches": 2,
-                         "schedule": schedule, **par},
+                         "schedule": schedule, "context_attention": attention, **par},
             "cluster": {"nodes": 1, "devices_per_node": 2 * context, "memory_gb": 4,
                         "device_tflops": 0.02, "links": {"intra_node_GBps": 5}},
             "train": {"optimizer": "sgd", "loss": "cross_entropy", "timeout_s": 120}}
 
 
 def _plan(case) -> dict:
-    name, schedule = case
+    name, schedule, attention = case
     if name == "llama":
         return zoo.plan("llama", 2, 1, 2, schedule, parallel__context=2,
+                        parallel__context_attention=attention,
                         cluster__devices_per_node=4).to_dict()
     with torch.device("meta"):
         model = CharGPT(**GPT)
-    return fxpipe.plan(model, _gpt_spec(schedule), (_gpt_batch(0)[0][:1],)).to_dict()
+    return fxpipe.plan(model, _gpt_spec(schedule, attention=attention),
+                       (_gpt_batch(0)[0][:1],)).to_dict()
 
 
 def test_the_plan_prices_a_share_of_the_work_and_the_gathers():
     one = fxpipe.plan(CharGPT(**GPT), _gpt_spec("1f1b", context=1),
                       (_gpt_batch(0)[0][:1],))
-    two = Plan.from_dict(_plan(("gpt", "1f1b")))
+    two = Plan.from_dict(_plan(("gpt", "1f1b", "all-gather")))
     assert (two.context, two.dp, two.replicas, two.world_size) == (2, 1, 2, 4)
     # keys and values of every layer, one micro-batch of 2 samples: [2, heads, 64, 16] fp32
     kv = 2 * GPT["n_layer"] * 2 * GPT["n_head"] * GPT_T * (GPT["n_embd"] // GPT["n_head"]) * 4
@@ -161,9 +163,34 @@ def test_the_plan_prices_a_share_of_the_work_and_the_gathers():
     assert split and all(v.nbytes * 2 == one.values[v.name].nbytes for v in split)
 
 
+def test_auto_plans_each_degree_and_attention_and_keeps_the_fastest():
+    import re
+
+    spec = _gpt_spec("1f1b", context="auto", attention="auto")
+    spec["parallel"].update(pipeline="auto", data="auto")
+    spec["cluster"]["devices_per_node"] = 4
+    made = fxpipe.plan(CharGPT(**GPT), spec, (_gpt_batch(0)[0][:1],))
+    head = made.explain[0]
+    assert head.startswith("parallel.context: auto and parallel.context_attention: auto: chose ")
+    listed = {m[0]: float(m[1]) for m in re.findall(r"^  (.+?): ([\d.]+) ms/step",
+                                                     "\n".join(made.explain), re.M)}
+    chosen = float(re.search(r"\(([\d.]+) ms/step predicted\)", head)[1])
+    assert chosen == pytest.approx(made.predicted.step_time_s * 1e3, abs=0.01)
+    assert {"context 1", "context 2 x ring attention", "context 4 x all-gather attention"} <= \
+        set(listed) | {head.split("chose ")[1].split(" (")[0]}
+    assert all(v >= chosen for v in listed.values())
+    # what it lists is what that choice plans to on its own
+    fixed = fxpipe.plan(CharGPT(**GPT), {**spec, "parallel": {
+        **spec["parallel"], "context": 2, "context_attention": "all-gather"}},
+        (_gpt_batch(0)[0][:1],))
+    assert listed.get("context 2 x all-gather attention", chosen) == pytest.approx(
+        fixed.predicted.step_time_s * 1e3, abs=0.01)
+
+
 # ----------------------------------------------------------------------------- 4 ranks
-#: (model, schedule), each at pipeline 2 x context 2
-CASES = [("gpt", "1f1b"), ("gpt", "zb-v"), ("llama", "1f1b"), ("llama", "zb-v")]
+#: (model, schedule, attention), each at pipeline 2 x context 2
+CASES = [("gpt", "1f1b", "all-gather"), ("gpt", "zb-v", "ring"), ("llama", "1f1b", "ring"),
+         ("llama", "zb-v", "all-gather")]
 SAVED = 0  # the case whose trained model is also saved
 
 
@@ -243,16 +270,25 @@ def test_context_2_trains_like_one_process(world4, i):
 @pytest.mark.parametrize("i", range(len(CASES)), ids=["-".join(c) for c in CASES])
 def test_the_gathered_bytes_are_the_planned_ones(world4, i):
     """One replica's pipeline ranks all-gather (forward) and reduce-scatter (backward) the
-    bytes the plan priced, per micro-batch (counted by the run's collective recorder)."""
+    bytes the plan priced, per micro-batch, or under ring attention send them around the
+    ring (counted by the run's collective recorder)."""
     _, plans, results = world4
     plan = Plan.from_dict(plans[i])
+    assert plan.context_attention == CASES[i][2]
+    ring = plan.context_attention == "ring"
     per_replica: dict[int, list[int]] = {}
     for r in results:
         row = r[i]
         got = per_replica.setdefault(row["replica"], [0, 0])
-        got[0] += row["sent"].get("context all-gather", 0)
-        got[1] += row["sent"].get("context reduce-scatter", 0)
+        if ring:  # forward and backward together: one kind
+            got[0] += row["sent"].get("context ring", 0)
+        else:
+            got[0] += row["sent"].get("context all-gather", 0)
+            got[1] += row["sent"].get("context reduce-scatter", 0)
+        assert not ring or "context all-gather" not in row["sent"]
     want = [plan.microbatches * b for b in plan.context_bytes]
+    if ring:
+        want = [sum(want), 0]
     assert want[0] > 0 and len(per_replica) == 2
     for replica, got in per_replica.items():
         assert got == pytest.approx(want, rel=1e-9), (CASES[i], replica, got, want)

@@ -263,6 +263,19 @@ def test_expert_parallelism_bad_input_is_one_line():
                     {k: v[:1] for k, v in _batch(0).items()})
 
 
+def test_auto_expert_degree_plans_each_and_says_why_one_was_left_out():
+    spec = _spec(2, "auto", 1, "1f1b", "auto")
+    spec["cluster"]["devices_per_node"] = 8
+    with torch.device("meta"):
+        model = MoEGPT(**ARGS)
+    made = fxpipe.plan(model, spec, (), {k: v[:1].to("meta") for k, v in _batch(0).items()})
+    text = "\n".join(made.explain)
+    assert made.explain[0].startswith(f"parallel.expert: auto: chose expert {made.expert} ")
+    for e in (1, 2, 4):
+        assert f"expert {e}" in text
+    assert "expert 8: parallel.expert: 8: MoEGPT's MoE layer has 4 experts" in text
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("j", range(len(HF_CASES)), ids=[c[0] for c in HF_CASES])
 def test_transformers_dropless_moe_under_expert_2_trains_like_one_process(world4, j):

@@ -31,7 +31,9 @@ Rules, by op family:
 * **attention** (``scaled_dot_product_attention``, CPU fused kernel): the queries stay split,
   the keys and values are **all-gathered** along the sequence (backward: their gradients
   reduce-scattered); ``is_causal`` becomes this rank's mask (query position >= key position);
-  a mask argument is indexed by this rank's query positions. A ``matmul``/``bmm`` whose operand
+  a mask argument is indexed by this rank's query positions. With ``ring``, a
+  ``scaled_dot_product_attention`` without dropout runs as ring attention instead
+  (:mod:`fxpipe.context.ring`: its keys and values stay split, passed around the group). A ``matmul``/``bmm`` whose operand
   is split along the dimension it contracts, or whose two operands would give two split
   dimensions (``q @ k^T`` written out), all-gathers the second operand likewise;
 * **cross entropy** keeps its rows split; with ``mean`` reduction it becomes the sum over this
@@ -125,6 +127,7 @@ class NodeSplit:
         loss_count: a mean cross entropy made a sum divided by the count of counted targets
             over the micro-batch: ``"whole"`` (counted on the whole target, which every rank
             has) or ``"reduce"`` (this rank's count, all-reduced).
+        ring: an attention run as ring attention (its keys and values read split).
     """
 
     out: Place | tuple = None
@@ -134,6 +137,7 @@ class NodeSplit:
     causal: bool = False
     scale: float | None = None
     loss_count: str | None = None
+    ring: bool = False
 
 
 @dataclass
@@ -150,6 +154,10 @@ class ContextSplit:
     def gathers(self) -> list[tuple[str, str, Seq]]:
         """``(node, input, seq)`` of every all-gather."""
         return [(n, a, s) for n, ns in self.nodes.items() for a, s in ns.gather.items()]
+
+    def rings(self) -> list[str]:
+        """The attention nodes run as ring attention."""
+        return [n for n, ns in self.nodes.items() if ns.ring]
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -183,8 +191,8 @@ def _opname(node: fx.Node) -> str:
 
 
 class _Walk:
-    def __init__(self, n: int, seq: int, inputs: dict[str, Place]):
-        self.n, self.seq, self.inputs = n, seq, inputs
+    def __init__(self, n: int, seq: int, inputs: dict[str, Place], ring: bool = False):
+        self.n, self.seq, self.inputs, self.ring = n, seq, inputs, ring
         self.nodes: dict[str, NodeSplit] = {}
 
     def p(self, a) -> Place:
@@ -559,6 +567,10 @@ def _sdpa(node: fx.Node, w: _Walk) -> NodeSplit:
             raise Unsupported("its mask is split along a batch dimension")
     if args.get("is_causal"):
         ns.causal = True
+    if (w.ring and node.target is aten.scaled_dot_product_attention.default
+            and not args.get("dropout_p") and len(ns.gather) == 2
+            and set(ns.gather) == {k.name, v.name}):  # the mask (if any): this rank's rows
+        ns.gather, ns.ring = {}, True
     if nouts:  # the CPU kernel: (output, logsumexp, ...)
         ns.out = tuple(sq if i < 2 else None for i in range(nouts))
     return ns
@@ -656,8 +668,8 @@ def _rule(node: fx.Node):
 
 
 # ----------------------------------------------------------------------------- walk
-def analyse(gm: fx.GraphModule, n: int, seq: int, inputs: dict[str, Place] | None = None
-            ) -> ContextSplit:
+def analyse(gm: fx.GraphModule, n: int, seq: int, inputs: dict[str, Place] | None = None,
+            ring: bool = False) -> ContextSplit:
     """Place every value of ``gm`` on ``n`` ranks splitting a sequence of ``seq`` positions
     (see the module doc).
 
@@ -667,11 +679,13 @@ def analyse(gm: fx.GraphModule, n: int, seq: int, inputs: dict[str, Place] | Non
         seq: the sequence length of a micro-batch.
         inputs: placeholder name -> placement of the values a stage receives from other
             stages (default: whole; model inputs are whole on every rank).
+        ring: run ``scaled_dot_product_attention`` as ring attention where it can (no
+            dropout, no mask split along its keys), else all-gather keys and values.
 
     Raises:
         ContextError: a node the split cannot run (one line: the op, its source line, why).
     """
-    w = _Walk(n, seq, dict(inputs or {}))
+    w = _Walk(n, seq, dict(inputs or {}), ring)
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             w.nodes[node.name] = NodeSplit(out=w.inputs.get(node.name))

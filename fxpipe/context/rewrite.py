@@ -5,7 +5,8 @@ Per node: whole inputs indexed by this rank's positions (:func:`~fxpipe.context.
 localize`), split inputs all-gathered (:func:`~fxpipe.context.collectives.gather`), shape
 arguments made local, an attention's ``is_causal`` replaced by this rank's mask, a mean over
 the sequence scaled by ``1/N``, a mean cross entropy made this rank's share of it
-(:func:`loss_share`). The stage keeps its inputs and outputs (received values arrive split as
+(:func:`loss_share`), an attention the analysis chose to run as ring attention replaced by
+:func:`fxpipe.context.ring.ring_attention`. The stage keeps its inputs and outputs (received values arrive split as
 the plan's analysis placed them, and leave so), so the executor and every schedule run it
 unchanged.
 """
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 from fxpipe.context import collectives
 from fxpipe.context.analysis import ContextSplit, Seq, sdpa_args
 from fxpipe.context.layout import causal_mask, positions
+from fxpipe.context.ring import ring_attention
 from fxpipe.tensor.rewrite import named
 
 aten = torch.ops.aten
@@ -81,6 +83,8 @@ def rewrite_stage(gm: fx.GraphModule, split: ContextSplit, rank: int, group) -> 
                    "cp_gather")
     share = named(lambda x, t, counted, ignore, smoothing: loss_share(
         x, t, counted, ignore, smoothing, group), "cp_loss_share")
+    ring = named(lambda q, k, v, mask, scale, causal: ring_attention(
+        q, k, v, mask, rank, n, seq, scale, causal, group), "cp_ring_attention")
 
     def converted(node: fx.Node, a: fx.Node, how: str, s: Seq) -> fx.Node:
         key = (how, a.name, s)
@@ -111,7 +115,13 @@ def rewrite_stage(gm: fx.GraphModule, split: ContextSplit, rank: int, group) -> 
             args = list(node.args)
             args[2 if node.target is aten.unflatten.int else 1] = ns.shape
             node.args = tuple(args)
-        if ns.causal and node.target is aten.scaled_dot_product_attention.default:
+        if ns.ring:
+            kw = sdpa_args(node)
+            node.target = ring
+            node.args = (kw["query"], kw["key"], kw["value"], kw.get("attn_mask"),
+                         kw.get("scale"), bool(kw.get("is_causal")))
+            node.kwargs = {}
+        elif ns.causal and node.target is aten.scaled_dot_product_attention.default:
             kw = sdpa_args(node)
             node.target = cp_causal_attention
             node.args = (kw["query"], kw["key"], kw["value"], rank, n, seq)

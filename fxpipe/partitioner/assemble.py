@@ -343,23 +343,31 @@ def _set_context(plan: Plan, pr: Priced, spec: ParallelSpec) -> None:
     scale = fo.run.count / 2 if fo is not None else 1.0
     fwd, bwd = (b * scale for b in pr.context_bytes)
     plan.context_bytes = [fwd, bwd]
+    ring = bool(split.rings())
+    plan.context_attention = "ring" if ring else "all-gather"
     for name, v in plan.values.items():  # what a rank sends of a split value
         if isinstance(split.place(name), Seq):
             plan.values[name] = dataclasses.replace(v, nbytes=v.nbytes // n)
     gathers = sorted({value for _, value, _ in split.gathers()})
-    whole = [k for k, ns in split.nodes.items() if ns.out is None and ns.localize]
     h = split.seq // (2 * n)
+    if ring:
+        how = (f"attention runs as ring attention: each rank passes its keys and values to the "
+               f"next while a block computes, per micro-batch one replica's stages send "
+               f"{human_bytes(fwd, True)} forward and {human_bytes(bwd, True)} backward (the "
+               "blocks again and their gradients); exposed where a message outlasts its "
+               "block; only each rank's own keys and values are kept for the backward")
+    else:
+        how = (f"per micro-batch one replica's stages all-gather {human_bytes(fwd, True)} of "
+               f"keys and values along the sequence forward and reduce-scatter "
+               f"{human_bytes(bwd, True)} of their gradients backward (whole tensors as traced; "
+               f"each rank receives ({n}-1)/{n}), added to the attention layers' time, not "
+               "overlapped; the gathered keys and values are held whole until the backward")
     plan.explain.append(
         f"context parallelism {n}: each micro-batch's {split.seq}-token sequences split over "
         f"{n} ranks (two chunks of {h} tokens each, a head and the mirrored tail, so causal "
-        f"attention costs every rank the same); per micro-batch one replica's stages "
-        f"all-gather {human_bytes(fwd, True)} of keys and values along the sequence forward and "
-        f"reduce-scatter {human_bytes(bwd, True)} of their gradients backward (whole tensors "
-        f"as traced; each rank receives ({n}-1)/{n}), added to the attention layers' time, not "
-        f"overlapped; activations and the work of every token-local layer cost 1/{n} per rank, "
-        "the gathered keys and values are held whole until the backward; the ranks of a "
-        f"context group are replicas that share samples: gradients averaged over "
-        f"{plan.replicas} replicas"
+        f"attention costs every rank the same); {how}; activations and the work of every "
+        f"token-local layer cost 1/{n} per rank; the ranks of a context group are replicas "
+        f"that share samples: gradients averaged over {plan.replicas} replicas"
         + (f"; gathered: {', '.join(gathers[:4])}{' ...' if len(gathers) > 4 else ''}"
            if gathers else ""))
 

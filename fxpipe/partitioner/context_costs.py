@@ -14,7 +14,10 @@ keeps only the layout that puts a stage's replicas on adjacent ranks, ``data-inn
 the inter-node link), added to the reading
 node's forward and input-gradient seconds, not overlapped with compute. The gathered value is
 held whole until the backward (autograd saves the keys and values attention read): the
-reading node's saved bytes grow by ``(N-1)/N`` of the whole value.
+reading node's saved bytes grow by ``(N-1)/N`` of the whole value. Under
+``parallel.context_attention: ring`` an attention runs as ring attention instead
+(:mod:`fxpipe.context.ring`): its messages overlap the blocks' compute and only the rank's own
+keys and values are kept (:func:`context_comm`).
 """
 
 from __future__ import annotations
@@ -23,8 +26,8 @@ import dataclasses
 
 import torch.fx as fx
 
-from fxpipe.context.analysis import PARTIAL, ContextError, ContextSplit, Seq, analyse, \
-    sequence_length
+from fxpipe.context.analysis import (PARTIAL, ContextError, ContextSplit, Seq, analyse,
+                                    sdpa_args, sequence_length)
 from fxpipe.context.layout import check
 from fxpipe.errors import PlanError
 from fxpipe.partitioner.cost import NodeCost
@@ -47,7 +50,7 @@ def context_link(spec) -> tuple[float, float]:
     return gbps * 1e9, cl.links.latency_s
 
 
-def context_split(gm: fx.GraphModule, n: int) -> ContextSplit:
+def context_split(gm: fx.GraphModule, n: int, ring: bool = False) -> ContextSplit:
     """The graph's placements at degree ``n``, or a one-line PlanError (the sequence does not
     split into ``2n`` chunks, an op the split cannot run)."""
     try:
@@ -58,10 +61,10 @@ def context_split(gm: fx.GraphModule, n: int) -> ContextSplit:
     if why is not None:
         raise PlanError(f"parallel.context: {n}: {why}")
     try:
-        split = analyse(gm, n, seq)
+        split = analyse(gm, n, seq, ring=ring)
     except ContextError as e:
         raise PlanError(f"parallel.context: {n}: {e}") from None
-    if not any(ns.gather for ns in split.nodes.values()) and not any(
+    if not any(ns.gather or ns.ring for ns in split.nodes.values()) and not any(
             isinstance(ns.out, Seq) for ns in split.nodes.values()):
         raise PlanError(f"parallel.context: {n}: nothing in the model is split along the "
                         f"sequence of its inputs ({seq} long): no embedding or linear layer "
@@ -79,13 +82,10 @@ def _nbytes(node: fx.Node) -> int:
     return int(v.numel()) * v.element_size() if hasattr(v, "numel") else 0
 
 
-def context_priced(gm: fx.GraphModule, costs: dict[str, NodeCost], split: ContextSplit,
-                   link: tuple[float, float], byte_scale: float = 1.0
-                   ) -> tuple[dict[str, NodeCost], dict[str, float],
-                              dict[str, tuple[float, float]], list[float]]:
-    """``costs`` of one rank of the context group (module doc), each node's work fraction,
-    the all-gathers' (forward, input-gradient) seconds per node, and the whole bytes one
-    micro-batch all-gathers forward and reduce-scatters backward."""
+def context_priced(gm: fx.GraphModule, costs: dict[str, NodeCost], split: ContextSplit
+                   ) -> tuple[dict[str, NodeCost], dict[str, float]]:
+    """``costs`` of one rank of the context group (module doc) and each node's work
+    fraction."""
     n = split.n
     nodes = {x.name: x for x in gm.graph.nodes}
     frac = {name: _fraction(ns.out, n) for name, ns in split.nodes.items()}
@@ -97,26 +97,75 @@ def context_priced(gm: fx.GraphModule, costs: dict[str, NodeCost], split: Contex
             bwd_weight_flops=c.bwd_weight_flops * f, out_bytes=int(c.out_bytes * f),
             in_bytes=int(c.in_bytes * f), saved_bytes=int(c.saved_bytes * f),
             attn_scores=int(c.attn_scores * f), ops=tuple((fl * f, b * f) for fl, b in c.ops))
+    for reader, value, _ in _gathers(split):
+        c = out.get(reader)
+        if c is not None and _floating(nodes[value]):  # held whole for the backward
+            out[reader] = dataclasses.replace(
+                c, saved_bytes=c.saved_bytes + int(_nbytes(nodes[value]) * (n - 1) / n))
+    return out, frac
+
+
+def _gathers(split: ContextSplit) -> list[tuple[str, str, Seq]]:
+    """Each all-gather once per value and placement (a stage gathers a value once for all its
+    readers)."""
+    seen, out = set(), []
+    for reader, value, s in split.gathers():
+        if (value, s) not in seen:
+            seen.add((value, s))
+            out.append((reader, value, s))
+    return out
+
+
+def _floating(node: fx.Node) -> bool:
+    v = node.meta.get("val")
+    return v is not None and hasattr(v, "is_floating_point") and v.is_floating_point()
+
+
+def context_comm(gm: fx.GraphModule, split: ContextSplit, times: dict[str, NodeTimes],
+                 link: tuple[float, float], byte_scale: float = 1.0
+                 ) -> tuple[dict[str, tuple[float, float]], list[float]]:
+    """The context group's communication per node, exposed ``(forward, input-gradient)``
+    seconds, and the bytes of one micro-batch (``times``: the rank's node times).
+
+    * an all-gather: ``(N-1)/N x whole / bandwidth + (N-1) latencies`` forward, the
+      reduce-scatter of its gradient as much backward (none for integer values), not
+      overlapped; bytes: the whole tensors gathered forward and reduce-scattered backward;
+    * a ring attention: ``N-1`` steps each sending the rank's keys and values (``1/N`` of the
+      whole) while a block computes (``1/N`` of the node's time): exposed
+      ``(N-1) x max(0, message - block)`` forward; backward the blocks again and their
+      gradients (fp32) one step behind, exposed ``(N-1) x max(0, message - block)`` plus the
+      last hand-back; bytes: what a rank sends, ``(N-1)/N`` of the whole forward,
+      ``(2N-1)/N`` backward.
+    """
+    n = split.n
+    bps, lat = link
+    nodes = {x.name: x for x in gm.graph.nodes}
     comm: dict[str, tuple[float, float]] = {}
     moved = [0.0, 0.0]
-    seen: set[tuple[str, Seq]] = set()
-    for reader, value, s in split.gathers():
-        if (value, s) in seen:
-            continue
-        seen.add((value, s))
+
+    def add(at: str, f: float, b: float) -> None:
+        f0, b0 = comm.get(at, (0.0, 0.0))
+        comm[at] = (f0 + f, b0 + b)
+
+    for reader, value, _ in _gathers(split):
         whole = _nbytes(nodes[value])
-        grad = nodes[value].meta.get("val") is not None and nodes[value].meta["val"].is_floating_point()
-        fwd = all_to_all_seconds(whole, n, link, byte_scale)
-        bwd = fwd if grad else 0.0
-        f, b = comm.get(reader, (0.0, 0.0))
-        comm[reader] = (f + fwd, b + bwd)
+        grad = _floating(nodes[value])
+        sec = all_to_all_seconds(whole, n, link, byte_scale)
+        add(reader, sec, sec if grad else 0.0)
         moved[0] += whole
         moved[1] += whole if grad else 0
-        c = out.get(reader)
-        if c is not None and grad:  # held whole for the backward
-            out[reader] = dataclasses.replace(
-                c, saved_bytes=c.saved_bytes + int(whole * (n - 1) / n))
-    return out, frac, comm, moved
+    for name in split.rings():
+        args = sdpa_args(nodes[name])
+        whole = _nbytes(args["key"]) + _nbytes(args["value"])
+        t = times.get(name, NodeTimes())
+        kv = whole / n * byte_scale / bps + lat
+        grads = whole / n / bps + lat  # fp32 accumulators
+        fwd = (n - 1) * max(0.0, kv - t.fwd_s / n)
+        bwd = (n - 1) * max(0.0, max(kv, grads) - t.bwd_input_s / n) + grads
+        add(name, fwd, bwd)
+        moved[0] += whole * (n - 1) / n
+        moved[1] += whole * (2 * n - 1) / n
+    return comm, moved
 
 
 def scaled_loss(times: dict[str, NodeTimes], node: str | None, loss: NodeTimes, f: float

@@ -1,5 +1,7 @@
-"""``parallel.expert: auto`` and ``parallel.context: auto``: the planner plans each degree that
-can work and keeps the fastest plan.
+"""``parallel.expert: auto``, ``parallel.context: auto`` and ``parallel.context_attention:
+auto``: the planner plans each degree (and, with context parallelism, each way attention reads
+the other ranks' keys and values: all-gather or ring) that can work and keeps the fastest
+plan.
 
 Each degree changes what every rank holds and runs (:mod:`fxpipe.partitioner.expert_costs`,
 :mod:`fxpipe.partitioner.context_costs`), so each is planned whole (its own trace-and-price
@@ -23,8 +25,11 @@ from fxpipe.specs.schema import ParallelSpec
 
 
 def searches_degrees(spec: ParallelSpec) -> bool:
-    """Whether the spec asks for ``auto`` expert or context degrees."""
-    return "auto" in (spec.parallel.expert, spec.parallel.context)
+    """Whether the spec asks for ``auto`` expert or context degrees, or leaves the context
+    group's attention to the planner."""
+    par = spec.parallel
+    return "auto" in (par.expert, par.context) or (
+        par.context != 1 and par.context_attention == "auto")
 
 
 def _powers(limit: int) -> list[int]:
@@ -35,8 +40,8 @@ def _powers(limit: int) -> list[int]:
     return out
 
 
-def degree_options(spec: ParallelSpec) -> list[tuple[int, int]]:
-    """The ``(expert, context)`` pairs to plan (module doc)."""
+def degree_options(spec: ParallelSpec) -> list[tuple[int, int, str]]:
+    """The ``(expert, context, attention)`` choices to plan (module doc)."""
     par, cl, t = spec.parallel, spec.cluster, spec.parallel.tensor
     tensor = t if isinstance(t, int) else 1
     per = cl.trainers // tensor
@@ -56,15 +61,20 @@ def degree_options(spec: ParallelSpec) -> list[tuple[int, int]]:
             contexts = [c for c in contexts if p * d * c == per] or [per // (p * d)]
     else:
         contexts = [par.context]
-    return [(e, c) for e in experts for c in contexts if e == 1 or c == 1]
+    way = par.context_attention
+    return [(e, c, w) for e in experts for c in contexts if e == 1 or c == 1
+            for w in ((("all-gather", "ring") if way == "auto" else (way,)) if c > 1
+                      else ("all-gather",))]
 
 
-def _label(spec: ParallelSpec, e: int, c: int) -> str:
-    parts = []
-    if spec.parallel.expert == "auto":
+def _label(spec: ParallelSpec, e: int, c: int, way: str) -> str:
+    par, parts = spec.parallel, []
+    if par.expert == "auto":
         parts.append(f"expert {e}")
-    if spec.parallel.context == "auto":
+    if par.context == "auto":
         parts.append(f"context {c}")
+    if par.context_attention == "auto" and c > 1:
+        parts.append(f"{way} attention")
     return " x ".join(parts)
 
 
@@ -78,10 +88,11 @@ def plan_degrees(spec: ParallelSpec, plan_one: Callable[[ParallelSpec], tuple]) 
     """
     made: list[tuple[float, str, tuple]] = []
     left_out: list[str] = []
-    for e, c in degree_options(spec):
-        par = spec.parallel.model_copy(update={"expert": e, "context": c})
+    for e, c, way in degree_options(spec):
+        par = spec.parallel.model_copy(update={"expert": e, "context": c,
+                                               "context_attention": way})
         one = spec.model_copy(update={"parallel": par})
-        label = _label(spec, e, c)
+        label = _label(spec, e, c, way)
         try:
             result = plan_one(one)
         except (PlanError, SpecError) as err:
@@ -91,11 +102,14 @@ def plan_degrees(spec: ParallelSpec, plan_one: Callable[[ParallelSpec], tuple]) 
         made.append((plan.predicted.step_time_s if plan.predicted else float("inf"), label,
                      result))
     if not made:
-        raise PlanError("no expert / context degree gives a plan:\n  " + "\n  ".join(left_out))
+        raise PlanError("no expert / context choice gives a plan:\n  " + "\n  ".join(left_out))
     made.sort(key=lambda x: x[0])
     best_s, best, result = made[0]
-    asked = " and ".join(f"parallel.{k}: auto" for k in ("expert", "context")
-                         if getattr(spec.parallel, k) == "auto")
+    par = spec.parallel
+    asked = " and ".join(f"parallel.{k}: auto" for k in ("expert", "context",
+                                                          "context_attention")
+                         if getattr(par, k) == "auto"
+                         and (k != "context_attention" or par.context != 1))
     lines = [f"{asked}: chose {best} ({best_s * 1e3:.2f} ms/step predicted)"]
     lines += [f"  {label}: {s * 1e3:.2f} ms/step ({(s / best_s - 1) * 100:+.1f}%)"
               for s, label, _ in made[1:]]

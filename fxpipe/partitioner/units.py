@@ -15,8 +15,8 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensor
 
 from fxpipe.partitioner.blocks import check_run, find_block_run, fold, reduced
-from fxpipe.partitioner.context_costs import (context_link, context_priced, context_split,
-                                              scaled_loss)
+from fxpipe.partitioner.context_costs import (context_comm, context_link, context_priced,
+                                              context_split, scaled_loss)
 from fxpipe.partitioner.cost import price
 from fxpipe.partitioner.expert_costs import (expert_link, expert_priced, expert_regions,
                                              with_all_to_alls)
@@ -128,11 +128,11 @@ class PricedUnits:
             traced = trace(m, a, spec.model.tracer, example_kwargs=kw, output=spec.loss_output)
             _progress.info("pricing %d nodes", len(traced.gm.graph.nodes))
             costs = price(traced)
-            split, frac, cp_comm, cp_moved = None, {}, {}, None
+            split, cp_moved = None, None
             if spec.parallel.context > 1:  # this rank's share of every sequence
-                split = context_split(traced.gm, spec.parallel.context)
-                costs, frac, cp_comm, cp_moved = context_priced(
-                    traced.gm, costs, split, context_link(spec), _byte_scale(spec))
+                split = context_split(traced.gm, spec.parallel.context,
+                                      ring=spec.parallel.context_attention == "ring")
+                costs, frac = context_priced(traced.gm, costs, split)
             times, loss = node_seconds(traced, costs, spec, real, tensor_inputs(a, kw))
             if split is not None:
                 if spec.cluster.costs != "analytic":  # measured whole: each node's share
@@ -140,6 +140,8 @@ class PricedUnits:
                 else:  # the loss reads this rank's share of the logits
                     at = loss_node(traced, costs)
                     times, loss = scaled_loss(times, at, loss, frac.get(at, 1.0))
+                cp_comm, cp_moved = context_comm(traced.gm, split, times, context_link(spec),
+                                                 _byte_scale(spec))
                 times = with_all_to_alls(times, cp_comm)
             moved, comm = None, {}
             if spec.parallel.expert > 1:  # this rank's experts, the all-to-alls

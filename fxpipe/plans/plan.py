@@ -246,7 +246,10 @@ class Plan:
         context_bytes: with ``context > 1``, the bytes of the keys and values (and any other
             split values) one replica's stages all-gather along the sequence per micro-batch,
             forward, and reduce-scatter backward (whole tensors; each rank sends
-            ``(context - 1) / context`` of them).
+            ``(context - 1) / context`` of them); under ring attention, the bytes each rank
+            sends around the ring, forward and backward.
+        context_attention: ``all-gather`` or ``ring`` (:mod:`fxpipe.context.ring`): how
+            attention reads the other ranks' keys and values.
         tensor_params: canonical parameter FQN -> its placement on the tensor group
             (:class:`fxpipe.tensor.placement.Placement` as text: ``S(0)`` split on dim 0 (a
             column-parallel weight's output features, an embedding's vocabulary), ``S(1)``,
@@ -296,6 +299,7 @@ class Plan:
     expert_bytes: list[float] = field(default_factory=list)
     context: int = 1
     context_bytes: list[float] = field(default_factory=list)
+    context_attention: str = "all-gather"
     tensor_params: dict[str, str] = field(default_factory=dict)
     tensor_replicated: list[list[str]] = field(default_factory=list)
     data_sharding: str = "none"

@@ -57,15 +57,17 @@ def split_sequences(plan: Plan, gm: fx.GraphModule, stages: dict[int, nn.Module]
     """
     n, rank, group = plan.context, mesh.cp_rank, mesh.cp_collectives
     seq = sequence_length(gm)
+    ring = plan.context_attention == "ring"
     try:
-        whole = analyse(gm, n, seq)
+        whole = analyse(gm, n, seq, ring=ring)
         out = {}
         for s, stage in stages.items():
             if not isinstance(stage, fx.GraphModule):
                 raise RuntimeFailure(f"stage {s} is not a graph module; context parallelism "
                                      "rewrites the traced stage graphs")
             inputs = {p.name: whole.place(p.name) for p in stage.graph.find_nodes(op="placeholder")}
-            out[s] = rewrite_stage(stage, analyse(stage, n, seq, inputs), rank, group)
+            out[s] = rewrite_stage(stage, analyse(stage, n, seq, inputs, ring=ring), rank,
+                                   group)
     except ContextError as e:
         raise RuntimeFailure(str(e)) from None
     values = {}

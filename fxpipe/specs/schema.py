@@ -288,6 +288,11 @@ class ParallelSpec_(_Section):
     stage and the same samples, so the devices are ``pipeline x data x context x tensor``. 1
     (default): whole sequences. ``auto``: the planner plans 1 and each degree whose groups fit
     a node, and keeps the fastest.
+    ``context_attention``: how attention reads the other ranks' keys and values under context
+    parallelism: ``all-gather`` (gathered whole before attention: one collective each way,
+    not overlapped, the whole kept for the backward), ``ring`` (ring attention, passed rank to
+    rank while each block computes; only the rank's own kept: :mod:`fxpipe.context.ring`) or
+    ``auto`` (default: the planner plans both and keeps the faster).
     ``data_sharding``: what each stage's data-parallel replicas split among themselves instead
     of each holding it whole (ZeRO style, :mod:`fxpipe.runtime.data_sharding`): ``none``,
     ``optimizer`` (the optimizer state), ``gradients`` (and the gradients between steps),
@@ -309,6 +314,7 @@ class ParallelSpec_(_Section):
     tp_overlap: Union[PositiveInt, Auto] = 1
     expert: Union[PositiveInt, Auto] = 1
     context: Union[PositiveInt, Auto] = 1
+    context_attention: Literal["auto", "all-gather", "ring"] = "auto"
     data_sharding: Literal[DATA_SHARDING] = "none"  # type: ignore[valid-type]
     param_gather: Literal["auto", "stage", "block"] = "auto"
 
