@@ -98,7 +98,13 @@ def test_the_analysis_splits_tokens_and_gathers_keys_and_values():
     for node in attn:
         ns = split.nodes[node.name]
         assert ns.out == Seq(2) and ns.causal
-        assert set(ns.gather) == {node.args[1].name, node.args[2].name}  # keys, values
+        for x in node.args[1:3]:  # keys, values: whole, gathered where they were made
+            while not split.nodes[x.name].gather:  # (rearranged whole after the gather)
+                assert split.place(x.name) is None
+                x = x.args[0]
+            (src,) = split.nodes[x.name].gather
+            assert isinstance(split.place(src), Seq)
+    assert len(split.gathers()) == 2 * GPT["n_layer"]
     wpe = next(n for n in tr.gm.graph.nodes if n.target == torch.ops.aten.embedding.default
                and "wpe" in str(n.args[0]))
     # the position table is looked up for this rank's positions only (its arange indexed)
@@ -118,9 +124,17 @@ def test_tiny_llamas_loss_is_a_share_and_its_label_shift_stays_whole():
     pad = next(n for n in tr.gm.graph.nodes if n.target == torch.ops.aten.pad.default)
     assert split.place(pad.name) is None  # labels shifted whole, indexed at the loss
     attn = [n for n in tr.gm.graph.nodes if "scaled_dot_product" in str(n.target)]
-    for node in attn:  # keys and values gathered; the padding mask made for this rank's
-        ns = split.nodes[node.name]  # query rows only (from its positions, never whole)
-        assert len(ns.gather) == 2 and not ns.localize and not ns.causal
+    for node in attn:  # keys and values gathered before grouped-query attention repeats
+        ns = split.nodes[node.name]  # their heads; the padding mask made for this rank's
+        assert not ns.localize and not ns.causal  # query rows only (never whole)
+        for x in node.args[1:3]:
+            while not split.nodes[x.name].gather:
+                assert split.place(x.name) is None
+                x = x.args[0]
+            src = x.all_input_nodes[0]
+            assert src.name in split.nodes[x.name].gather
+            # 2 key/value heads of 8 (not the 4 query heads they are repeated to), 2 samples
+            assert src.meta["val"].numel() == 2 * zoo.T * 2 * 8
         assert split.place(node.args[3].name) == Seq(2)
     arange = [n.name for n in tr.gm.graph.nodes if n.target == torch.ops.aten.arange.default]
     assert any(a in ns.localize for ns in split.nodes.values() for a in arange)

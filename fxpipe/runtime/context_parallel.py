@@ -2,9 +2,11 @@
 on split outputs, and the plan's values as this rank sends and receives them.
 
 :func:`split_sequences` places every value of the model's graph once
-(:func:`fxpipe.context.analysis.analyse`, the planner's rule), rewrites each stage of this rank
-onto its positions (:func:`fxpipe.context.rewrite.rewrite_stage`, its inputs placed as the
-stages before it leave them), and returns the loss the executor then computes:
+(:func:`fxpipe.context.analysis.analyse`, the planner's rule, on the whole graph: a value
+computed on the rank's positions or gathered early is decided looking past the stage that
+makes it), rewrites each stage of this rank onto its positions by those decisions
+(:func:`fxpipe.context.rewrite.rewrite_stage`; a value crossing a cut leaves and arrives as
+they place it), and returns the loss the executor then computes:
 
 * a model that computes its own loss (``train.loss: model``) leaves a partial sum (each rank's
   part of the mean): it is multiplied by the degree, because the gradients of the context
@@ -65,9 +67,12 @@ def split_sequences(plan: Plan, gm: fx.GraphModule, stages: dict[int, nn.Module]
             if not isinstance(stage, fx.GraphModule):
                 raise RuntimeFailure(f"stage {s} is not a graph module; context parallelism "
                                      "rewrites the traced stage graphs")
-            inputs = {p.name: whole.place(p.name) for p in stage.graph.find_nodes(op="placeholder")}
-            out[s] = rewrite_stage(stage, analyse(stage, n, seq, inputs, ring=ring), rank,
-                                   group)
+            missing = [x.name for x in stage.graph.nodes
+                       if x.op == "call_function" and x.name not in whole.nodes]
+            if missing:
+                raise RuntimeFailure(f"stage {s}'s nodes {missing[:3]} are not in the model's "
+                                     "graph; context parallelism decides on the whole graph")
+            out[s] = rewrite_stage(stage, whole, rank, group)
     except ContextError as e:
         raise RuntimeFailure(str(e)) from None
     values = {}
