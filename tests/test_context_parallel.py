@@ -113,6 +113,33 @@ def test_the_analysis_splits_tokens_and_gathers_keys_and_values():
     assert isinstance(split.place(tr.output_names[0]), Seq)  # the logits
 
 
+class _EinsumAttention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.w, self.head = nn.Embedding(64, 16), nn.Parameter(torch.randn(16, 48)), \
+            nn.Linear(16, 64)
+
+    def forward(self, idx):
+        q, k, v = torch.einsum("btd,de->bte", self.emb(idx), self.w).chunk(3, -1)
+        s = torch.einsum("bqd,bkd->bqk", q, k).masked_fill(
+            ~torch.ones(idx.shape[1], idx.shape[1], dtype=torch.bool).tril(), float("-inf"))
+        return self.head(torch.einsum("bqk,bkd->bqd", s.softmax(-1), v))
+
+
+def test_einsum_attention_gathers_its_keys_and_values():
+    tr = trace(_EinsumAttention(), (torch.randint(0, 64, (2, 16)),), "export")
+    split = analyse(tr.gm, 2, 16)
+    ein = [n for n in tr.gm.graph.nodes if n.target == torch.ops.aten.einsum.default]
+    assert [split.place(n.name) for n in ein] == [Seq(1)] * 3
+    assert not split.nodes[ein[0].name].gather  # a token-local projection
+    for n, operand in ((ein[1], 1), (ein[2], 1)):  # q @ k^T gathers k, probs @ v gathers v
+        assert list(split.nodes[n.name].gather) == [n.args[1][operand].name]
+    mask = next(n for n in tr.gm.graph.nodes if n.target == torch.ops.aten.tril.default)
+    assert split.place(mask.name) is None  # the model's mask, indexed by query rows
+    assert any(mask.name in split.nodes[u.name].localize or split.place(u.name) == Seq(0)
+               for u in mask.users)
+
+
 def test_tiny_llamas_loss_is_a_share_and_its_label_shift_stays_whole():
     model = zoo.build("llama")
     _, kwargs, _ = zoo.batch("llama", 0)
@@ -171,10 +198,24 @@ def test_the_plan_prices_a_share_of_the_work_and_the_gathers():
     kv = 2 * GPT["n_layer"] * 2 * GPT["n_head"] * GPT_T * (GPT["n_embd"] // GPT["n_head"]) * 4
     assert two.context_bytes == [kv, kv]
     assert any(line.startswith("context parallelism 2:") for line in two.explain)
+    from fxpipe.plans.summary import summary_table
+
+    assert "pipeline 2 x dp 1 x context 2 (all-gather attention) = world size 4" in \
+        summary_table(two)
     for a, b in zip(one.stages, two.stages):
         assert b.fwd_flops == pytest.approx(a.fwd_flops / 2, rel=0.02)
     split = [v for v in two.values.values() if v.producer >= 0]
     assert split and all(v.nbytes * 2 == one.values[v.name].nbytes for v in split)
+
+
+def test_ring_asked_where_attention_is_written_as_matmuls_is_explained():
+    args = dict(GPT, fused_attention=False)
+    spec = _gpt_spec("1f1b", attention="ring")
+    spec["model"]["args"] = args
+    made = fxpipe.plan(CharGPT(**args), spec, (_gpt_batch(0)[0][:1],))
+    assert made.context_attention == "all-gather"
+    assert any(line.startswith("context_attention: ring: 0 of 0 attention layers")
+               for line in made.explain)
 
 
 def test_auto_plans_each_degree_and_attention_and_keeps_the_fastest():
@@ -325,6 +366,18 @@ def test_a_checkpoint_saved_at_context_2_loads_into_the_plain_model(world4):
 
 
 # ----------------------------------------------------------------------------- bad input
+class _ConvGPT(nn.Module):
+    """A convolution over time: not token-local."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.conv, self.head = nn.Embedding(64, 16), nn.Conv1d(16, 16, 3, padding=1), \
+            nn.Linear(16, 64)
+
+    def forward(self, idx):
+        return self.head(self.conv(self.emb(idx).transpose(1, 2)).transpose(1, 2))
+
+
 class _LinearAttentionGPT(nn.Module):
     """Causal linear attention through a cumulative sum over the sequence: an attention
     context parallelism has no split for."""
@@ -342,11 +395,21 @@ class _LinearAttentionGPT(nn.Module):
 def test_context_bad_input_is_one_line():
     from fxpipe.errors import PlanError, SpecError
 
-    with pytest.raises(PlanError, match=r"parallel.context: 3: each sequence is cut into 2 x 3"):
-        spec = _gpt_spec("1f1b", context=3)
+    # (the attention way left to the planner: both fail alike, one line still)
+    with pytest.raises(PlanError, match=r"^parallel.context: 3: each sequence is cut into 2 x 3"):
+        spec = _gpt_spec("1f1b", context=3, attention="auto")
         fxpipe.plan(CharGPT(**GPT), spec, (_gpt_batch(0)[0][:1],))
     with pytest.raises(PlanError, match=r"cannot split cumsum at .*test_context_parallel.py"):
         fxpipe.plan(_LinearAttentionGPT(), _gpt_spec("1f1b"), (_gpt_batch(0)[0][:1],))
+    # an op inside torch is reported at the model's line that calls it
+    with pytest.raises(PlanError, match=r"cannot split conv1d at .*test_context_parallel.py"):
+        fxpipe.plan(_ConvGPT(), _gpt_spec("1f1b"), (_gpt_batch(0)[0][:1],))
+    # images: dimension 1 is not a sequence
+    with pytest.raises(PlanError, match=r"nothing in the model is split along the sequence"):
+        fxpipe.plan(nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(144, 5)),
+                    {**_gpt_spec("1f1b"), "model": {"factory": "x:y"},
+                     "train": {"optimizer": "sgd", "loss": "cross_entropy"}},
+                    (torch.randn(1, 3, 8, 8),))
     with pytest.raises(SpecError, match="parallel.context > 1 with parallel.tensor"):
         fxpipe.load_spec({**_gpt_spec("1f1b"), "parallel": {
             **_gpt_spec("1f1b")["parallel"], "tensor": 2}})

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.fx as fx
@@ -108,6 +109,8 @@ _LINEAR_OF_PARTIAL = {aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.di
                       aten.alias.default, aten.detach.default, aten.contiguous.default,
                       aten.to.dtype_layout, aten.to.device}
 _ENTRY = {aten.embedding.default, aten.linear.default}
+#: the attention ops the analysis splits (queries split, keys and values gathered or ringed)
+ATTENTION_OPS = frozenset(_SDPA)
 _LIKE = {aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default,
          aten.full_like.default, aten.rand_like.default, aten.randn_like.default}
 
@@ -171,18 +174,21 @@ def _shape(n) -> list[int]:
 
 
 def where(node: fx.Node) -> str:
-    """The node's source line (``file:line``) from its stack trace, or its name."""
+    """The node's source line (``file:line``) from its stack trace: the innermost frame
+    outside torch itself (the model's line calling ``nn.Conv1d``, not torch's), or its
+    name."""
     trace = node.meta.get("stack_trace") or ""
-    lines = [ln.strip() for ln in trace.splitlines() if ln.strip().startswith("File ")]
-    if lines:
-        last = lines[-1]  # File "x.py", line 12, in forward
-        try:
-            path = last.split('"')[1]
-            line = last.split("line ")[1].split(",")[0]
-            return f"{path}:{line}"
-        except IndexError:
-            pass
-    return f"node {node.name}"
+    frames = []
+    for ln in trace.splitlines():
+        ln = ln.strip()
+        if ln.startswith("File "):  # File "x.py", line 12, in forward
+            try:
+                frames.append((ln.split('"')[1], ln.split("line ")[1].split(",")[0]))
+            except IndexError:
+                continue
+    torch_dir = str(Path(torch.__file__).parent)
+    mine = [f for f in frames if not f[0].startswith(torch_dir)] or frames
+    return f"{mine[-1][0]}:{mine[-1][1]}" if mine else f"node {node.name}"
 
 
 def _opname(node: fx.Node) -> str:
@@ -524,6 +530,48 @@ def _matmul(node: fx.Node, w: _Walk) -> NodeSplit:
     return ns
 
 
+def _einsum(node: fx.Node, w: _Walk) -> NodeSplit:
+    """An einsum keeps the sequence's letter where the output has it (whole operands with it
+    indexed by this rank's positions); it gathers an operand whose sequence it contracts
+    (``probs @ v``), and one whose sequence becomes a second output letter (``q @ k^T``)."""
+    eq, ops = str(node.args[0]).replace(" ", ""), list(node.args[1])
+    if "->" not in eq or "." in eq:
+        raise Unsupported("an einsum without an explicit output, or with '...'")
+    ins, out = eq.split("->")
+    terms = ins.split(",")
+    if any(w.p(a) == PARTIAL for a in ops):
+        _bad_partial()
+    split = {}  # operand index -> its sequence's letter
+    for i, a in enumerate(ops):
+        s = w.split(a)
+        if s is not None:
+            if s.inner != 1:
+                raise Unsupported("an operand with the sequence merged into a dimension")
+            split[i] = terms[i][s.dim]
+    ns = NodeSplit()
+    contracted = [i for i, ch in split.items() if ch not in out]
+    if len(contracted) > 1 and len({split[i] for i in contracted}) < len(contracted):
+        raise Unsupported("it contracts two values split along the sequence")
+    kept = [i for i in split if i not in contracted]
+    gathered = contracted + [i for i in kept if split[i] != split[kept[0]]] if kept else contracted
+    for i in gathered:
+        ns.gather[ops[i].name] = w.split(ops[i])
+    kept = [i for i in kept if i not in gathered]
+    if not kept:
+        return ns
+    letter = split[kept[0]]
+    full = _shape(ops[kept[0]])[terms[kept[0]].index(letter)]
+    for i, a in enumerate(ops):
+        if i not in split and letter in terms[i]:
+            j = terms[i].index(letter)
+            if _shape(a)[j] == full:
+                ns.localize[a.name] = Seq(j)
+            elif _shape(a)[j] != 1:
+                raise Unsupported(f"operand {a.name} has {_shape(a)[j]} along the sequence")
+    ns.out = Seq(out.index(letter))
+    return ns
+
+
 def sdpa_args(node: fx.Node) -> dict:
     """The attention node's arguments by name (query, key, value, attn_mask, is_causal...)."""
     got = normalize_function(node.target, tuple(node.args), dict(node.kwargs),
@@ -634,6 +682,8 @@ def _rule(node: fx.Node):
         return _matmul
     if t in _SDPA:
         return _sdpa
+    if t is aten.einsum.default:
+        return _einsum
     if t is aten.embedding.default:
         return _embedding
     if t is aten.cross_entropy_loss.default:

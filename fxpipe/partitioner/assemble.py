@@ -10,7 +10,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from fxpipe.context.analysis import Seq
+from fxpipe.context.analysis import ATTENTION_OPS, Seq
 from fxpipe.errors import TraceError
 from fxpipe.partitioner.blocks import KEEP
 from fxpipe.partitioner.boundaries import GUARDS_FN, stage_boundaries
@@ -345,6 +345,14 @@ def _set_context(plan: Plan, pr: Priced, spec: ParallelSpec) -> None:
     plan.context_bytes = [fwd, bwd]
     ring = bool(split.rings())
     plan.context_attention = "ring" if ring else "all-gather"
+    if spec.parallel.context_attention == "ring":
+        attn = [x.name for x in pr.traced.gm.graph.nodes if x.target in ATTENTION_OPS]
+        if len(split.rings()) < len(attn) or not attn:
+            plan.explain.append(
+                f"context_attention: ring: {len(split.rings())} of {len(attn)} attention layers "
+                "run as ring attention; the others all-gather their keys and values (ring needs "
+                "scaled_dot_product_attention without dropout, with any mask split only by "
+                "its query rows; attention written as matmuls is all-gathered)")
     for name, v in plan.values.items():  # what a rank sends of a split value
         if isinstance(split.place(name), Seq):
             plan.values[name] = dataclasses.replace(v, nbytes=v.nbytes // n)

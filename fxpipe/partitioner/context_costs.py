@@ -57,9 +57,6 @@ def context_split(gm: fx.GraphModule, n: int, ring: bool = False) -> ContextSpli
         seq = sequence_length(gm)
     except ContextError as e:
         raise PlanError(f"parallel.context: {n}: {e}") from None
-    why = check(seq, n)
-    if why is not None:
-        raise PlanError(f"parallel.context: {n}: {why}")
     try:
         split = analyse(gm, n, seq, ring=ring)
     except ContextError as e:
@@ -67,8 +64,12 @@ def context_split(gm: fx.GraphModule, n: int, ring: bool = False) -> ContextSpli
     if not any(ns.gather or ns.ring for ns in split.nodes.values()) and not any(
             isinstance(ns.out, Seq) for ns in split.nodes.values()):
         raise PlanError(f"parallel.context: {n}: nothing in the model is split along the "
-                        f"sequence of its inputs ({seq} long): no embedding or linear layer "
-                        "reads [batch, sequence, ...] inputs; use parallel.context: 1")
+                        f"sequence of its inputs (dimension 1, {seq} long): no embedding or "
+                        "linear layer reads [batch, sequence, ...] inputs; use "
+                        "parallel.context: 1")
+    why = check(seq, n)
+    if why is not None:
+        raise PlanError(f"parallel.context: {n}: {why}")
     return split
 
 

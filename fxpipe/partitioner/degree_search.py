@@ -40,22 +40,38 @@ def _powers(limit: int) -> list[int]:
     return out
 
 
-def degree_options(spec: ParallelSpec) -> list[tuple[int, int, str]]:
-    """The ``(expert, context, attention)`` choices to plan (module doc)."""
+def _why_only_one(spec: ParallelSpec, kind: str) -> str | None:
+    """Why ``auto`` tries only degree 1 of ``kind`` (what it does not combine with yet)."""
+    par = spec.parallel
+    blocks = [("asynchronous updates", spec.train.updates != "sync"),
+              ("data sharding", par.data_sharding != "none")]
+    if kind == "context":
+        blocks.append(("tensor parallelism", par.tensor != 1))
+        blocks.append(("expert parallelism", par.expert not in (1, "auto")))
+    else:
+        blocks.append(("context parallelism", par.context not in (1, "auto")))
+    found = [name for name, on in blocks if on]
+    return (f"parallel.{kind}: auto planned {kind} 1 only: {kind} parallelism does not "
+            f"combine with {' or '.join(found)} yet") if found else None
+
+
+def degree_options(spec: ParallelSpec) -> tuple[list[tuple[int, int, str]], list[str]]:
+    """The ``(expert, context, attention)`` choices to plan (module doc), and why any
+    ``auto`` was kept to 1."""
     par, cl, t = spec.parallel, spec.cluster, spec.parallel.tensor
     tensor = t if isinstance(t, int) else 1
     per = cl.trainers // tensor
-    sync = spec.train.updates == "sync"
+    notes = [n for k in ("expert", "context") if getattr(par, k) == "auto"
+             for n in [_why_only_one(spec, k)] if n]
     if par.expert == "auto":
         experts = ([e for e in _powers(per) if per % e == 0]
-                   if sync and par.data_sharding == "none" else [1])
+                   if _why_only_one(spec, "expert") is None else [1])
     else:
         experts = [par.expert]
     if par.context == "auto":
-        ok = sync and par.data_sharding == "none" and t == 1
         node = cl.devices_per_node
         contexts = ([c for c in range(1, node + 1) if node % c == 0 and per % c == 0]
-                    if ok else [1])
+                    if _why_only_one(spec, "context") is None else [1])
         p, d = par.pipeline, par.data
         if isinstance(p, int) and isinstance(d, int):  # the devices left over them
             contexts = [c for c in contexts if p * d * c == per] or [per // (p * d)]
@@ -64,7 +80,18 @@ def degree_options(spec: ParallelSpec) -> list[tuple[int, int, str]]:
     way = par.context_attention
     return [(e, c, w) for e in experts for c in contexts if e == 1 or c == 1
             for w in ((("all-gather", "ring") if way == "auto" else (way,)) if c > 1
-                      else ("all-gather",))]
+                      else ("all-gather",))], notes
+
+
+def _reason(err: Exception) -> str:
+    """The first line of an error (with the next where it ends in a colon)."""
+    lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
+    if not lines:
+        return type(err).__name__
+    first = lines[0]
+    if first.endswith(":") and len(lines) > 1:
+        first += " " + lines[1]
+    return first
 
 
 def _label(spec: ParallelSpec, e: int, c: int, way: str) -> str:
@@ -88,7 +115,9 @@ def plan_degrees(spec: ParallelSpec, plan_one: Callable[[ParallelSpec], tuple]) 
     """
     made: list[tuple[float, str, tuple]] = []
     left_out: list[str] = []
-    for e, c, way in degree_options(spec):
+    errors: list[Exception] = []
+    options, notes = degree_options(spec)
+    for e, c, way in options:
         par = spec.parallel.model_copy(update={"expert": e, "context": c,
                                                "context_attention": way})
         one = spec.model_copy(update={"parallel": par})
@@ -96,13 +125,17 @@ def plan_degrees(spec: ParallelSpec, plan_one: Callable[[ParallelSpec], tuple]) 
         try:
             result = plan_one(one)
         except (PlanError, SpecError) as err:
-            left_out.append(f"{label}: {str(err).splitlines()[0]}")
+            left_out.append(f"{label}: {_reason(err)}")
+            errors.append(err)
             continue
         plan: Plan = result[0]
         made.append((plan.predicted.step_time_s if plan.predicted else float("inf"), label,
                      result))
     if not made:
-        raise PlanError("no expert / context choice gives a plan:\n  " + "\n  ".join(left_out))
+        if len({str(err) for err in errors}) == 1:  # every choice fails alike: that reason
+            raise errors[0]
+        raise PlanError("no expert / context choice gives a plan:\n  " + "\n  ".join(
+            left_out + notes))
     made.sort(key=lambda x: x[0])
     best_s, best, result = made[0]
     par = spec.parallel
@@ -113,6 +146,6 @@ def plan_degrees(spec: ParallelSpec, plan_one: Callable[[ParallelSpec], tuple]) 
     lines = [f"{asked}: chose {best} ({best_s * 1e3:.2f} ms/step predicted)"]
     lines += [f"  {label}: {s * 1e3:.2f} ms/step ({(s / best_s - 1) * 100:+.1f}%)"
               for s, label, _ in made[1:]]
-    lines += [f"  {why}" for why in left_out]
+    lines += [f"  {why}" for why in left_out + notes]
     result[0].explain[:0] = lines
     return result

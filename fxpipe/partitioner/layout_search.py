@@ -12,6 +12,7 @@ from typing import Callable
 
 import numpy as np
 
+from fxpipe.context.analysis import ContextError, analyse, sequence_length
 from fxpipe.errors import FxpipeError, PlanError
 from fxpipe.partitioner.bounds import SPLIT_BACKWARD, candidate_bound, cut_bound, unit_shares
 from fxpipe.partitioner.cut_price import simulate_cut
@@ -766,6 +767,16 @@ def _degree_notes(left_out: list[str], ranked: list[_Ranked] | None = None,
                    f"{', '.join(map(str, degrees))})")
     return out
 
+def _has_sequence(pr: Priced) -> bool:
+    """The model reads ``[batch, sequence, ...]`` inputs through an embedding or a linear
+    layer and has attention to split (what context parallelism splits)."""
+    try:
+        split = analyse(pr.traced.gm, 2, sequence_length(pr.traced.gm))
+    except ContextError:
+        return False
+    return any(ns.gather or ns.ring for ns in split.nodes.values())
+
+
 def _nothing_fits(spec: ParallelSpec, failed: list) -> PlanError:
     """Why no candidate fits, and what would: the explanation of the candidates that came
     closest, and the levers (more pipeline stages, recomputation, smaller micro-batches)."""
@@ -822,6 +833,10 @@ def _nothing_fits(spec: ParallelSpec, failed: list) -> PlanError:
                    "elsewhere); " + fix)
             break
     fix += _lever_advice(spec, failed)
+    if spec.parallel.context == 1 and spec.cluster.trainers > 1 and pr is not None and \
+            _has_sequence(pr):
+        fix += ("; context parallelism (parallel.context: 2 or more, or auto) splits every "
+                "activation along the sequence over that many ranks")
     if spec.parallel.tensor == 1 and spec.cluster.devices_per_node > 1:
         fix += ("; tensor parallelism (parallel.tensor: auto, or a divisor of "
                 f"cluster.devices_per_node={spec.cluster.devices_per_node}) splits every "

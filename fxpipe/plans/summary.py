@@ -110,7 +110,9 @@ def summary_table(plan: "Plan") -> str:
             f"rank {r} {ms(t)} ms" for r, t in enumerate(per_rank)))
     ps = len(plan.parameter_servers)
     t = getattr(plan, "tensor", 1)
+    c = getattr(plan, "context", 1)
     lines.append(f"parallelism:  pipeline {plan.pipeline} x dp {plan.dp}"
+                 + (f" x context {c} ({plan.context_attention} attention)" if c > 1 else "")
                  + (f" x tensor {t}" if t > 1 else "")
                  + (f" + {plural(ps, 'parameter server')}" if ps else "")
                  + f" = world size {plan.world_size}")
