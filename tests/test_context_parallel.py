@@ -6,8 +6,9 @@ ranks (a head and a mirrored tail chunk each), attention all-gathering keys and 
   queries too), the analysis of the bundled GPT and tiny Llama (queries split, keys and values
   gathered, position tables and masks indexed, the label shift kept whole, the mean loss made a
   share), the plan's pricing (work 1/N, the gathers' bytes and seconds).
-* On 4 gloo ranks (pipeline 2 x context 2), under 1F1B and ZB-V: a long-sequence CharGPT (the
-  spec's cross entropy, ``-100`` targets, clipping) and tiny Llama (its own loss, a padding
+* On 4 gloo ranks (pipeline 2 x context 2), under 1F1B and ZB-V, all-gather and ring attention,
+  with and without data sharding over the context group's replicas: a long-sequence CharGPT
+  (the spec's cross entropy, ``-100`` targets, clipping) and tiny Llama (its own loss, a padding
   mask, grouped-query attention, rotary positions) train like one process (fp32, the bounds of
   tests/tolerances.py); the bytes the run all-gathers and reduce-scatters equal the plan's; a
   checkpoint saved at context 2 loads into the plain model.
@@ -178,14 +179,15 @@ def _gpt_spec(schedule: str, context: int = 2, attention: str = "all-gather", **
 
 
 def _plan(case) -> dict:
-    name, schedule, attention = case
+    name, schedule, attention, sharding = (*case, "none")[:4]
     if name == "llama":
         return zoo.plan("llama", 2, 1, 2, schedule, parallel__context=2,
                         parallel__context_attention=attention,
+                        parallel__data_sharding=sharding,
                         cluster__devices_per_node=4).to_dict()
     with torch.device("meta"):
         model = CharGPT(**GPT)
-    return fxpipe.plan(model, _gpt_spec(schedule, attention=attention),
+    return fxpipe.plan(model, _gpt_spec(schedule, attention=attention, data_sharding=sharding),
                        (_gpt_batch(0)[0][:1],)).to_dict()
 
 
@@ -243,9 +245,10 @@ def test_auto_plans_each_degree_and_attention_and_keeps_the_fastest():
 
 
 # ----------------------------------------------------------------------------- 4 ranks
-#: (model, schedule, attention), each at pipeline 2 x context 2
-CASES = [("gpt", "1f1b", "all-gather"), ("gpt", "zb-v", "ring"), ("llama", "1f1b", "ring"),
-         ("llama", "zb-v", "all-gather")]
+#: (model, schedule, attention, data sharding over the context group's 2 replicas), each at
+#: pipeline 2 x context 2
+CASES = [("gpt", "1f1b", "all-gather", "none"), ("gpt", "zb-v", "ring", "full"),
+         ("llama", "1f1b", "ring", "none"), ("llama", "zb-v", "all-gather", "optimizer")]
 SAVED = 0  # the case whose trained model is also saved
 
 
@@ -279,7 +282,8 @@ def _worker(rank: int, plans: list, ckpt: str) -> list:
     for i, plan in enumerate(plans):
         name = CASES[i][0]
         pipe = fxpipe.compile(_gpt() if name == "gpt" else zoo.build(name), Plan.from_dict(plan))
-        opt = torch.optim.SGD(pipe.parameters(), lr=LR, momentum=0.9)
+        opt = pipe.shard_optimizer(torch.optim.SGD(pipe.parameters(), lr=LR, momentum=0.9))
+        assert pipe.plan.data_sharding == CASES[i][3]
         losses, sent = [], {}
         for step in range(STEPS):
             batch = _gpt_batch(step) if name == "gpt" else (zoo.batch(name, step)[1], None)
@@ -410,6 +414,9 @@ def test_context_bad_input_is_one_line():
                     {**_gpt_spec("1f1b"), "model": {"factory": "x:y"},
                      "train": {"optimizer": "sgd", "loss": "cross_entropy"}},
                     (torch.randn(1, 3, 8, 8),))
+    with pytest.raises(SpecError, match="parallel.context > 1 with parallel.expert"):
+        fxpipe.load_spec({**_gpt_spec("1f1b"), "parallel": {
+            **_gpt_spec("1f1b")["parallel"], "expert": 2}})
     with pytest.raises(SpecError, match="parallel.context > 1 with parallel.tensor"):
         fxpipe.load_spec({**_gpt_spec("1f1b"), "parallel": {
             **_gpt_spec("1f1b")["parallel"], "tensor": 2}})

@@ -37,7 +37,7 @@ def reduce_floor(spec: ParallelSpec, cand: Candidate) -> float:
     fp32 all-reduce, 1/2 for 16-bit compression, 0 where the share depends on the cut (data
     sharding leaves out the parameters no other stage shares; PowerSGD and top-k their
     matrices' shapes): the bounds stay below the priced step."""
-    if cand.sharding != "none" and cand.dp > 1:
+    if cand.sharding != "none" and cand.replicas > 1:
         return 0.0
     return {"none": 1.0, "fp16": 0.5, "bf16": 0.5}.get(spec.train.grad_compression or "none",
                                                         0.0)

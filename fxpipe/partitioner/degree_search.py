@@ -43,12 +43,12 @@ def _powers(limit: int) -> list[int]:
 def _why_only_one(spec: ParallelSpec, kind: str) -> str | None:
     """Why ``auto`` tries only degree 1 of ``kind`` (what it does not combine with yet)."""
     par = spec.parallel
-    blocks = [("asynchronous updates", spec.train.updates != "sync"),
-              ("data sharding", par.data_sharding != "none")]
+    blocks = [("asynchronous updates", spec.train.updates != "sync")]
     if kind == "context":
         blocks.append(("tensor parallelism", par.tensor != 1))
         blocks.append(("expert parallelism", par.expert not in (1, "auto")))
     else:
+        blocks.append(("data sharding", par.data_sharding != "none"))
         blocks.append(("context parallelism", par.context not in (1, "auto")))
     found = [name for name, on in blocks if on]
     return (f"parallel.{kind}: auto planned {kind} 1 only: {kind} parallelism does not "

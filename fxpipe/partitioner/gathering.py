@@ -57,13 +57,13 @@ __all__ = ["is_block", "factor", "model_has_blocks", "drop_block_candidates",
 
 def is_block(cand: Candidate) -> bool:
     """Whether the candidate gathers its stages' parameters block by block."""
-    return cand.gather == "block" and cand.sharding == "full" and cand.dp > 1
+    return cand.gather == "block" and cand.sharding == "full" and cand.replicas > 1
 
 
 def factor(spec: ParallelSpec, cand: Candidate) -> float:
     """Bytes of training state per parameter byte the cut problem charges the candidate
     (:func:`~fxpipe.specs.schema.state_factor` at its sharding and gathering)."""
-    return state_factor(spec.train.optimizer, cand.sharding, cand.dp,
+    return state_factor(spec.train.optimizer, cand.sharding, cand.replicas,
                         cand.gather if is_block(cand) else "stage",
                         cand.schedule in SPLIT_BACKWARD)
 
@@ -130,7 +130,7 @@ def gathered_bound(pr: Priced, spec: ParallelSpec, cand: Candidate) -> float:
         pr.cache[key + "s"] = list(sizes.values())
     top2, spread = pr.cache[key]
     top1 = top2 if top2 <= 0 else max(g for g in pr.cache[key + "s"])
-    k, n = _k(spec), cand.dp
+    k, n = _k(spec), cand.replicas
     split = cand.schedule in SPLIT_BACKWARD
     wire = 0.5 if spec.train.grad_compression in ("fp16", "bf16") else 1.0
     return (top2 + wire * (top2 + top1 / n) + (0.0 if split else top1)
@@ -152,7 +152,7 @@ def comm_floor(pr: Priced, spec: ParallelSpec, cand: Candidate) -> float:
     mine = max(0.0, float(sum(pr.table.params)) - spread) / cand.pipeline
     wire = 0.5 if spec.train.grad_compression in ("fp16", "bf16") else 1.0
     # _ring_s is an all-reduce, 2 (n-1)/n x bytes / bw: a gather or reduce-scatter is half
-    ring = _ring_s(mine, cand.dp, spec, cand.pipeline, cand.dp, cand.layout, latency=False,
+    ring = _ring_s(mine, cand.replicas, spec, cand.pipeline, cand.replicas, cand.layout, latency=False,
                    tensor=cand.tensor) / 2.0
     return cand.microbatches * (2.0 + wire) * ring
 
@@ -221,7 +221,7 @@ def static_fixed(pr: Priced, spec: ParallelSpec, cand: Candidate, cuts: Sequence
     split = cand.schedule in SPLIT_BACKWARD
     wire = 0.5 if spec.train.grad_compression in ("fp16", "bf16") else 1.0
     mult = factor(spec, cand)
-    return [block_static_bytes([b for _, b, _ in gs], sh, cand.dp, _k(spec), wire, split)
+    return [block_static_bytes([b for _, b, _ in gs], sh, cand.replicas, _k(spec), wire, split)
             - mult * float(param_bytes[j]) for j, (gs, sh) in enumerate(zip(groups, shared))]
 
 

@@ -550,8 +550,8 @@ def _gather_notes(pr: Priced, spec: ParallelSpec, best: _Ranked, ranked: list[_R
     held = max(mult * float(p) + x for p, x in zip(best.result.param_bytes, fixed))
     whole_cand = _whole_gather(spec, cand)
     whole = max(float(p) for p in best.result.param_bytes) * state_factor(
-        spec.train.optimizer, "full", cand.dp)
-    line = (f"param_gather: block (parameters gathered block by block over {cand.dp} replicas, "
+        spec.train.optimizer, "full", cand.replicas)
+    line = (f"param_gather: block (parameters gathered block by block over {cand.replicas} replicas, "
             f"the next block's all-gather overlapping the current one's compute, gradients "
             f"reduce-scattered per block): the fullest stage holds "
             f"{human_bytes(held, True)} of parameters, gradients and optimizer state instead of "
@@ -595,7 +595,7 @@ def _forced_block_note(pr: Priced, spec: ParallelSpec, best: _Ranked, held: floa
     worse = []
     if more:
         worse.append(f"its fullest stage holds {human_bytes(held - whole, True)} more (at "
-                     f"{cand.dp} replicas its shards, {human_bytes(parts[0], True)}, and the "
+                     f"{cand.replicas} replicas its shards, {human_bytes(parts[0], True)}, and the "
                      f"gathered blocks and parameters shared by stages, held whole, "
                      f"{human_bytes(parts[1], True)}, outweigh the whole stage's state)")
     if slower:
@@ -652,7 +652,7 @@ def _sharding_notes(pr: Priced, spec: ParallelSpec, cand: Candidate,
     simulated (those it pruned have step-time bounds above the chosen step)."""
     if cand.sharding == "none":
         return []
-    if cand.dp == 1:
+    if cand.replicas == 1:
         return [f"data sharding {cand.sharding} with one replica per stage (parallel.data: 1): "
                 "nothing to split, each rank holds its stages' whole training state (as with "
                 "data_sharding: none)"]
@@ -660,7 +660,7 @@ def _sharding_notes(pr: Priced, spec: ParallelSpec, cand: Candidate,
     total = sum(pr.table.params) / cand.pipeline
     with_, without = total * factor(spec, cand), total * state_factor(opt)
     line = (f"data sharding {cand.sharding}{' (gathered block by block)' if is_block(cand) else ''}"
-            f" over {cand.dp} replicas: parameters, gradients and "
+            f" over {cand.replicas} replicas: parameters, gradients and "
             f"optimizer state {human_bytes(with_, True)} per rank on average"
             f"{' (and the gathered blocks)' if is_block(cand) else ''} instead of "
             f"{human_bytes(without, True)}")
@@ -697,7 +697,7 @@ def _no_saving(spec: ParallelSpec, cand: Candidate, more: bool) -> str:
     block = ("; param_gather: block gathers the weights block by block instead, holding only "
              "slices through the step" if cand.sharding == "full" and not is_block(cand)
              and spec.train.updates == "sync" else "")
-    return (f" ({'more' if more else 'no saving'} at {cand.dp} replicas: gathering whole stages "
+    return (f" ({'more' if more else 'no saving'} at {cand.replicas} replicas: gathering whole stages "
             f"keeps every rank's weights and gradients whole through the step, and "
             f"{cand.sharding} sharding's "
             + ("gradient and float32 master slices take" if cand.sharding == "full" else

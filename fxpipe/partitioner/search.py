@@ -243,7 +243,7 @@ def candidates(spec: ParallelSpec, max_stages: int | None = None,
                         if par.schedule != "auto" and par.microbatches != "auto":
                             compute_schedule(s, pp, m, v)  # raises, explaining the rule
                         continue
-                    for z, gather in _levels_and_gathers(spec, dp):
+                    for z, gather in _levels_and_gathers(spec, dp * context):
                         if not (spread and pp > 1 and cp_inside):
                             out.append(Candidate(pp, dp, m, s, v, tensor=tensor, sharding=z,
                                                  gather=gather, context=context))

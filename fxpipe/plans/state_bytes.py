@@ -72,9 +72,9 @@ def _sharded(plan: "Plan", stages: list[int]) -> list[tuple[int, int]]:
 def sharded_bytes_sent(plan: "Plan", stages: list[int], wire_bytes: int = 4) -> dict[str, int]:
     """Bytes the rank holding ``stages`` sends per step in the reduce-scatters of its sharded
     gradients (``wire_bytes`` per element: 2 under ``fp16`` / ``bf16`` compression) and the
-    all-gathers of its parameters, ring algorithms over ``plan.dp`` replicas (what
+    all-gathers of its parameters, ring algorithms over ``plan.replicas`` replicas (what
     :class:`~fxpipe.runtime.data_sharding.ShardedBucket` counts); 0 without sharding."""
-    n = plan.dp
+    n = plan.replicas
     if plan.data_sharding == "none" or n <= 1:
         return {"reduce_scatter": 0, "all_gather": 0}
     rs = ag = 0
@@ -99,7 +99,7 @@ def held_state_bytes(plan: "Plan", stages: list[int], replica: int, fields: int,
     if not plan.param_shapes:
         raise ValueError("the plan keeps no parameter shapes (a plan from an older fxpipe): "
                          "plan again")
-    level, n = plan.data_sharding, plan.dp
+    level, n = plan.data_sharding, plan.replicas
     whole = whole_sh = 0
     seen: set[str] = set()
     for s in sorted(stages):

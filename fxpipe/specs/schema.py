@@ -976,8 +976,7 @@ def _context_problems(spec: ParallelSpec) -> list[tuple[tuple[str, ...], str]]:
                     f"{spec.cluster.trainers} training devices"))
     others = [(k, why) for k, on, why in (
         ("tensor", par.tensor != 1, "parallel.tensor: 1"),
-        ("expert", par.expert > 1, "parallel.expert: 1"),
-        ("data_sharding", par.data_sharding != "none", "data_sharding: none"),
+        ("expert", par.expert not in (1, "auto"), "parallel.expert: 1"),
     ) if on]
     for k, why in others:
         out.append((("parallel", k),

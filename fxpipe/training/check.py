@@ -206,7 +206,7 @@ def memory_levers(plan) -> str:
     off = [j for j, st in enumerate(plan.stages) if st.offload_bytes]
     if off:
         parts.append(f"activation offload on {stages(off)}")
-    if plan.data_sharding != "none" and plan.dp > 1:
+    if plan.data_sharding != "none" and plan.replicas > 1:
         parts.append(f"data sharding {plan.data_sharding}")
     blk = [j for j, st in enumerate(plan.stages) if st.param_gather == "block"]
     if blk:
