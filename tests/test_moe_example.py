@@ -38,7 +38,7 @@ except ImportError:  # tests/ collected as a package
 
 ARGS = {"vocab_size": 64, "block_size": 16, "n_layer": 2, "n_head": 2, "n_embd": 32,
         "n_expert": 4, "top_k": 2, "capacity_factor": 1.0}
-B, T, STEPS, LR = 8, 16, 3, 0.2
+B, T, STEPS, LR, CLIP = 8, 16, 3, 0.2, 0.5
 
 
 def _model() -> MoEGPT:
@@ -79,17 +79,19 @@ def test_torch_export_traces_the_whole_model():
     assert "aten.topk.default" in targets and "aten.bmm.default" in targets
 
 
-def _spec(p: int, d: int, t: int, schedule: str, expert: int = 1) -> dict:
+def _spec(p: int, d: int, t: int, schedule: str, expert: int = 1,
+          sharding: str = "none") -> dict:
     return {"model": {"factory": "fxpipe.examples.moe:MoEGPT", "args": ARGS},
             "data": {"batch_size": B, "seq_len": T},
             "parallel": {"pipeline": p, "data": d, "tensor": t, "microbatches": 2,
-                         "schedule": schedule, "expert": expert},
+                         "schedule": schedule, "expert": expert, "data_sharding": sharding},
             "cluster": {"devices_per_node": p * d * t, "memory_gb": 4, "device_tflops": 0.02},
             "train": {"loss": "model", "optimizer": "sgd", "timeout_s": 120}}
 
 
-#: (pipeline, data, tensor, schedule, expert)
-CASES = [(2, 2, 1, "1f1b", 2), (2, 2, 1, "zb-v", 2), (1, 2, 2, "zb-h1", 2)]
+#: (pipeline, data, tensor, schedule, expert, data sharding)
+CASES = [(2, 2, 1, "1f1b", 2, "none"), (2, 2, 1, "zb-v", 2, "optimizer"),
+         (1, 2, 2, "zb-h1", 2, "none")]
 #: transformers' dropless MoE models (sorted rows through grouped matmuls) under expert 2:
 #: (model, pipeline, data, schedule)
 HF_CASES = [("mixtral", 2, 2, "1f1b"), ("qwen2_moe", 2, 2, "zb-v")]
@@ -131,7 +133,7 @@ def _plan(case) -> dict:
 def _reference(case):
     """One process, the pipeline's micro-batches (data ranks' rows, then each rank's
     micro-batches), their losses averaged (equal tokens), SGD with momentum."""
-    p, d, t, _, _ = case
+    p, d, t, *_ = case
     model = _model()
     init = {k: v.detach().clone() for k, v in model.named_parameters()}
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
@@ -145,6 +147,7 @@ def _reference(case):
             loss = model(**part)["loss"] / pieces
             loss.backward()
             total += float(loss.detach())
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         opt.step()
         opt.zero_grad()
         losses.append(total)
@@ -160,12 +163,14 @@ def _worker(rank: int, plans: list, ckpt: str) -> list:
         hf = i >= len(CASES)
         name = HF_CASES[i - len(CASES)][0] if hf else None
         pipe = fxpipe.compile(zoo.build(name) if hf else _model(), Plan.from_dict(plan))
-        opt = torch.optim.SGD(pipe.parameters(), lr=LR, momentum=0.9)
+        opt = pipe.shard_optimizer(torch.optim.SGD(pipe.parameters(), lr=LR, momentum=0.9))
         losses, sent = [], 0
         for step in range(STEPS):
             losses.append(pipe.step(zoo.batch(name, step)[1] if hf else _batch(step), None))
             if step == 0:
                 sent = pipe.executor.collective_bytes.get("all-to-all", 0)
+            if not hf:  # every expert's gradient counted once in the norm
+                pipe.clip_grad_norm_(CLIP)
             opt.step()
             pipe.zero_grad()
         if i == SAVED:  # experts split over the expert group: saved whole
@@ -177,7 +182,7 @@ def _worker(rank: int, plans: list, ckpt: str) -> list:
 
 
 #: the case whose trained model is also saved (a checkpoint of split experts)
-SAVED = 0
+SAVED = 1  # (with data sharding: the sharded optimizer saves whole experts too)
 
 
 @pytest.fixture(scope="module")
@@ -247,7 +252,8 @@ def test_expert_parallelism_bad_input_is_one_line():
 
     base = _spec(2, 2, 1, "1f1b", 2)
     for change, msg in (({"expert": 3, "data": 2}, "expert=3 splits the experts"),
-                        ({"data_sharding": "optimizer"}, "with parallel.expert > 1 is not")):
+                        ({"data_sharding": "full", "param_gather": "block"},
+                         "param_gather: block with parallel.expert > 1 is not")):
         spec = {**base, "parallel": {**base["parallel"], **change}}
         with pytest.raises(SpecError, match=msg):
             fxpipe.load_spec(spec)
@@ -261,6 +267,26 @@ def test_expert_parallelism_bad_input_is_one_line():
     with pytest.raises(PlanError, match="3 experts, which do not split over 2 ranks"):
         fxpipe.plan(MoEGPT(**odd), {**base, "model": {"factory": "x:y", "args": odd}}, (),
                     {k: v[:1] for k, v in _batch(0).items()})
+
+
+def test_experts_stay_whole_under_data_sharding_and_are_planned_so():
+    """The sharding leaves the experts whole (they differ between replicas): the plan holds
+    their whole state, the dense parameters' optimizer state halved over 2 replicas."""
+    def stages(level):
+        with torch.device("meta"):
+            model = MoEGPT(**ARGS)
+        spec = _spec(2, 2, 1, "1f1b", 2, level)
+        spec["train"]["optimizer"] = "adamw"
+        return fxpipe.plan(model, spec, (), {k: v[:1].to("meta") for k, v in
+                                             _batch(0).items()}).stages
+    whole, sharded = stages("none"), stages("optimizer")
+    layer = sum(p.numel() * 4 for n, p in _model().h[0].moe.named_parameters()
+                if not n.startswith("router"))
+    for a, b in zip(whole, sharded):
+        assert b.expert_bytes == layer // 2 and b.param_bytes == a.param_bytes
+        # AdamW: 4 bytes of state per byte whole, 2 + 3/2 sharded over 2 replicas
+        assert a.memory_bytes - b.memory_bytes == pytest.approx(
+            (b.param_bytes - b.expert_bytes) * 0.5, abs=4)
 
 
 def test_auto_expert_degree_plans_each_and_says_why_one_was_left_out():

@@ -136,7 +136,7 @@ def _stage_plan(j: int, step: StageStep, result: PartitionResult, rc: Recompute,
     compute = step.fwd_s + step.bwd_input_s + step.bwd_weight_s
     return StagePlan(
         index=j, **fields,
-        param_bytes=int(result.param_bytes[j]), activation_bytes=int(step.activation_bytes),
+        param_bytes=round(step.param_bytes), activation_bytes=int(step.activation_bytes),
         recv_bytes=int(result.recv_bytes[j]), send_bytes=int(result.send_bytes[j]),
         compute_time_s=compute, comm_time_s=result.comm_s[j],
         time_s=compute + result.comm_s[j], memory_bytes=int(memory),
@@ -147,6 +147,7 @@ def _stage_plan(j: int, step: StageStep, result: PartitionResult, rc: Recompute,
         recompute_blocks=rc.blocks(j),
         offload_bytes=int(rc.host_bytes(j)), loss_time_s=float(loss_s),
         shared_bytes=int(step.shared_bytes), tied_bytes=int(step.tied_bytes),
+        expert_bytes=int(step.expert_bytes),
         param_gather="block" if step.gather_rows else "stage",
         gather_groups=[[float(x) for x in r] for r in step.gather_rows])
 

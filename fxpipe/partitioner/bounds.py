@@ -48,7 +48,8 @@ SPLIT_BACKWARD = frozenset({"zb-h1", "zb-v", "v-half", "v-min", "dualpipev"})
 
 def cut_bound(prefix: np.ndarray, result: PartitionResult, cand: Candidate, spec: ParallelSpec,
                scale: float, slow: np.ndarray, recompute: list[str],
-               again: np.ndarray | None = None) -> float:
+               again: np.ndarray | None = None,
+               param_bytes: list[float] | None = None) -> float:
     """A lower bound on the simulated step time of a cut, whatever the schedule does.
 
     For every rank ``r`` whose lowest stage is ``s0``: nothing runs on ``r`` before micro-batch
@@ -59,7 +60,10 @@ def cut_bound(prefix: np.ndarray, result: PartitionResult, cand: Candidate, spec
     its stages, but not necessarily after its split-off W's) is followed by the input
     gradients of stages ``s0-1 .. 0`` (``drain``). Sends and latencies only add time.
     ``recompute``: per stage, ``full`` (its forward again in B), ``selective`` (the forward
-    seconds of ``again``, prefix sums over the units, again) or none."""
+    seconds of ``again``, prefix sums over the units, again) or none. ``param_bytes``: the
+    stages' parameter bytes (default the cut's; where its memory scaled some, the true
+    ones)."""
+    params = result.param_bytes if param_bytes is None else param_bytes
     cuts = list(result.cuts) + [prefix.shape[1] - 1]
     split = cand.schedule in SPLIT_BACKWARD
     f, b, w = [], [], []
@@ -80,7 +84,7 @@ def cut_bound(prefix: np.ndarray, result: PartitionResult, cand: Candidate, spec
         work[r] += f[j] + b[j] + w[j]
         fb[r] += f[j] + b[j] + (0.0 if split else w[j])
         low[r] = min(low[r], j)
-        ars[r].append(_ring_s(result.param_bytes[j] * floor, cand.replicas, spec,
+        ars[r].append(_ring_s(params[j] * floor, cand.replicas, spec,
                               cand.pipeline, cand.replicas, cand.layout, tensor=cand.tensor))
     fcum = np.concatenate([[0.0], np.cumsum(f)])
     bcum = np.concatenate([[0.0], np.cumsum(b)])

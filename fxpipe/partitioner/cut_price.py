@@ -15,6 +15,7 @@ from fxpipe.partitioner.cut_tables import (rebuilt_seconds, stage_params, stage_
                                            unit_params)
 from fxpipe.partitioner.cutting import (FULL, OFFLOAD, SELECTIVE, Recompute, offload_moves,
                                         recompute_stages, selective_prefix)
+from fxpipe.partitioner.expert_state import stage_expert_bytes, true_param_bytes
 from fxpipe.partitioner.gathering import is_block, with_gather_rows
 from fxpipe.partitioner.pricing import Priced
 from fxpipe.partitioner.problem import CutProblem, PartitionResult
@@ -146,12 +147,14 @@ def cut_steps(pr: Priced, prefix: np.ndarray, problem: CutProblem, result: Parti
     shapes = unit_params(pr).shapes if matrices else {}
     send_s = edge_send_times(fwd, k, pr.send)
     grad_send_s = edge_send_times(grad, k, pr.send)
+    params = true_param_bytes(pr, spec, cand, result)  # (the cut's memory scaled experts)
+    experts = stage_expert_bytes(pr, list(result.cuts))
     stages = [StageStep(
         float(x[0]), float(x[1]), float(x[2]),
         int(rc.activation_bytes(j)),
-        float(result.param_bytes[j]), float(shared[j]),
+        params[j], float(shared[j]),
         [shapes[f] for f in names[j] if f in shapes] if names is not None else [],
-        send_s[j], grad_send_s[j]) for j, x in enumerate(per)]
+        send_s[j], grad_send_s[j], expert_bytes=experts[j]) for j, x in enumerate(per)]
     if is_block(cand):  # parameters gathered block by block: the rows their gathers price
         replay = [s.bwd_input_s - float((prefix[1, b] - prefix[1, a] + extra[j][1]) * scale
                                         * problem.slow[j])

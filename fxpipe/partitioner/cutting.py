@@ -12,6 +12,7 @@ import numpy as np
 
 from fxpipe.errors import PlanError
 from fxpipe.partitioner.bounds import SPLIT_BACKWARD
+from fxpipe.partitioner.expert_state import memory_params
 from fxpipe.partitioner.partial import explicit, partial_options, scaled
 from fxpipe.partitioner.gathering import factor, gathered_bound, static_fixed
 from fxpipe.partitioner.pricing import Priced, selective_at, selective_levels
@@ -277,7 +278,7 @@ def cut_problem(pr: Priced, spec: ParallelSpec, cand: Candidate, scale: float,
         saved = [s * scale for s in tb.saved]
         capacity = [capacity - n * out for n, out in zip(inflight, outs)]
     return CutProblem(
-        compute, tb.params, saved, values, k,
+        compute, memory_params(pr, spec, cand, tb.params), saved, values, k,
         bandwidth_Bps=_boundary_bandwidths(spec, cand, stage_to_rank) if k > 1 else 1.0,
         latency_s=spec.cluster.links.latency_s,
         capacity_bytes=capacity,

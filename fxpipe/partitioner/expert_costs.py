@@ -63,11 +63,14 @@ def expert_regions(gm: fx.GraphModule, n: int, model_name: str) -> list[Region]:
 
 def expert_priced(gm: fx.GraphModule, costs: dict[str, NodeCost], regions: list[Region],
                   n: int, link: tuple[float, float], byte_scale: float = 1.0
-                  ) -> tuple[dict[str, NodeCost], dict[str, tuple[float, float]], list[float]]:
+                  ) -> tuple[dict[str, NodeCost], dict[str, tuple[float, float]], list[float],
+                             dict[str, int]]:
     """``costs`` of one rank of an expert group of ``n`` (module doc), the all-to-alls'
-    (forward, input-gradient) seconds per node, and the bytes of the ``[E, C, ...]`` tensors
-    one micro-batch all-to-alls (forward, backward)."""
+    (forward, input-gradient) seconds per node, the bytes of the ``[E, C, ...]`` tensors
+    one micro-batch all-to-alls (forward, backward), and the expert parameter bytes charged
+    to each node (this rank's ``1/n``)."""
     costs = dict(costs)
+    held: dict[str, int] = {}
     comm: dict[str, tuple[float, float]] = {}
     moved = [0.0, 0.0]
     readers: dict[str, list[str]] = {}
@@ -82,6 +85,7 @@ def expert_priced(gm: fx.GraphModule, costs: dict[str, NodeCost], regions: list[
             c = costs.get(name)
             if c is not None and c.param_bytes:
                 costs[name] = dataclasses.replace(c, param_bytes=c.param_bytes // n)
+                held[name] = c.param_bytes // n
         ends = [(r.nodes[0], e) for e in r.entries] + [(r.nodes[-1], x) for x in r.exits]
         for at, value in ends:
             sec = all_to_all_seconds(size[value], n, link, byte_scale)
@@ -89,7 +93,7 @@ def expert_priced(gm: fx.GraphModule, costs: dict[str, NodeCost], regions: list[
             comm[at] = (f + sec, b + sec)
             moved[0] += size[value]
             moved[1] += size[value]
-    return costs, comm, moved
+    return costs, comm, moved, held
 
 
 def with_all_to_alls(times: dict[str, NodeTimes], comm: dict[str, tuple[float, float]]

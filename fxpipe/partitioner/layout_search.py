@@ -16,6 +16,7 @@ from fxpipe.context.analysis import ContextError, analyse, sequence_length
 from fxpipe.errors import FxpipeError, PlanError
 from fxpipe.partitioner.bounds import SPLIT_BACKWARD, candidate_bound, cut_bound, unit_shares
 from fxpipe.partitioner.cut_price import simulate_cut
+from fxpipe.partitioner.expert_state import true_param_bytes
 from fxpipe.partitioner.cutting import (FULL, OFF, OFFLOAD, SELECTIVE, Recompute, cut_problem,
                                         every_stage_forced,
                                         fastest_slowdown, fits_recomputing,
@@ -294,7 +295,7 @@ def search_layouts(pr_at: Callable[[int], Priced], spec: ParallelSpec, prune: bo
             same.add((tuple(result.cuts), tuple(rc.flags), tuple(rc.ridges or ())))
             if prune and best is not None and cut_bound(
                     prefix, result, cand, spec, scale, problem.slow, rc.flags,
-                    selective_prefix(pr)) > best.step_s:
+                    selective_prefix(pr), true_param_bytes(pr, spec, cand, result)) > best.step_s:
                 cut_pruned = True
                 continue
             r = _Ranked(simulate_cut(pr, prefix, problem, result, cand, spec, scale,

@@ -80,6 +80,8 @@ class Priced:
             its all-to-alls (:mod:`fxpipe.partitioner.expert_costs`).
         expert_bytes: under expert parallelism, the bytes of the ``[E, C, ...]`` tensors one
             micro-batch all-to-alls forward and backward (over the traced graph; None without).
+        expert_params: under expert parallelism, node -> the expert parameter bytes charged
+            to it (this rank's share; :mod:`fxpipe.partitioner.expert_state`).
         context_split: under context parallelism, the placements of the traced graph's values
             (:class:`fxpipe.context.analysis.ContextSplit`); context_bytes: the whole bytes
             one micro-batch all-gathers forward and reduce-scatters backward (None without).
@@ -101,6 +103,7 @@ class Priced:
     expert_comm: dict[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
     context_split: Any = None
     context_bytes: list[float] | None = None
+    expert_params: dict[str, int] = dataclasses.field(default_factory=dict)
     #: what is derived once from these figures (:mod:`fxpipe.partitioner.cut_tables`); not
     #: copied by ``dataclasses.replace``, whose copy derives its own
     cache: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
@@ -359,7 +362,7 @@ def at_degree(pr: Priced, spec: ParallelSpec, t: int) -> Priced:
         pg = build_graph(traced, costs)
     out = Priced(traced, costs, times, pg, pr.cheap, pr.send, pr.batch, loss=loss,
                  loss_at=pr.loss_at, tensor=tp, ridge=pr.ridge, expert_bytes=pr.expert_bytes,
-                 expert_comm=pr.expert_comm)
+                 expert_comm=pr.expert_comm, expert_params=pr.expert_params)
     if pr.table.folding is not None:
         folded = fold(pg, pr.table.folding.run, out.table.times, pr.cheap,
                       out.table.selective, costs)

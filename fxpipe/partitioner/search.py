@@ -244,6 +244,8 @@ def candidates(spec: ParallelSpec, max_stages: int | None = None,
                             compute_schedule(s, pp, m, v)  # raises, explaining the rule
                         continue
                     for z, gather in _levels_and_gathers(spec, dp * context):
+                        if gather == "block" and par.expert != 1:
+                            continue  # experts stay whole under sharding: gathered whole
                         if not (spread and pp > 1 and cp_inside):
                             out.append(Candidate(pp, dp, m, s, v, tensor=tensor, sharding=z,
                                                  gather=gather, context=context))

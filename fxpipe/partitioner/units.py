@@ -143,11 +143,11 @@ class PricedUnits:
                 cp_comm, cp_moved = context_comm(traced.gm, split, times, context_link(spec),
                                                  _byte_scale(spec))
                 times = with_all_to_alls(times, cp_comm)
-            moved, comm = None, {}
+            moved, comm, expert_held = None, {}, {}
             if spec.parallel.expert > 1:  # this rank's experts, the all-to-alls
                 n = spec.parallel.expert
                 regions = expert_regions(traced.gm, n, type(self.model).__name__)
-                costs, comm, moved = expert_priced(
+                costs, comm, moved, expert_held = expert_priced(
                     traced.gm, costs, regions, n, expert_link(spec), _byte_scale(spec))
                 times = with_all_to_alls(times, comm)
         with warnings.catch_warnings(record=True) as held:
@@ -157,7 +157,7 @@ class PricedUnits:
                     size, loss=loss,
                     loss_at=loss_node(traced, costs) if loss.total_s > 0 else None,
                     ridge=spec_ridge(spec))
-        pr.expert_bytes, pr.expert_comm = moved, comm
+        pr.expert_bytes, pr.expert_comm, pr.expert_params = moved, comm, expert_held
         pr.context_split, pr.context_bytes = split, cp_moved
         if short:
             pr.table = fold(pg, self.run, pr.table.times, pr.cheap, pr.table.selective,

@@ -53,6 +53,8 @@ class StagePlan:
             stage uses too (a tied embedding's later copy); gathered block by block
             (``param_gather: block``) the stage holds them whole with their gradients and
             optimizer state (in ``memory_bytes``).
+        expert_bytes: of ``param_bytes``, the bytes of this rank's experts (expert
+            parallelism): never sharded, held with their whole training state.
         activation_bytes: bytes of activations kept for backward per micro-batch in flight.
         recv_bytes / send_bytes: bytes received / sent per micro-batch in the forward pass
             (the backward pass moves the same float values the other way).
@@ -139,6 +141,7 @@ class StagePlan:
     tensor_bytes: list[float] = field(default_factory=list)
     shared_bytes: int = 0
     tied_bytes: int = 0
+    expert_bytes: int = 0
 
     @property
     def recompute_mode(self) -> str:

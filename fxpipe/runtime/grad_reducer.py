@@ -183,7 +183,11 @@ def make_grad_reducer(stage_params: dict[int, list[nn.Parameter]], shared: Share
         raise RuntimeFailure(f"sharded data parallelism reduce-scatters its gradients: "
                              f"gradient compression {compression.method!r} does not "
                              f"fit it (use one of {sorted(WIRE_DTYPES)})")
-    sharded = DataSharding(data_sharding, stage_params, set(shared), mesh.dp_group, mesh.dp,
+    # tied parameters stay whole (summed over their holders), and so do experts (they differ
+    # between replicas: reduced over those holding the same experts, by the GradSynchronizer)
+    whole_ids = set(shared) | {id(p) for ps in stage_params.values() for p in ps
+                               if getattr(p, "fxpipe_expert", False)}
+    sharded = DataSharding(data_sharding, stage_params, whole_ids, mesh.dp_group, mesh.dp,
                            mesh.dp_rank, WIRE_DTYPES[compression.method], groups)
     whole = {s: [p for p in ps if not sharded.owns(p)] for s, ps in stage_params.items()}
     return CompositeReducer([GradSynchronizer(whole, shared, mesh, compression), sharded])

@@ -36,7 +36,8 @@ def stage_steps(plan: Plan) -> list[StageStep]:
             st.send_time_s, st.send_time_s if st.grad_send_time_s is None
             else st.grad_send_time_s,
             [list(r) for r in st.gather_groups] if st.param_gather == "block" else [],
-            st.param_gather == "block" and st.recompute, float(st.tied_bytes)))
+            st.param_gather == "block" and st.recompute, float(st.tied_bytes),
+            float(st.expert_bytes)))
     return out
 
 

@@ -54,6 +54,9 @@ class StageStep:
             (:func:`gather_exposure` prices their gathers); empty: gathered whole once per
             step, or not sharded.
         gather_replay: a recomputing stage: its replayed forward gathers every group again.
+        expert_bytes: of ``param_bytes``, the bytes of this rank's experts (expert
+            parallelism): never sharded (they differ between replicas), held with their whole
+            state, reduced over the replicas holding the same experts.
     """
 
     fwd_s: float
@@ -68,6 +71,7 @@ class StageStep:
     gather_rows: list[list[float]] = field(default_factory=list)
     gather_replay: bool = False
     tied_bytes: float = 0.0
+    expert_bytes: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -111,7 +115,7 @@ class Reduction:
         under data sharding (0 without it, with one replica or parameter servers)."""
         if self.sharding == "none" or self.dp <= 1 or self.servers:
             return 0.0
-        return max(0.0, float(st.param_bytes) - float(st.shared_bytes))
+        return max(0.0, float(st.param_bytes) - float(st.shared_bytes) - float(st.expert_bytes))
 
     def allreduce_bytes(self, st: StageStep) -> float:
         """The bytes the simulator prices for the stage's all-reduce: its unsharded
@@ -157,7 +161,9 @@ class Reduction:
         backward (``split``)."""
         sharded = self.sharded_bytes(st)
         if not (sharded and st.gather_rows):
-            return float(st.param_bytes) * self.state_factor
+            whole = float(st.expert_bytes) if sharded else 0.0  # experts: never sharded
+            return ((float(st.param_bytes) - whole) * self.state_factor
+                    + whole * state_factor(self.optimizer))
         return block_static_bytes([float(r[0]) for r in st.gather_rows],
                                   float(st.shared_bytes) + float(st.tied_bytes), self.dp,
                                   OPTIMIZER_STATE_FACTOR[self.optimizer] - 2.0,

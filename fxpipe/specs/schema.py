@@ -949,11 +949,10 @@ def _expert_problems(spec: ParallelSpec) -> list[tuple[tuple[str, ...], str]]:
                     f"expert={n} splits the experts over groups of {n} data-parallel replicas, "
                     f"but parallel.data={par.data} does not divide into them; use an expert "
                     f"degree that divides data (e.g. {max(k for k in range(1, par.data + 1) if par.data % k == 0 and k <= n)})"))
-    if par.data_sharding != "none":
-        out.append((("parallel", "data_sharding"),
-                    f"data_sharding: {par.data_sharding} with parallel.expert > 1 is not "
-                    "supported yet: the experts' training state is already split over their "
-                    "group; use data_sharding: none"))
+    if par.param_gather == "block":
+        out.append((("parallel", "param_gather"),
+                    "param_gather: block with parallel.expert > 1 is not supported yet: the "
+                    "experts are left whole by the sharding; use param_gather: stage or auto"))
     if spec.train.updates == "async":
         out.append((("parallel", "expert"),
                     "train.updates: async (parameter servers) with parallel.expert > 1 is not "

@@ -402,7 +402,10 @@ class CompiledPipeline:
         local = self._norm_of(grads, norm_type, dev)
         if experts:
             part = self._norm_of(mine, norm_type, dev).reshape(1)
-            if self.mesh.ep_group is not None:
+            if sharding is not None:  # summed over every rank below: the first expert group's
+                if self.mesh.dp_rank >= self.mesh.expert:  # ranks count every expert once
+                    part = torch.zeros_like(part)
+            elif self.mesh.ep_group is not None:
                 op = dist.ReduceOp.MAX if norm_type == float("inf") else dist.ReduceOp.SUM
                 dist.all_reduce(part, op=op, group=self.mesh.ep_group)
             local = (torch.maximum(local, part[0]) if norm_type == float("inf")
