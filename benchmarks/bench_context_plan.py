@@ -69,6 +69,7 @@ def plan_row(cfg: dict, seq: int, batch: int, nodes: int, p: int, context: int) 
             "micro": f"{plan.microbatches} x {plan.microbatch_size}",
             "peak": max(plan.predicted.peak_memory_bytes) / 1e9,
             "kv": plan.context_bytes[0] / 1e9 if plan.context_bytes else 0.0,
+            "attention": plan.context_attention if plan.context > 1 else "-",
             "recompute": sorted({s.recompute for s in plan.stages})}
 
 
@@ -82,6 +83,7 @@ def main() -> None:
     rows = [plan_row(cfg, seq, batch, 8, 8, c) for c in (1, 2, 4, 8)]
     rows.append(plan_row(cfg, seq, 64 if not a.tiny else 64, 512, 8, 8))
     table = [[str(r["gpus"]), str(r["context"]), str(r["data"]),
+              r["attention"] if r["fits"] else "-",
               r["micro"] if r["fits"] else "-",
               f"{r['step']:.2f}" if r["fits"] else "does not fit",
               f"{r['peak']:.1f}" if r["fits"] else "-",
@@ -93,12 +95,19 @@ def main() -> None:
             "1F1B, H100-80GB nodes at pipeline 8 (64 GPUs, global batch 8 sequences = 1M "
             "tokens; 4,096 GPUs, 64 sequences); `parallel.context` as listed, data the rest. "
             "Written by `benchmarks/bench_context_plan.py`.\n\n"
-            + markdown_table(["GPUs", "context", "data", "micro-batches", "predicted step s",
-                              "largest stage GB", "keys+values gathered GB / micro-batch",
-                              "planning s"], table)
-            + "\n\nKeys and values are the whole tensors all-gathered per micro-batch over "
-            "the model, fp32 as traced (the bf16 run moves half); their gradients are "
-            "reduce-scattered as much backward.\n\n"
+            + markdown_table(["GPUs", "context", "data", "attention", "micro-batches",
+                              "predicted step s", "largest stage GB",
+                              "keys+values GB / micro-batch", "planning s"], table)
+            + "\n\n`context_attention: auto` planned both ways and kept the faster. Keys and "
+            "values per micro-batch over the model, forward, fp32 as traced (the bf16 run "
+            "moves half): all-gather, the whole tensors gathered (their gradients "
+            "reduce-scattered as much backward); ring, the bytes each rank sends around the "
+            "ring ((N-1)/N of the whole; backward the blocks again and their gradients). "
+            "Ring attention passes grouped-query attention's key/value heads after they are "
+            "repeated (4x here: 32 query heads over 8), so it moves more bytes than the "
+            "all-gather (which gathers before the repeat), but each message overlaps a "
+            "block's compute and only the rank's own keys and values are kept: it is "
+            "predicted faster at this length.\n\n"
             f"Without enough context parallelism no split fits: {why} The rest of the device "
             "goes to the largest value a recomputing stage keeps, a sequence's fp32 logits "
             "(131,072 tokens x 128,256 classes: 67.2 GB whole, per sample of a micro-batch); "
@@ -106,14 +115,14 @@ def main() -> None:
             "(at context 2, 33.6 GB per sample, still too much). Context 4 fits; context 8 is faster: each rank "
             "does 1/8 of every layer's work, and with data 1 each replica has 8 micro-batches "
             "to fill its pipeline. A context group of 8 is one node's 8 GPUs (the planner "
-            "keeps the layout that puts a stage's replicas on adjacent ranks), so the gathers "
-            "run on NVLink, small beside attention's compute at this length. transformers "
+            "keeps the layout that puts a stage's replicas on adjacent ranks), so the keys and "
+            "values travel on NVLink, small beside attention's compute at this length. transformers "
             "builds an explicit causal mask when the model is traced, so attention is priced, "
             "and runs, without skipping the masked half (a model calling "
             "`scaled_dot_product_attention` with `is_causal`, like the bundled GPT, gets the "
             "flash kernel's causal skipping); the mask is built for each rank's query rows "
-            "only. Planning takes under a second at 4,096 GPUs (the model is planned from two "
-            "of its repeated blocks).\n")
+            "only. Planning takes a second or two at 4,096 GPUs, both attention ways (the model "
+            "is planned from two of its repeated blocks).\n")
     print(body)
     if not a.no_write and not a.tiny:
         write_section(SECTION, body)

@@ -101,9 +101,10 @@ def main() -> None:
             "Without expert parallelism the experts (about 45 of the 47 billion "
             "parameters) are whole on every rank, with their gradients and AdamW state: "
             f"{why} With the experts split over N replicas each rank holds 1/N of them and the "
-            "plan fits; the all-to-alls (each rank sends (N-1)/N of its rows; an expert "
-            "group of replicas that span nodes uses the inter-node link) are what it pays: 2 "
-            "replicas per group is the fastest of those that fit here. "
+            "plan fits; the all-to-alls (each rank sends (N-1)/N of its rows) are what it "
+            "pays: at expert 2 a group (2 replicas x tensor 4) is one node's 8 GPUs, the "
+            "planner keeps a stage's replicas on adjacent ranks and the all-to-alls run on "
+            "NVLink, the fastest here; at 4 and 8 the groups span nodes and use InfiniBand. "
             "Planning stays in seconds at 4,096 GPUs (the model is planned from two of its "
             "repeated blocks).\n")
     print(body)

@@ -33,14 +33,15 @@ from fxpipe.errors import PlanError
 from fxpipe.partitioner.cost import NodeCost
 from fxpipe.partitioner.expert_costs import all_to_all_seconds
 from fxpipe.partitioner.timing import NodeTimes
+from fxpipe.plans.placement import replicas_fit_node
 
 
 def context_in_node(spec) -> bool:
-    """A context group's ranks fit in one node (one node, or ``context x tensor`` devices
-    dividing a node's: with the replicas of a stage on adjacent ranks they stay inside it)."""
+    """A context group's ranks fit in one node (:func:`fxpipe.plans.placement.
+    replicas_fit_node`)."""
     cl, par = spec.cluster, spec.parallel
-    k = par.context * (par.tensor if isinstance(par.tensor, int) else 1)
-    return cl.nodes == 1 or cl.devices_per_node % k == 0
+    return replicas_fit_node(cl.nodes, cl.devices_per_node, par.context,
+                             par.tensor if isinstance(par.tensor, int) else 1)
 
 
 def context_link(spec) -> tuple[float, float]:

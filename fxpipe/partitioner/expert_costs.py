@@ -7,8 +7,9 @@ activations stay: it runs ``E/N`` experts on the slots of ``N`` ranks' tokens (`
 ...]``), as many FLOPs and bytes as ``E`` experts on its own. Each region entry is dispatched
 and each exit combined by an all-to-all, forward and (the inverse) backward: a rank sends
 ``(N-1)/N`` of the ``[E, C, ...]`` tensor, priced ``(N-1)/N x bytes / bandwidth + (N-1)
-latencies`` on the link the group uses (inside a node where ``N`` replicas' ranks fit in one,
-with the spec's fixed pipeline and tensor degrees; else the inter-node link). Added to the
+latencies`` on the link the group uses (inside a node where ``N x tensor`` ranks divide a
+node's devices: the layout search then keeps a stage's replicas on adjacent ranks; else the
+inter-node link). Added to the
 region's first node (dispatch) and last node (combine): their forward and input-gradient
 seconds. The dropless form's rows (:mod:`fxpipe.experts.regions`) are priced at balanced
 routing (each rank's rows spread evenly over the experts, so ``(N-1)/N`` of them leave it); how
@@ -25,16 +26,21 @@ from fxpipe.errors import PlanError
 from fxpipe.experts.regions import NoExperts, Region, require_regions
 from fxpipe.partitioner.cost import NodeCost
 from fxpipe.partitioner.timing import NodeTimes
+from fxpipe.plans.placement import replicas_fit_node
+
+
+def expert_in_node(spec) -> bool:
+    """An expert group's ranks fit in one node (:func:`fxpipe.plans.placement.
+    replicas_fit_node`; the layout search then keeps a stage's replicas on adjacent ranks)."""
+    cl, par = spec.cluster, spec.parallel
+    return replicas_fit_node(cl.nodes, cl.devices_per_node, par.expert,
+                             par.tensor if isinstance(par.tensor, int) else 1)
 
 
 def expert_link(spec) -> tuple[float, float]:
     """``(bytes per second, latency)`` of the expert group's all-to-alls (module doc)."""
-    cl, par = spec.cluster, spec.parallel
-    p = par.pipeline if isinstance(par.pipeline, int) else None
-    t = par.tensor if isinstance(par.tensor, int) else None
-    inside = (cl.nodes == 1 or (p is not None and t is not None
-                                and par.expert * p * t <= cl.devices_per_node))
-    gbps = cl.links.intra_node_GBps if inside else cl.links.inter_node_GBps
+    cl = spec.cluster
+    gbps = cl.links.intra_node_GBps if expert_in_node(spec) else cl.links.inter_node_GBps
     return gbps * 1e9, cl.links.latency_s
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from fxpipe.errors import PlanError
 from fxpipe.partitioner.context_costs import context_in_node
+from fxpipe.partitioner.expert_costs import expert_in_node
 from fxpipe.plans.placement import stage_to_rank
 from fxpipe.schedule.actions import Op
 from fxpipe.schedule.generators import compute_schedule, v_memory_limit
@@ -209,9 +210,11 @@ def candidates(spec: ParallelSpec, max_stages: int | None = None,
     world = spec.cluster.trainers // (tensor * context)
     pps = _divisors(world) if par.pipeline == "auto" else [par.pipeline]
     spread = spec.cluster.nodes > 1  # only then does the layout decide which link a group uses
-    # context groups (consecutive replicas) all-gather in every attention layer: where they fit
-    # a node, only the layout that keeps them there (data-inner: replicas on adjacent ranks)
-    cp_inside = context > 1 and context_in_node(spec)
+    # context and expert groups (consecutive replicas) exchange in every attention / MoE
+    # layer: where they fit a node, only the layout that keeps them there (data-inner:
+    # replicas on adjacent ranks), which their pricing assumes
+    cp_inside = (context > 1 and context_in_node(spec)) or (
+        par.expert not in (1, "auto") and expert_in_node(spec))
     out = []
     too_many: tuple[int, int, int] | None = None  # (stages, pipeline, stages per rank), smallest
     for pp in pps:

@@ -68,6 +68,16 @@ def grid_slots_per_node(devices_per_node: int, tensor: int = 1) -> int:
     return max(1, int(devices_per_node) // max(1, int(tensor)))
 
 
+def replicas_fit_node(nodes: int, devices_per_node: int, replicas: int, tensor: int = 1
+                      ) -> bool:
+    """Whether groups of ``replicas`` consecutive replicas (of ``tensor`` ranks each: a
+    context or expert group) lie inside one node: one node, or groups dividing a node's
+    devices, with a stage's replicas on adjacent ranks (``data-inner``, or one pipeline
+    rank)."""
+    k = replicas * max(1, int(tensor))
+    return nodes == 1 or devices_per_node % k == 0
+
+
 def node_of(rank: int, devices_per_node: int) -> int:
     """The node that holds global ``rank``."""
     return rank // max(1, int(devices_per_node))
