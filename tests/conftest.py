@@ -53,22 +53,20 @@ def tiny_run(tmp_path_factory):
     return spec, out, r
 
 
-#: the files that take longest (seconds on 2 cores, heaviest first, as measured by a whole run
-#: with ``--durations=0``; a SAME_WORKER unit by its files' sum): under xdist (pyproject's
+#: the files that take longest (CPU seconds on 2 cores, heaviest first): under xdist (pyproject's
 #: addopts: ``-n 2 --dist loadfile``) whole files go to the two workers in collection order, so
-#: these start first, longest first, and no long file is left for the end; the others follow
-#: as collected
-HEAVY_FIRST = ("test_compiled_stages.py", "test_tensor_parallel.py",  # one unit (SAME_WORKER)
-               "test_real_models.py", "test_real_model_inputs.py",  # one unit
-               "test_resume.py", "test_multinode.py", "test_compiled.py", "test_step_price.py",
-               "test_tensor_resume.py", "test_data_sharding.py", "test_moe_example.py",
-               "test_user_data.py", "test_cli.py",  # one unit, with test_reports.py
-               "test_faults.py", "test_planning_at_scale.py", "test_recompute.py",
-               "test_context_parallel.py", "test_bench_planning_smoke.py",
-               "test_schedules_execute.py", "test_gpu_check_dry_run.py", "test_executor.py",
-               "test_compression.py", "test_bench_parallel_smoke.py", "test_async_updates.py",
-               "test_lever_explanations.py", "test_check.py", "test_bench_hf_smoke.py",
-               "test_memory_consistency.py", "test_bench_compression_smoke.py")
+#: these start first and no long file is left for the end; the others follow as collected
+HEAVY_FIRST = ("test_compiled_stages.py", "test_resume.py", "test_multinode.py",
+               "test_real_models.py",
+               "test_tensor_parallel.py", "test_tensor_resume.py", "test_real_model_inputs.py",
+               "test_moe_example.py", "test_context_parallel.py",
+               "test_compiled.py", "test_data_sharding.py",
+               "test_user_data.py", "test_check.py", "test_gpu_check_dry_run.py",
+               "test_faults.py", "test_bench_planning_smoke.py", "test_cli.py",
+               "test_planning_at_scale.py", "test_executor.py", "test_schedules_execute.py",
+               "test_lever_explanations.py", "test_recompute.py", "test_memory_consistency.py",
+               "test_async_updates.py", "test_compression.py", "test_bench_hf_smoke.py",
+               "test_bench_compression_smoke.py")
 #: files that share a session fixture or cache run on one xdist worker, as one unit: one launch
 #: of :func:`tiny_run` rather than one per worker
 SAME_WORKER = {"test_cli.py": "tiny_run", "test_reports.py": "tiny_run",
