@@ -141,6 +141,34 @@ def test_einsum_attention_gathers_its_keys_and_values():
                for u in mask.users)
 
 
+class _CpuKernelAttention(nn.Module):
+    """Attention through SDPA's CPU kernel itself (what some traces record)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.qkv, self.head = nn.Embedding(64, 16), nn.Linear(16, 48), nn.Linear(16, 64)
+
+    def forward(self, idx):
+        b, t = idx.shape
+        q, k, v = self.qkv(self.emb(idx)).view(b, t, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        y = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)[0]
+        return self.head(y.transpose(1, 2).reshape(b, t, 16))
+
+
+def test_sdpas_cpu_kernel_is_split_with_an_additive_causal_mask():
+    from fxpipe.context.rewrite import cp_causal_mask
+
+    tr = trace(_CpuKernelAttention(), (torch.randint(0, 64, (2, 16)),), "export")
+    split = analyse(tr.gm, 2, 16)
+    (node,) = [n for n in tr.gm.graph.nodes if "flash_attention_for_cpu" in str(n.target)]
+    ns = split.nodes[node.name]
+    assert ns.out == (Seq(2), Seq(2)) and ns.causal and len(ns.gather) == 2
+    q = torch.zeros(1, 1, 8, 4)
+    mask = cp_causal_mask(q, 1, 2, 16)  # rank 1: positions 4..7 and 8..11
+    assert mask.dtype == q.dtype and mask.shape == (8, 16)
+    assert torch.equal(torch.isfinite(mask), causal_mask(1, 2, 16))
+
+
 def test_tiny_llamas_loss_is_a_share_and_its_label_shift_stays_whole():
     model = zoo.build("llama")
     _, kwargs, _ = zoo.batch("llama", 0)

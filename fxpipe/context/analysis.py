@@ -747,7 +747,7 @@ def analyse(gm: fx.GraphModule, n: int, seq: int, inputs: dict[str, Place] | Non
         ins = _tensor_args(node)
         placed = any(_placed(w, a) for a in node.all_input_nodes)
         try:
-            if any(name.startswith(o) for o in OTHER_ATTENTION):
+            if name in OTHER_ATTENTION:  # (the CPU kernel of SDPA is split, in _SDPA)
                 if placed or _entry_like(node, w):
                     raise ContextError(
                         f"context parallelism cannot split the attention kernel {name} at "

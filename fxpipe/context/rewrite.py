@@ -33,9 +33,12 @@ def cp_localize(x: torch.Tensor, dim: int, inner: int, seq: int, rank: int, n: i
 
 
 def cp_causal_mask(q: torch.Tensor, rank: int, n: int, seq: int) -> torch.Tensor:
-    """This rank's causal mask ``[S/n, S]`` on the queries' device (a fused kernel's
-    ``is_causal`` when it is not ``scaled_dot_product_attention`` itself)."""
-    return causal_mask(rank, n, seq, q.device)
+    """This rank's causal mask ``[S/n, S]`` on the queries' device, additive in their dtype
+    (0 or -inf: the CPU flash kernel takes no boolean mask): a fused kernel's ``is_causal``
+    when it is not ``scaled_dot_product_attention`` itself."""
+    keep = causal_mask(rank, n, seq, q.device)
+    return torch.zeros(keep.shape, dtype=q.dtype, device=q.device).masked_fill(
+        ~keep, float("-inf"))
 
 
 def cp_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rank: int, n: int,
