@@ -253,7 +253,7 @@ def test_expert_parallelism_bad_input_is_one_line():
     base = _spec(2, 2, 1, "1f1b", 2)
     for change, msg in (({"expert": 3, "data": 2}, "expert=3 splits the experts"),
                         ({"data_sharding": "full", "param_gather": "block"},
-                         "param_gather: block with parallel.expert > 1 is not")):
+                         "gathering block by block with parallel.expert > 1 is not")):
         spec = {**base, "parallel": {**base["parallel"], **change}}
         with pytest.raises(SpecError, match=msg):
             fxpipe.load_spec(spec)

@@ -330,8 +330,8 @@ def _set_experts(plan: Plan, pr: Priced, spec: ParallelSpec) -> None:
         f"stage); per micro-batch one replica's stages send the tokens to their experts and "
         f"back by all-to-all, {human_bytes(fwd, True)} forward and {human_bytes(bwd, True)} "
         f"backward of whole tensors (fp32 as traced; each rank sends ({n}-1)/{n} of its "
-        "stage's share; dropless experts at balanced routing), added to the stages' compute "
-        f"time; the experts' weights, gradients and optimizer state cost 1/{n} on each rank; "
+        "stage's share; dropless experts, if any, priced at balanced routing), added to the "
+        f"stages' compute time; the experts' weights, gradients and optimizer state cost 1/{n} on each rank; "
         "under tensor parallelism the experts run whole on each tensor rank")
 
 

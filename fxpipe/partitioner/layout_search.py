@@ -76,6 +76,7 @@ def search_layouts(pr_at: Callable[[int], Priced], spec: ParallelSpec, prune: bo
         offload = "off"  # host and device memory are one: offloading frees nothing there
     may_drop = mode == "auto" or offload == "auto"  # a stage may give up its activations
     left_out: list[str] = []
+    unfilled: list[str] = []  # candidates whose batch leaves a micro-batch no sample
     first_error: FxpipeError | None = None
     priced: dict[int, Priced] = {}
     for t in degrees:
@@ -104,6 +105,12 @@ def search_layouts(pr_at: Callable[[int], Priced], spec: ParallelSpec, prune: bo
         for cand in cands:
             mbs = spec.data.batch_size // (cand.dp * cand.microbatches)
             if mbs < 1:
+                small = (f"data.batch_size {spec.data.batch_size} does not fill data "
+                         f"{cand.dp} x microbatches {cand.microbatches} (at least one sample "
+                         "each); give a larger batch, fewer micro-batches, or a data degree "
+                         "that leaves samples for them")
+                if small not in unfilled:
+                    unfilled.append(small)
                 continue
             scale, k = mbs / pr.batch, cand.num_stages
             if cand.schedule in _LOW_MEMORY and mode == "auto":
@@ -160,7 +167,10 @@ def search_layouts(pr_at: Callable[[int], Priced], spec: ParallelSpec, prune: bo
     if not bounds:
         if len(degrees) == 1 and first_error is not None:
             raise first_error
-        raise PlanError("no tensor-parallel degree fits the model:\n  " + "\n  ".join(left_out))
+        if len(degrees) == 1 and not left_out and unfilled:
+            raise PlanError(unfilled[0])  # (every candidate's batch left some rank no sample)
+        raise PlanError("no tensor-parallel degree fits the model:\n  " + "\n  ".join(
+            left_out + unfilled))
     bounds.sort(key=lambda x: (x[0], x[1]))
     best: _Ranked | None = None
     ranked: list[_Ranked] = []

@@ -951,8 +951,9 @@ def _expert_problems(spec: ParallelSpec) -> list[tuple[tuple[str, ...], str]]:
                     f"degree that divides data (e.g. {max(k for k in range(1, par.data + 1) if par.data % k == 0 and k <= n)})"))
     if par.param_gather == "block":
         out.append((("parallel", "param_gather"),
-                    "param_gather: block with parallel.expert > 1 is not supported yet: the "
-                    "experts are left whole by the sharding; use param_gather: stage or auto"))
+                    "gathering block by block with parallel.expert > 1 is not supported yet: "
+                    "the experts are left whole by the sharding; use param_gather: stage or "
+                    "auto"))
     if spec.train.updates == "async":
         out.append((("parallel", "expert"),
                     "train.updates: async (parameter servers) with parallel.expert > 1 is not "
