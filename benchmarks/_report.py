@@ -108,3 +108,13 @@ def markdown_table(header: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "| " + " | ".join(align) + " |"]
     lines += ["| " + " | ".join(cell(c) for c in r) + " |" for r in rows]
     return "\n".join(lines)
+
+
+def no_fit_reason(err: Exception) -> str:
+    """One sentence from a planner error: where the best split still did not fit (``puts X GB
+    on stage S ... the device has Y GB``), else the error's first line."""
+    found = re.search(r"puts ([\d.]+ GB) on stage (\d+).*?the device has ([\d.]+ GB)", str(err))
+    if found:
+        return (f"the best split still puts {found[1]} on stage {found[2]}, which has "
+                f"{found[3]} for it.")
+    return str(err).splitlines()[0]

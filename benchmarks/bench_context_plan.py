@@ -15,7 +15,6 @@ context 8 x pipeline 8 x data 64) for the planning time at scale.
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 import time
 import warnings
@@ -28,7 +27,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import fxpipe  # noqa: E402
-from benchmarks._report import markdown_table, write_section  # noqa: E402
+from benchmarks._report import markdown_table, no_fit_reason, write_section  # noqa: E402
 from fxpipe.errors import PlanError  # noqa: E402
 
 SECTION = "context-plan"
@@ -58,10 +57,7 @@ def plan_row(cfg: dict, seq: int, batch: int, nodes: int, p: int, context: int) 
     try:
         plan = fxpipe.plan(model, spec, (), {"input_ids": x, "labels": x})
     except PlanError as e:
-        found = re.search(r"puts ([\d.]+ GB) on stage (\d+).*?the device has ([\d.]+ GB)",
-                          str(e))
-        why = (f"the best split still puts {found[1]} on stage {found[2]}, which has {found[3]} "
-               "for it." if found else str(e).splitlines()[0])
+        why = no_fit_reason(e)
         return {"context": context, "data": d, "gpus": nodes * 8, "fits": False, "why": why,
                 "plan_s": time.perf_counter() - t0}
     return {"context": context, "data": d, "gpus": nodes * 8, "fits": True,

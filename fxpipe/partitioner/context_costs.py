@@ -31,7 +31,7 @@ from fxpipe.context.analysis import (PARTIAL, ContextError, ContextSplit, Seq, a
 from fxpipe.context.layout import check
 from fxpipe.errors import PlanError
 from fxpipe.partitioner.cost import NodeCost
-from fxpipe.partitioner.expert_costs import all_to_all_seconds
+from fxpipe.partitioner.expert_costs import all_to_all_seconds, group_link
 from fxpipe.partitioner.timing import NodeTimes
 from fxpipe.plans.placement import replicas_fit_node
 
@@ -46,9 +46,7 @@ def context_in_node(spec) -> bool:
 
 def context_link(spec) -> tuple[float, float]:
     """``(bytes per second, latency)`` of the context group's collectives (module doc)."""
-    cl = spec.cluster
-    gbps = cl.links.intra_node_GBps if context_in_node(spec) else cl.links.inter_node_GBps
-    return gbps * 1e9, cl.links.latency_s
+    return group_link(spec, context_in_node(spec))
 
 
 def context_split(gm: fx.GraphModule, n: int, ring: bool = False) -> ContextSplit:

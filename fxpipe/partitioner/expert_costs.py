@@ -37,11 +37,17 @@ def expert_in_node(spec) -> bool:
                              par.tensor if isinstance(par.tensor, int) else 1)
 
 
+def group_link(spec, inside: bool) -> tuple[float, float]:
+    """``(bytes per second, latency)`` of a group of replicas' collectives: the intra-node
+    link where the group lies ``inside`` a node, else the inter-node one."""
+    cl = spec.cluster
+    gbps = cl.links.intra_node_GBps if inside else cl.links.inter_node_GBps
+    return gbps * 1e9, cl.links.latency_s
+
+
 def expert_link(spec) -> tuple[float, float]:
     """``(bytes per second, latency)`` of the expert group's all-to-alls (module doc)."""
-    cl = spec.cluster
-    gbps = cl.links.intra_node_GBps if expert_in_node(spec) else cl.links.inter_node_GBps
-    return gbps * 1e9, cl.links.latency_s
+    return group_link(spec, expert_in_node(spec))
 
 
 def all_to_all_seconds(nbytes: float, n: int, link: tuple[float, float],
